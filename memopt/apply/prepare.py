@@ -1,0 +1,131 @@
+"""Applying a strategy to a model: every technique in one fixed order, each with its undo.
+
+The order matters:
+  0. training hygiene: a Hugging Face model stops building a KV cache (in training it only holds
+     every layer's keys and values alive, and checkpoint recomputation would append to it twice);
+  1. precision casts the weights first, so everything after sees their final dtype (and the
+     fp32 master copies are taken from the weights as the user gave them);
+  2. the attention backend is a global switch, independent of the module tree;
+  3. activation checkpointing wraps the blocks' ``forward``; later wrappers (offload hooks, the
+     train step's autocast) sit outside it, so recomputation happens under the same autocast;
+  4. the optimizer is built last over the parameters as they now are (master copies for bf16_master);
+  5. the gradient scaler (fp16) and activation offload live in the train step.
+Sharding, parameter offload and quantization (later) slot in between 3 and 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.apply.train_step import LossFn, TrainStep
+from memopt.blocks import BlockStack, find_block_stacks
+from memopt.strategy import Strategy
+from memopt.techniques.activation_offload import ActivationOffload
+from memopt.techniques.attention import apply_attention_backend
+from memopt.techniques.checkpointing import apply_checkpointing
+from memopt.techniques.optimizers import build_optimizer
+from memopt.techniques.precision import MasterWeights, cast_model, uses_grad_scaler
+
+__all__ = ["Prepared", "prepare"]
+
+OptimizerSpec = str | Callable[..., torch.optim.Optimizer] | None
+
+
+@dataclass
+class Prepared:
+    """A model with a strategy applied, its optimizer and the step that trains it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: TrainStep
+    stacks: list[BlockStack]
+    undo_stack: list[Callable[[], None]] = field(default_factory=list)
+
+    def undo(self) -> None:
+        """Remove every technique, newest first (weights keep their trained values)."""
+        while self.undo_stack:
+            self.undo_stack.pop()()
+
+
+def _disable_kv_cache(model: nn.Module) -> Callable[[], None]:
+    """use_cache=False on every config in the model (encoder-decoders copy the config per stack)."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+
+    def undo() -> None:
+        for config in configs.values():
+            config.use_cache = True
+
+    return undo
+
+
+def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSpec, kwargs: dict[str, Any],
+               fake: bool, host_device: str) -> torch.optim.Optimizer:
+    if strategy.optimizer == "user":
+        if not callable(spec):
+            raise ValueError("strategy.optimizer='user' needs optimizer=<callable taking the parameters>")
+        return spec(params)
+    if fake and strategy.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        from memopt.profile.stand_ins import Fake8bitAdamW
+
+        return Fake8bitAdamW(params, paged=strategy.optimizer == "paged_adamw8bit", state_device=host_device,
+                             **kwargs)
+    return build_optimizer(strategy.optimizer, params, **kwargs)
+
+
+def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: torch.device | str | None = None,
+            optimizer: OptimizerSpec = None, optimizer_kwargs: dict[str, Any] | None = None,
+            loss_fn: LossFn | None = None, fake: bool = False, host_device: str = "cpu",
+            max_grad_norm: float | None = None, lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+            stacks: list[BlockStack] | None = None) -> Prepared:
+    """Apply ``strategy`` to ``model`` (in place, reversibly) and build its optimizer and train step."""
+    undo: list[Callable[[], None]] = []
+    try:
+        # 0. no KV cache in training
+        undo.append(_disable_kv_cache(model))
+        # 1. precision
+        undo.append(cast_model(model, strategy.precision))
+        # 2. attention backend
+        undo.append(apply_attention_backend(model, strategy.attention))
+        # 3. activation checkpointing
+        stacks = find_block_stacks(model) if stacks is None else stacks
+        if strategy.checkpointing.mode != "none" and not stacks:
+            raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList of identical "
+                             "layers), and this model has none; use checkpointing mode 'none'")
+        undo.append(apply_checkpointing(stacks, strategy.checkpointing))
+        # 4. optimizer (over fp32 masters for bf16_master)
+        params = [p for p in model.parameters() if p.requires_grad]
+        master = None
+        if strategy.precision == "bf16_master":
+            master = MasterWeights(params)
+            params = master.masters
+        opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), fake, host_device)
+        # 5. gradient scaler and activation offload
+        scaler = None
+        if uses_grad_scaler(strategy.precision):
+            if fake:
+                from memopt.profile.stand_ins import FakeGradScaler
+
+                scaler = FakeGradScaler(device_type)
+            else:
+                scaler = torch.amp.GradScaler(device_type)
+        offload = ActivationOffload(device_type, host_device=host_device) if strategy.activation_offload else None
+        step = TrainStep(model=model, optimizer=opt, strategy=strategy, device_type=device_type, device=device,
+                         loss_fn=loss_fn, scaler=scaler, master=master, offload=offload,
+                         max_grad_norm=max_grad_norm,
+                         lr_scheduler=lr_scheduler(opt) if lr_scheduler is not None else None)
+    except Exception:
+        while undo:
+            undo.pop()()
+        raise
+    return Prepared(model=model, optimizer=opt, step=step, stacks=stacks, undo_stack=undo)

@@ -1,0 +1,172 @@
+"""One optimizer step over the user's global batch: micro-batches, exact accumulation, the update.
+
+The same code runs a real training step (``memopt.wrap``) and a simulated one on fake tensors (the
+profile's ground truth), so what is measured is what is predicted.
+
+Accumulation is exact: micro-batch ``i`` with ``n_i`` loss tokens (or samples) contributes
+``loss_i * n_i / N`` where ``N`` is the global batch's count, so the accumulated gradient equals the
+gradient of the whole batch's mean loss. Clipping, the scheduler and the step counter advance once per
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.strategy import Strategy
+from memopt.techniques.activation_offload import ActivationOffload
+from memopt.techniques.chunked_ce import causal_lm_chunked_loss
+from memopt.techniques.precision import MasterWeights, forward_context
+
+__all__ = ["TrainStep", "split_batch", "count_loss_items", "default_loss"]
+
+LossFn = Callable[[Any, dict[str, Any]], torch.Tensor]
+
+
+def split_batch(batch: dict[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
+    """Slice every tensor (and list) of a batch along dim 0 into micro-batches of ``micro_batch_size``."""
+    sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
+    if len(sizes) != 1:
+        raise ValueError(f"batch entries disagree on the batch size: {sorted(sizes)}; every tensor in the batch "
+                         "must have the samples along its first dimension")
+    total = sizes.pop()
+    out = []
+    for start in range(0, total, micro_batch_size):
+        out.append({k: (v[start:start + micro_batch_size] if isinstance(v, (torch.Tensor, list, tuple)) else v)
+                    for k, v in batch.items()})
+    return out
+
+
+def count_loss_items(batch: dict[str, Any]) -> int:
+    """Tokens that carry loss (labels != -100), or samples when labels are per-sample."""
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        if type(labels).__name__ == "FakeTensor":
+            return labels.numel()  # a fake batch has no values: every label counts
+        return int((labels != -100).sum())
+    for v in batch.values():
+        if isinstance(v, torch.Tensor):
+            return v.shape[0]
+    raise ValueError("cannot count the samples of a batch with no tensors")
+
+
+def default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        raise ValueError("the model output has no .loss: pass loss_fn=(output, batch) -> loss to memopt.wrap, "
+                         "or include labels in the batch")
+    return loss
+
+
+def _to(batch: dict[str, Any], device: torch.device | str | None) -> dict[str, Any]:
+    if device is None:
+        return batch
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+@dataclass
+class TrainStep:
+    """Runs ``step(batch)`` for a prepared model and optimizer under one strategy."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    strategy: Strategy
+    device_type: str
+    device: torch.device | str | None = None
+    loss_fn: LossFn | None = None
+    scaler: Any = None
+    master: MasterWeights | None = None
+    offload: ActivationOffload | None = None
+    max_grad_norm: float | None = None
+    lr_scheduler: Any = None
+    on_phase: Callable[[str], None] | None = None
+    steps_done: int = 0
+    last_micro_losses: list[float] = field(default_factory=list)
+
+    def _phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
+
+    @contextlib.contextmanager
+    def _forward_ctx(self) -> Iterator[None]:
+        with forward_context(self.strategy.precision, self.device_type):
+            if self.offload is not None:
+                with self.offload.hooks():
+                    yield
+            else:
+                yield
+
+    def loss(self, micro_batch: dict[str, Any]) -> torch.Tensor:
+        """The forward pass and loss of one micro-batch (under the strategy's autocast)."""
+        with self._forward_ctx():
+            if self.strategy.chunked_ce:
+                loss = causal_lm_chunked_loss(self.model, micro_batch, chunks=self.strategy.chunked_ce)
+            else:
+                out = self.model(**micro_batch)
+                loss = (self.loss_fn or default_loss)(out, micro_batch)
+        if self.offload is not None:
+            self.offload.flush()
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def optimizer_step(self) -> None:
+        """Unscale, clip, step, copy master weights back, clear gradients."""
+        self._phase("optimizer")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.master is not None:
+            self.master.grads_to_masters()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.master is not None:
+            self.master.masters_to_params()
+        self._phase("zero_grad")
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.model.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.steps_done += 1
+
+    def step(self, batch: dict[str, Any]) -> float:
+        """One optimizer step over ``batch`` (the global batch); returns the batch's mean loss."""
+        micro = split_batch(batch, self.strategy.micro_batch_size)
+        counts = [count_loss_items(mb) for mb in micro]
+        total_items = sum(counts)
+        if total_items == 0:
+            raise ValueError("the batch has no tokens that carry loss (every label is -100)")
+        total = 0.0
+        self.last_micro_losses = []
+        for i, (mb, n) in enumerate(zip(micro, counts)):
+            self._phase(f"forward[{i}]")
+            loss = self.loss(_to(mb, self.device))
+            weighted = loss * (n / total_items)
+            self._phase(f"backward[{i}]")
+            self.backward(weighted)
+            value = loss.detach()
+            self.last_micro_losses.append(value)
+            total = total + value * (n / total_items)
+            del loss, weighted
+        self.optimizer_step()
+        if isinstance(total, torch.Tensor) and type(total).__name__ != "FakeTensor":
+            return float(total)
+        return float("nan") if isinstance(total, torch.Tensor) else float(total)

@@ -1,0 +1,99 @@
+"""Finding a model's repeated blocks: the natural units of checkpointing, offload and sharding.
+
+A *stack* is an ``nn.ModuleList`` (or ``nn.Sequential``) of two or more children of one class, e.g. ``model.model.layers`` of a Llama or ``encoder.layer`` of BERT.
+Stacks nested inside another stack's blocks are not reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["BlockStack", "find_block_stacks", "block_signature"]
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """One list of repeated blocks inside a model."""
+
+    path: str  # dotted name of the list, e.g. "model.layers"
+    parent: nn.Module
+    attr: str
+    blocks: tuple[nn.Module, ...]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block_class(self) -> str:
+        return type(self.blocks[0]).__name__
+
+    @property
+    def uniform_tail(self) -> bool:
+        """Blocks 1..N-1 share one signature (so tracing a few of them stands for all)."""
+        if len(self.blocks) < 3:
+            return True
+        ref = block_signature(self.blocks[1])
+        return all(block_signature(b) == ref for b in self.blocks[2:])
+
+
+def block_signature(module: nn.Module) -> tuple:
+    """What makes two blocks interchangeable: class and every parameter's name, shape and dtype."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    return (type(module).__qualname__, params)
+
+
+def _is_stack(container: nn.Module) -> bool:
+    """Two or more children of one class with parameters. The first block may own extra parameters
+    (T5's relative position bias lives in block 0); ``BlockStack.uniform_tail`` says whether blocks
+    1..N-1 are interchangeable."""
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+        return False
+    children = list(container)
+    cls = type(children[0])
+    if not any(True for _ in children[0].parameters()):  # parameter-free lists (activations, dropouts)
+        return False
+    return all(type(c) is cls for c in children[1:])
+
+
+def find_block_stacks(model: nn.Module) -> list[BlockStack]:
+    """The outermost stacks of repeated blocks, in module order."""
+    stacks: list[BlockStack] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if _is_stack(module):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(module)))
+            inside.append(name)
+    return stacks
+
+
+def count_params(module: nn.Module, *, trainable_only: bool = False) -> int:
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) in seen or (trainable_only and not p.requires_grad):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def param_bytes_by_dtype(module: nn.Module) -> dict[str, int]:
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        key = str(p.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    return out
+
+
+_ = torch  # re-exported type context for annotations

@@ -1,0 +1,130 @@
+"""Hardware specs (``configs/hardware/*.yaml``) and detection of the local GPU.
+
+A spec carries what the estimator needs: memory as the device reports it, compute capability
+(which decides kernel choices such as flash attention), peak FLOP/s per dtype, HBM and host-link
+bandwidth, and the memory the CUDA runtime holds outside PyTorch's allocator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from memopt.resources import config_names, configs_dir
+from memopt.units import MiB, parse_bytes
+
+__all__ = ["HardwareSpec", "load_hardware", "detect_hardware", "hardware_names"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One GPU model (and, for multi-GPU plans, how many of them and how they are linked)."""
+
+    name: str
+    memory_bytes: int  # torch.cuda.get_device_properties(i).total_memory
+    compute_capability: tuple[int, int]
+    peak_flops: dict[str, float]  # dense FLOP/s by compute dtype: "bf16", "fp16", "tf32", "fp32"
+    hbm_bandwidth: float  # bytes/s
+    host_link_bandwidth: float  # bytes/s, one direction, GPU <-> host (PCIe or C2C)
+    # Memory held outside PyTorch's caching allocator by one training process: CUDA context,
+    # module images, cuBLAS/cuDNN handles. Measured; see benchmarks/.
+    runtime_overhead_bytes: int = 770 * MiB
+    num_sms: int = 0
+    # Achievable fractions of the peaks (calibrated against measured step times).
+    matmul_efficiency: float = 0.75
+    memory_efficiency: float = 0.80
+    # Multi-GPU topology (issue: sharding); defaults describe one GPU.
+    gpus_per_node: int = 1
+    num_nodes: int = 1
+    intra_node_bandwidth: float = 0.0  # bytes/s per GPU, one direction (NVLink)
+    inter_node_bandwidth: float = 0.0  # bytes/s per node, one direction (network)
+    host_memory_bytes: int = 0  # host RAM per node
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def sm(self) -> int:
+        """Compute capability as one number: (9, 0) -> 90."""
+        return self.compute_capability[0] * 10 + self.compute_capability[1]
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for a compute dtype name ('bf16', 'fp16', 'fp32', 'tf32')."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if dtype == "tf32":
+            return self.peak_flops.get("fp32", 0.0)
+        raise ValueError(f"hardware {self.name!r} has no FLOP/s figure for {dtype!r}; known: {sorted(self.peak_flops)}")
+
+    def with_overrides(self, **changes: Any) -> HardwareSpec:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def cache_key(self) -> str:
+        """What of the hardware changes a trace: the kernels chosen depend on the architecture only."""
+        return f"sm{self.sm}"
+
+
+def _from_dict(data: dict[str, Any]) -> HardwareSpec:
+    known = {f.name for f in dataclasses.fields(HardwareSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown hardware keys {unknown}; valid keys: {sorted(known)}")
+    data = dict(data)
+    for key in ("memory_bytes", "runtime_overhead_bytes", "host_memory_bytes"):
+        if key in data and isinstance(data[key], str):
+            data[key] = parse_bytes(data[key], what=key)
+    data["compute_capability"] = tuple(int(x) for x in data["compute_capability"])
+    data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
+    for key in ("hbm_bandwidth", "host_link_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+        if key in data:
+            data[key] = float(data[key])
+    return HardwareSpec(**data)
+
+
+def hardware_names() -> list[str]:
+    return config_names("hardware")
+
+
+def load_hardware(name: str | HardwareSpec | dict[str, Any]) -> HardwareSpec:
+    """A spec by config name (``h100_80gb``), from a dict, or passed through."""
+    if isinstance(name, HardwareSpec):
+        return name
+    if isinstance(name, dict):
+        return _from_dict(name)
+    path = configs_dir() / "hardware" / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(f"unknown hardware {name!r}; shipped specs: {', '.join(hardware_names())} (or 'auto' to detect)")
+    with path.open() as f:
+        data = yaml.safe_load(f)
+    data.setdefault("name", name)
+    return _from_dict(data)
+
+
+def detect_hardware() -> HardwareSpec | None:
+    """The local GPU as a spec (the closest shipped one, with the measured memory), or None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    cc = (props.major, props.minor)
+    best: HardwareSpec | None = None
+    for name in hardware_names():
+        spec = load_hardware(name)
+        if spec.compute_capability != cc:
+            continue
+        if best is None or abs(spec.memory_bytes - props.total_memory) < abs(best.memory_bytes - props.total_memory):
+            best = spec
+    if best is None:
+        raise ValueError(
+            f"no shipped hardware spec matches the local GPU {props.name!r} (sm{props.major}{props.minor}); "
+            "add one under configs/hardware/ or pass hardware=<name>"
+        )
+    return best.with_overrides(memory_bytes=int(props.total_memory), num_sms=props.multi_processor_count)

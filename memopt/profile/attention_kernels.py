@@ -1,0 +1,413 @@
+"""What CUDA's attention kernels allocate, reproduced on CPU (fake) tensors.
+
+``scaled_dot_product_attention`` on CUDA picks a fused kernel (flash, memory-efficient, cuDNN) by the
+rules of ``sdp_utils.cpp``; on a CPU it runs a different path that saves different tensors. Here each
+CUDA backend is an ``autograd.Function`` whose forward and backward allocate exactly the outputs,
+saved tensors and scratch buffers of the CUDA kernel (shapes, dtypes and layouts), so a tracker sees
+the GPU's bytes. On real CPU tensors they also compute the right values (through the math path), so
+tests can check them numerically.
+
+Backend selection (``choose_backend``) follows ``select_sdp_backend`` for dense inputs: the priority
+order, the user's enable flags (``torch.nn.attention.sdpa_kernel``), dtype, head-dim, mask, causal,
+GQA and hardware constraints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memopt.profile.tracker import allocator_size, report_scratch
+
+__all__ = ["AttentionPolicy", "choose_backend", "emulated_sdpa", "BACKENDS", "SAVE_FOR_SELECTIVE_AC"]
+
+BACKENDS = ("flash", "efficient", "cudnn", "math")
+_ENUM_TO_NAME = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionPolicy:
+    """The facts of the target CUDA stack that decide attention kernels and their scratch memory."""
+
+    sm: int = 90
+    prefer_cudnn: bool = False  # recent torch + cuDNN >= 9.15 on sm90/100 put cuDNN attention first
+    has_flash: bool = True
+    has_efficient: bool = True
+    has_cudnn: bool = True
+    # flash-attention backward scratch: dq accumulator in fp32 over rounded shapes, softmax_d in fp32
+    flash_bwd_dq_accum: bool = True
+    flash_round_q: int = 128
+    flash_round_d: int = 32
+    efficient_lse_pad: int = 32
+
+
+def _round(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _enabled(name: str) -> bool:
+    return {
+        "flash": torch.backends.cuda.flash_sdp_enabled,
+        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+        "math": torch.backends.cuda.math_sdp_enabled,
+    }[name]()
+
+
+def _priority(policy: AttentionPolicy) -> list[str]:
+    order = [_ENUM_TO_NAME[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM_TO_NAME]
+    if policy.prefer_cudnn and order[:3] == ["flash", "efficient", "math"]:
+        order = ["cudnn", "flash", "efficient", "math"]
+    return order
+
+
+def _can_use(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             dropout_p: float, is_causal: bool, enable_gqa: bool, policy: AttentionPolicy) -> bool:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return name == "math"
+    dtype = q.dtype
+    half = dtype in (torch.float16, torch.bfloat16)
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    lq, lk = q.shape[-2], k.shape[-2]
+    hq, hk = q.shape[1], k.shape[1]
+    if lq == 0 or lk == 0:
+        return name == "math"
+    heads_ok = hq == hk or (hq % hk == 0 and enable_gqa)
+    if name == "math":
+        return True
+    if mask is not None and mask.requires_grad:
+        return False  # no fused kernel differentiates the mask (T5's learned position bias): math (measured)
+    if name == "flash":
+        if not policy.has_flash or policy.sm < 80 or not half or mask is not None:
+            return False
+        if not (d_qk == k.shape[-1] == d_v and d_qk <= 256):
+            return False
+        if is_causal and lq != lk:
+            return False
+        if policy.sm in (86, 89, 120) and d_qk > 192 and q.requires_grad:
+            return False
+        return heads_ok and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    if name == "efficient":
+        if not policy.has_efficient:
+            return False
+        if dtype == torch.bfloat16 and policy.sm < 80:
+            return False
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        align = 8 if half else 4 if policy.sm >= 80 else 1
+        if d_qk != k.shape[-1] or d_qk % align or d_v % align:
+            return False
+        if hq != hk:  # torch 2.11's memory-efficient kernel takes no grouped-query attention (measured)
+            return False
+        return q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    if name == "cudnn":
+        if not policy.has_cudnn or policy.sm < 80 or policy.sm > 121 or not half:
+            return False
+        if torch.are_deterministic_algorithms_enabled():
+            return False
+        if d_qk > 128 and not (d_qk == 256 and policy.sm >= 90):
+            return False
+        if d_qk % 8 or d_v % 8:
+            return False
+        return heads_ok
+    return False
+
+
+def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   dropout_p: float, is_causal: bool, enable_gqa: bool, policy: AttentionPolicy) -> str:
+    """The backend CUDA's ``select_sdp_backend`` would pick for these inputs on ``policy.sm``."""
+    for name in _priority(policy):
+        if _enabled(name) and _can_use(name, q, k, v, mask, dropout_p, is_causal, enable_gqa, policy):
+            return name
+    raise RuntimeError("No available kernel for scaled_dot_product_attention: every backend is disabled or unfit")
+
+
+def _math_reference(q, k, v, mask, is_causal, scale):  # noqa: ANN001, ANN202
+    """Real values for real tensors (no dropout: values are only checked in tests without it)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q.float() @ k.float().transpose(-2, -1)) * s
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ v.float()
+    return out.to(q.dtype), lse
+
+
+def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):  # noqa: ANN001, ANN202
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
+        out, _ = _math_reference(qq, kk, vv, mask, is_causal, scale)
+        return torch.autograd.grad(out.float(), (qq, kk, vv), grad_out.float())
+
+
+def _blhd(b: int, length: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (B, H, L, D) view of a (B, L, H, D) buffer: the layout the fused kernels write."""
+    return torch.empty(b, length, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(allocator_size(t.untyped_storage().nbytes()) for t in tensors)
+
+
+# --- flash attention (FA2 in PyTorch): saves q, k, v, out, logsumexp (B, H, Lq) fp32 ---------------
+@torch.library.custom_op("memopt::cuda_flash_attention", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
+               scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, seed, offset = _flash_fwd_fake(q, k, v, dropout_p, is_causal, scale)
+    ref_out, ref_lse = _math_reference(q, k, v, None, is_causal, scale)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse, seed, offset
+
+
+@_flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, dropout_p, is_causal, scale):  # noqa: ANN001, ANN202
+    b, h, lq, _ = q.shape
+    out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    return out, lse, *_rng_state(q)
+
+
+def _rng_state(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash and cuDNN attention keep a philox seed and offset (one int64 each) for backward, dropout or not
+    (measured: 2 x 512 B retained per call on an H200)."""
+    return (torch.empty((), dtype=torch.int64, device=q.device), torch.empty((), dtype=torch.int64, device=q.device))
+
+
+@torch.library.custom_op("memopt::cuda_flash_attention_backward", mutates_args=())
+def _flash_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, is_causal: bool, scale: float | None, round_q: int, round_d: int,
+               dq_accum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum)
+    gq, gk, gv = _reference_grads(q, k, v, None, is_causal, scale, grad_out)
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
+        gv = gv.unflatten(1, (k.shape[1], g)).sum(2)
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+    return dq, dk, dv
+
+
+@_flash_bwd.register_fake
+def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum):  # noqa: ANN001, ANN202
+    b, h, lq, d = q.shape
+    hk, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    dq = _blhd(b, lq, h, d, q.dtype, q.device)
+    dk = _blhd(b, lk, hk, d, k.dtype, k.device)
+    dv = _blhd(b, lk, hk, dv_, v.dtype, v.device)
+    scratch = 4 * b * h * _round(lq, round_q)  # softmax_d, fp32
+    if dq_accum:
+        scratch += 4 * b * _round(lq, round_q) * h * _round(d, round_d)
+    if hk != h:  # GQA: gradients of every query head, reduced into the kv heads afterwards
+        scratch += q.element_size() * b * lk * h * (d + dv_)
+    if grad_out.stride(-1) != 1:
+        scratch += grad_out.numel() * grad_out.element_size()
+    report_scratch(_nbytes(dq, dk, dv) + scratch, "flash_attention_backward.scratch")
+    return dq, dk, dv
+
+
+def _flash_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, dropout_p, is_causal, scale = inputs
+    out, lse, seed, offset = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.round_q, ctx.round_d, ctx.dq_accum = _ACTIVE_POLICY[-1]
+
+
+def _flash_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):  # noqa: ANN001, ANN202
+    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.round_q, ctx.round_d,
+                            ctx.dq_accum)
+    return dq, dk, dv, None, None, None
+
+
+_flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
+
+
+# --- memory-efficient attention: saves q, k, v, bias, out, logsumexp (B, H, ceil32(Lq)) fp32 ---------
+@torch.library.custom_op("memopt::cuda_efficient_attention", mutates_args=())
+def _eff_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float,
+             is_causal: bool, scale: float | None, lse_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad)
+    ref_out, _ = _math_reference(q, k, v, bias, is_causal, scale)
+    out.copy_(ref_out)
+    lse.zero_()
+    return out, lse
+
+
+@_eff_fwd.register_fake
+def _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad):  # noqa: ANN001, ANN202
+    b, h, lq, _ = q.shape
+    out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
+    lse = torch.empty(b, h, _round(lq, lse_pad), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("memopt::cuda_efficient_attention_backward", mutates_args=())
+def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale)
+    gq, gk, gv = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+    return dq, dk, dv
+
+
+@_eff_bwd.register_fake
+def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):  # noqa: ANN001, ANN202
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    dq = _blhd(b, lq, h, d, q.dtype, q.device)
+    dk = _blhd(b, lk, hk, d, k.dtype, k.device)
+    dv = _blhd(b, lk, hk, v.shape[-1], v.dtype, v.device)
+    # delta (fp32, B x H x Lq), an fp32 dq accumulator (B x Lq x H x D) and 256 B per (batch, head);
+    # measured on an H200 with torch 2.11 (probe: sdpa backends, bwd_peak)
+    scratch = 4 * b * h * lq + 4 * b * lq * h * d + 256 * b * h
+    report_scratch(_nbytes(dq, dk, dv) + scratch, "efficient_attention_backward.scratch")
+    return dq, dk, dv
+
+
+def _eff_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, bias, dropout_p, is_causal, scale, lse_pad = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, out, lse)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _eff_backward(ctx, grad_out, grad_lse):  # noqa: ANN001, ANN202
+    q, k, v, bias, out, lse = ctx.saved_tensors
+    dq, dk, dv = _eff_bwd(grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_eff_fwd.register_autograd(_eff_backward, setup_context=_eff_setup)
+
+
+# --- cuDNN attention: saves q, k, v, out, softmax stats (B, H, Lq, 1) fp32 ----------------------------
+@torch.library.custom_op("memopt::cuda_cudnn_attention", mutates_args=())
+def _cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float,
+               is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, stats, seed, offset = _cudnn_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale)
+    ref_out, ref_lse = _math_reference(q, k, v, bias, is_causal, scale)
+    out.copy_(ref_out)
+    stats.copy_(ref_lse.unsqueeze(-1))
+    return out, stats, seed, offset
+
+
+@_cudnn_fwd.register_fake
+def _cudnn_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale):  # noqa: ANN001, ANN202
+    b, h, lq, _ = q.shape
+    out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
+    stats = torch.empty(b, h, lq, 1, dtype=torch.float32, device=q.device)
+    report_scratch(_nbytes(out, stats) + 512, "cudnn_attention.scratch")
+    return out, stats, *_rng_state(q)
+
+
+@torch.library.custom_op("memopt::cuda_cudnn_attention_backward", mutates_args=())
+def _cudnn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor, stats: torch.Tensor, is_causal: bool,
+               scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale)
+    gq, gk, gv = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
+        gv = gv.unflatten(1, (k.shape[1], g)).sum(2)
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
+    return dq, dk, dv
+
+
+@_cudnn_bwd.register_fake
+def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):  # noqa: ANN001, ANN202
+    b, h, lq, d = q.shape
+    hk, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    dq = _blhd(b, lq, h, d, q.dtype, q.device)
+    dk = _blhd(b, lk, hk, d, k.dtype, k.device)
+    dv = _blhd(b, lk, hk, dv_, v.dtype, v.device)
+    # measured on an H200 (cuDNN 9.19): the same scratch as flash-attention's backward plus 512 B
+    scratch = 4 * b * h * _round(lq, 128) + 4 * b * _round(lq, 128) * h * _round(d, 32) + 512
+    if hk != h:
+        scratch += q.element_size() * b * lk * h * (d + dv_)
+    report_scratch(_nbytes(dq, dk, dv) + scratch, "cudnn_attention_backward.scratch")
+    return dq, dk, dv
+
+
+def _cudnn_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, bias, dropout_p, is_causal, scale = inputs
+    out, stats, seed, offset = output
+    ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
+    ctx.is_causal, ctx.scale = is_causal, scale
+
+
+def _cudnn_backward(ctx, grad_out, grad_stats, grad_seed, grad_offset):  # noqa: ANN001, ANN202
+    q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+    dq, dk, dv = _cudnn_bwd(grad_out, q, k, v, bias, out, stats, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_cudnn_fwd.register_autograd(_cudnn_backward, setup_context=_cudnn_setup)
+
+# The flash backward's rounding facts travel from the active policy to setup_context through this stack.
+_ACTIVE_POLICY: list[tuple[int, int, bool]] = [(128, 32, True)]
+
+# ops whose outputs selective checkpointing keeps (the emulated kernels and CUDA's own)
+SAVE_FOR_SELECTIVE_AC = (
+    "cuda_flash_attention", "cuda_efficient_attention", "cuda_cudnn_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+
+def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """CUDA's preprocessing of a mask for the memory-efficient kernel: additive, last dim padded to 16."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    else:
+        bias = mask.to(q.dtype) if mask.dtype != q.dtype else mask
+    lk = k.shape[-2]
+    if lk % 16:
+        padded = torch.empty(*bias.shape[:-1], _round(lk, 16), dtype=bias.dtype, device=bias.device)
+        padded[..., :lk].copy_(bias.expand(*bias.shape[:-1], lk))
+        bias = padded[..., :lk]
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], lk)
+
+
+def emulated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                  enable_gqa: bool = False, policy: AttentionPolicy, on_choice: Any = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with the memory behaviour of the CUDA backend it would use."""
+    backend = choose_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, policy)
+    if on_choice is not None:
+        on_choice(backend)
+    if backend == "flash":
+        _ACTIVE_POLICY.append((policy.flash_round_q, policy.flash_round_d, policy.flash_bwd_dq_accum))
+        try:
+            return torch.ops.memopt.cuda_flash_attention(q, k, v, dropout_p, is_causal, scale)[0]
+        finally:
+            _ACTIVE_POLICY.pop()
+    if backend == "efficient":
+        bias = _efficient_bias(attn_mask, q, k)
+        return torch.ops.memopt.cuda_efficient_attention(q, k, v, bias, dropout_p, is_causal, scale,
+                                                          policy.efficient_lse_pad)[0]
+    if backend == "cudnn":
+        return torch.ops.memopt.cuda_cudnn_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)[0]
+    return torch.ops.aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]

@@ -1,0 +1,222 @@
+"""Counting the bytes a piece of PyTorch code allocates, as the CUDA caching allocator counts them.
+
+``MemoryTracker`` is a ``TorchDispatchMode``: every op's outputs are checked for storages it has not
+seen; each new storage is counted once (rounded up to 512 bytes, like the allocator) until its last
+reference dies. It works on real tensors and on fake ones (``FakeTensorMode``), so the same code
+measures a CUDA run and simulates one on a CPU.
+
+Kernels that allocate scratch space inside themselves (flash-attention's backward, cuBLAS'
+workspace) are invisible to a dispatch mode: ``transient`` and ``persistent`` let the code that
+knows about them (``cuda_semantics``) add those bytes at the right moment.
+
+Known limitations: a storage resized in place keeps the size it had when first seen; memory that a
+library allocates outside PyTorch (NCCL, bitsandbytes' paged buffers) is not seen.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memopt.categories import MemoryCategory
+
+__all__ = ["MemoryTracker", "allocator_size", "TrackedRun", "current_tracker", "report_scratch"]
+
+_CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("memopt_tracker", default=None)
+
+
+def current_tracker() -> MemoryTracker | None:
+    """The innermost active tracker (kernels emulating CUDA report their scratch space to it)."""
+    return _CURRENT.get()
+
+
+def report_scratch(nbytes: int, label: str) -> None:
+    """Tell the active tracker, if any, that a kernel briefly holds ``nbytes`` more than its outputs."""
+    tracker = _CURRENT.get()
+    if tracker is not None:
+        tracker.transient(nbytes, label)
+
+_MIN_BLOCK = 512
+
+
+def allocator_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a request of ``nbytes`` (0 stays 0)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
+
+
+_SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _is_fake_bool(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.bool and type(t).__name__ == "FakeTensor"
+
+
+# Event kinds in the log. An event is a tuple (kind, key, size_bytes, phase_index, label_index).
+ALLOC, FREE = 1, -1
+
+
+@dataclass
+class TrackedRun:
+    """The log of one tracked region: allocation and free events in order, plus phase marks."""
+
+    events: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    categories: dict[int, MemoryCategory] = field(default_factory=dict)  # key -> category, where known
+
+    def peak(self, start_bytes: int = 0) -> tuple[int, int]:
+        """(peak bytes, index of the event at which it is reached) replaying the log from ``start_bytes``."""
+        cur = best = start_bytes
+        at = -1
+        for i, (kind, _key, size, _phase, _label) in enumerate(self.events):
+            cur += size if kind == ALLOC else -size
+            if cur > best:
+                best, at = cur, i
+        return best, at
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Tracks live bytes of storages on one device type ('cuda', or 'cpu' when emulating a GPU)."""
+
+    def __init__(self, device_type: str, *, record: bool = True) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.record = record
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self.run = TrackedRun()
+        self._sizes: dict[int, int] = {}
+        self._label_index: dict[str, int] = {}
+        self._phase = 0
+        self._next_synthetic = -1
+        self.op_hooks: list = []  # callables (func, args, out) run after each op (cuda_semantics uses one)
+        self.set_phase("setup")
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _label(self, label: str) -> int:
+        idx = self._label_index.get(label)
+        if idx is None:
+            idx = len(self.run.labels)
+            self._label_index[label] = idx
+            self.run.labels.append(label)
+        return idx
+
+    def set_phase(self, name: str) -> None:
+        """Mark where a phase (forward, backward, optimizer step, ...) begins."""
+        self.run.phases.append(name)
+        self._phase = len(self.run.phases) - 1
+
+    def _alloc(self, key: int, size: int, label: int) -> None:
+        self._sizes[key] = size
+        self.current_bytes += size
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+        if self.record:
+            self.run.events.append((ALLOC, key, size, self._phase, label))
+
+    def _free(self, key: int) -> None:
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return
+        self.current_bytes -= size
+        if self.record:
+            self.run.events.append((FREE, key, size, self._phase, 0))
+
+    def _track_storage(self, storage: torch.UntypedStorage, label: int) -> int | None:
+        key = id(storage)
+        if key in self._sizes:
+            return None
+        size = allocator_size(storage.nbytes())
+        if size == 0:
+            return None
+        self._alloc(key, size, label)
+        weakref.finalize(storage, self._free, key)
+        return key
+
+    # -- public API --------------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, category: MemoryCategory | None = None, label: str = "external") -> None:
+        """Count a tensor created outside the tracked region (a parameter, an input batch)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        key = self._track_storage(tensor.untyped_storage(), self._label(label))
+        storage_key = id(tensor.untyped_storage())
+        if category is not None:
+            self.run.categories[storage_key if key is None else key] = category
+
+    def categorize(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
+        """Attach a category to an already-tracked tensor's storage (e.g. a parameter's .grad)."""
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
+            self.run.categories[id(tensor.untyped_storage())] = category
+
+    def transient(self, nbytes: int, label: str) -> None:
+        """A scratch buffer that a kernel allocates and frees inside itself."""
+        size = allocator_size(nbytes)
+        if size == 0:
+            return
+        key = self._next_synthetic
+        self._next_synthetic -= 1
+        lab = self._label(label)
+        self._alloc(key, size, lab)
+        self._free(key)
+
+    def persistent(self, nbytes: int, label: str, category: MemoryCategory = MemoryCategory.TEMPORARIES) -> int:
+        """A buffer that stays allocated (a cuBLAS workspace); returns a key for ``release``."""
+        size = allocator_size(nbytes)
+        key = self._next_synthetic
+        self._next_synthetic -= 1
+        if size:
+            self._alloc(key, size, self._label(label))
+            self.run.categories[key] = category
+        return key
+
+    def release(self, key: int) -> None:
+        self._free(key)
+
+    def live_bytes_of(self, tensors: Any) -> int:
+        """Sum of the tracked sizes of the distinct storages behind ``tensors``."""
+        seen: set[int] = set()
+        total = 0
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                key = id(t.untyped_storage())
+                if key not in seen and key in self._sizes:
+                    seen.add(key)
+                    total += self._sizes[key]
+        return total
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    def __enter__(self) -> MemoryTracker:
+        self._token = _CURRENT.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self._token)
+        return super().__exit__(*exc)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in _SCALAR_READS and args and _is_fake_bool(args[0]):
+            # A fake tensor has no values. Models read booleans to take fast paths ("is the padding
+            # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
+            # batches, where every such check holds.
+            return True
+        out = func(*args, **(kwargs or {}))
+        label = None
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                if label is None:
+                    label = self._label(func.__name__)
+                self._track_storage(t.untyped_storage(), label)
+        for hook in self.op_hooks:
+            hook(func, args, out)
+        return out

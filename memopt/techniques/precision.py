@@ -1,0 +1,132 @@
+"""Precision: what dtype weights are stored in and what dtype the math runs in.
+
+=============== ======== =========== ================================ ===================
+setting         weights  compute     optimizer                        fidelity
+=============== ======== =========== ================================ ===================
+fp32            fp32     fp32 (tf32) fp32 states                      exact
+bf16_autocast   fp32     bf16        fp32 states                      mixed precision
+fp16_autocast   fp32     fp16        fp32 states, dynamic loss scale  mixed precision
+bf16_master     bf16     bf16        fp32 master weights + states     mixed precision
+bf16_pure       bf16     bf16        bf16 states                      lossy (opt-in)
+=============== ======== =========== ================================ ===================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "autocast_dtype",
+    "forward_context",
+    "cast_model",
+    "MasterWeights",
+    "uses_grad_scaler",
+    "FIDELITY",
+]
+
+FIDELITY = {
+    "fp32": "exact",
+    "bf16_autocast": "mixed_precision",
+    "fp16_autocast": "mixed_precision",
+    "bf16_master": "mixed_precision",
+    "bf16_pure": "lossy_precision",
+}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16_autocast": torch.bfloat16, "fp16_autocast": torch.float16}.get(precision)
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision in ("bf16_master", "bf16_pure") else torch.float32
+
+
+def uses_grad_scaler(precision: str) -> bool:
+    return precision == "fp16_autocast"
+
+
+@contextlib.contextmanager
+def forward_context(precision: str, device_type: str) -> Iterator[None]:
+    """The context the forward pass (and loss) runs in: autocast for the autocast settings."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        yield
+    else:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+
+
+def _convert(model: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype | None]) -> None:
+    """Replace parameters and buffers by converted copies, keeping shared (tied) tensors shared.
+
+    Done by hand rather than with ``model.to``: that swaps tensor subclasses in place, which fake
+    tensors (used to simulate the step) do not allow.
+    """
+    converted: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or dtype_of(p) is None:
+                continue
+            if id(p) not in converted:
+                with torch.no_grad():
+                    converted[id(p)] = nn.Parameter(p.detach().to(dtype_of(p)), requires_grad=p.requires_grad)
+            module._parameters[name] = converted[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is None or dtype_of(b) is None:
+                continue
+            if id(b) not in converted:
+                converted[id(b)] = b.to(dtype_of(b))
+            module._buffers[name] = converted[id(b)]
+
+
+def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
+    """Store floating-point weights in the setting's dtype; returns an undo that restores each dtype."""
+    target = weight_dtype(precision)
+    if target == torch.float32:
+        return lambda: None
+    original: dict[str, torch.dtype] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and t.dtype != target:
+            original[name] = t.dtype
+    _convert(model, lambda t: target if t.is_floating_point() and t.dtype != target else None)
+
+    def undo() -> None:
+        names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+        _convert(model, lambda t: original.get(names.get(id(t), ""), None))
+
+    return undo
+
+
+class MasterWeights:
+    """fp32 master copies of bf16 parameters for ``bf16_master``: the optimizer steps the masters.
+
+    Before each step every bf16 gradient is copied into its master's fp32 ``.grad`` (freed after the
+    step); after the step the masters are copied back into the bf16 weights.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [nn.Parameter(p.detach().float(), requires_grad=True) for p in self.params]
+
+    def grads_to_masters(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    def masters_to_params(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+                m.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"masters": [m.detach() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for m, saved in zip(self.masters, state["masters"]):
+                m.copy_(saved)
