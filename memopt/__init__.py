@@ -1,0 +1,36 @@
+"""memopt: the fastest combination of memory-saving techniques that fits your GPU memory budget.
+
+    >>> import memopt
+    >>> prof = memopt.profile("llama3_8b", sample={"batch_size": 8, "seq_len": 4096}, hardware="h100_80gb")
+    >>> est = memopt.estimate(prof, memopt.Strategy(precision="bf16_autocast"))
+"""
+
+from memopt import estimate, plan, profile
+from memopt.categories import MemoryCategory
+from memopt.estimate import Estimate
+from memopt.hardware import HardwareSpec, load_hardware
+from memopt.plan import Plan, Policy, make_plan
+from memopt.profile import Profile
+from memopt.strategy import Checkpointing, Strategy
+from memopt.units import format_bytes, parse_budget, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointing",
+    "Estimate",
+    "HardwareSpec",
+    "MemoryCategory",
+    "Plan",
+    "Policy",
+    "Profile",
+    "Strategy",
+    "estimate",
+    "format_bytes",
+    "load_hardware",
+    "make_plan",
+    "parse_budget",
+    "parse_bytes",
+    "plan",
+    "profile",
+]

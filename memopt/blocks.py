@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["BlockStack", "find_block_stacks", "block_signature"]
+__all__ = ["BlockStack", "block_signature", "find_block_stacks"]
 
 
 @dataclass(frozen=True)

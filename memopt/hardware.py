@@ -16,7 +16,7 @@ import yaml
 from memopt.resources import config_names, configs_dir
 from memopt.units import MiB, parse_bytes
 
-__all__ = ["HardwareSpec", "load_hardware", "detect_hardware", "hardware_names"]
+__all__ = ["HardwareSpec", "detect_hardware", "hardware_names", "load_hardware"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +33,6 @@ class HardwareSpec:
     # module images, cuBLAS/cuDNN handles. Measured; see benchmarks/.
     runtime_overhead_bytes: int = 770 * MiB
     num_sms: int = 0
-    # Achievable fractions of the peaks (calibrated against measured step times).
-    matmul_efficiency: float = 0.75
-    memory_efficiency: float = 0.80
     # Multi-GPU topology (issue: sharding); defaults describe one GPU.
     gpus_per_node: int = 1
     num_nodes: int = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-__all__ = ["configs_dir", "config_names"]
+__all__ = ["config_names", "configs_dir"]
 
 
 @functools.cache

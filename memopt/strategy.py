@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Strategy", "Checkpointing", "PRECISIONS", "OPTIMIZERS", "ATTENTION_BACKENDS"]
+__all__ = ["ATTENTION_BACKENDS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy"]
 
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure")

@@ -16,12 +16,12 @@ import math
 import re
 
 __all__ = [
+    "GiB",
     "KiB",
     "MiB",
-    "GiB",
-    "parse_bytes",
-    "parse_budget",
     "format_bytes",
+    "parse_budget",
+    "parse_bytes",
     "round_up",
 ]
 

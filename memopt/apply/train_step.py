@@ -24,7 +24,7 @@ from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
 from memopt.techniques.precision import MasterWeights, forward_context
 
-__all__ = ["TrainStep", "split_batch", "count_loss_items", "default_loss"]
+__all__ = ["TrainStep", "count_loss_items", "default_loss", "split_batch"]
 
 LossFn = Callable[[Any, dict[str, Any]], torch.Tensor]
 

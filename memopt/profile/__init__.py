@@ -1,0 +1,13 @@
+"""Model profiles: ``memopt.profile(model, sample=..., hardware=...) -> Profile``.
+
+The module is callable (see ``memopt._callable_module``): ``memopt.profile(...)`` calls
+:func:`memopt.profile.api.profile_model`.
+"""
+
+from memopt._callable_module import make_callable
+from memopt.profile.api import profile_model, resolve_model
+from memopt.profile.profile import SCHEMA_VERSION, Profile, cache_dir
+
+__all__ = ["SCHEMA_VERSION", "Profile", "cache_dir", "profile_model", "resolve_model"]
+
+make_callable(__name__, profile_model)

@@ -22,7 +22,7 @@ import torch
 
 from memopt.profile.tracker import allocator_size, report_scratch
 
-__all__ = ["AttentionPolicy", "choose_backend", "emulated_sdpa", "BACKENDS", "SAVE_FOR_SELECTIVE_AC"]
+__all__ = ["BACKENDS", "SAVE_FOR_SELECTIVE_AC", "AttentionPolicy", "UnsupportedAttention", "choose_backend", "emulated_sdpa"]
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 _ENUM_TO_NAME = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
@@ -116,16 +116,22 @@ def _can_use(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return False
 
 
+class UnsupportedAttention(ValueError):
+    """The attention backends allowed cannot run these inputs (as CUDA would refuse them)."""
+
+
 def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    dropout_p: float, is_causal: bool, enable_gqa: bool, policy: AttentionPolicy) -> str:
     """The backend CUDA's ``select_sdp_backend`` would pick for these inputs on ``policy.sm``."""
     for name in _priority(policy):
         if _enabled(name) and _can_use(name, q, k, v, mask, dropout_p, is_causal, enable_gqa, policy):
             return name
-    raise RuntimeError("No available kernel for scaled_dot_product_attention: every backend is disabled or unfit")
+    raise UnsupportedAttention("no enabled scaled_dot_product_attention backend takes these inputs on "
+                               f"sm{policy.sm} (dtype {q.dtype}, head dim {q.shape[-1]}, "
+                               f"{'mask, ' if mask is not None else ''}{q.shape[1]}/{k.shape[1]} heads)")
 
 
-def _math_reference(q, k, v, mask, is_causal, scale):  # noqa: ANN001, ANN202
+def _math_reference(q, k, v, mask, is_causal, scale):
     """Real values for real tensors (no dropout: values are only checked in tests without it)."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
@@ -143,7 +149,7 @@ def _math_reference(q, k, v, mask, is_causal, scale):  # noqa: ANN001, ANN202
     return out.to(q.dtype), lse
 
 
-def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):  # noqa: ANN001, ANN202
+def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):
     with torch.enable_grad():
         qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
         out, _ = _math_reference(qq, kk, vv, mask, is_causal, scale)
@@ -171,7 +177,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: flo
 
 
 @_flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, dropout_p, is_causal, scale):  # noqa: ANN001, ANN202
+def _flash_fwd_fake(q, k, v, dropout_p, is_causal, scale):
     b, h, lq, _ = q.shape
     out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
@@ -201,7 +207,7 @@ def _flash_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 @_flash_bwd.register_fake
-def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum):  # noqa: ANN001, ANN202
+def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum):
     b, h, lq, d = q.shape
     hk, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
@@ -218,7 +224,7 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, roun
     return dq, dk, dv
 
 
-def _flash_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _flash_setup(ctx, inputs, output) -> None:
     q, k, v, dropout_p, is_causal, scale = inputs
     out, lse, seed, offset = output
     ctx.save_for_backward(q, k, v, out, lse, seed, offset)
@@ -226,7 +232,7 @@ def _flash_setup(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.round_q, ctx.round_d, ctx.dq_accum = _ACTIVE_POLICY[-1]
 
 
-def _flash_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):  # noqa: ANN001, ANN202
+def _flash_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     q, k, v, out, lse, seed, offset = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.round_q, ctx.round_d,
                             ctx.dq_accum)
@@ -248,7 +254,7 @@ def _eff_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
 
 
 @_eff_fwd.register_fake
-def _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad):  # noqa: ANN001, ANN202
+def _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad):
     b, h, lq, _ = q.shape
     out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
     lse = torch.empty(b, h, _round(lq, lse_pad), dtype=torch.float32, device=q.device)
@@ -268,7 +274,7 @@ def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @_eff_bwd.register_fake
-def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):  # noqa: ANN001, ANN202
+def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
@@ -281,14 +287,14 @@ def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):  # noqa:
     return dq, dk, dv
 
 
-def _eff_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _eff_setup(ctx, inputs, output) -> None:
     q, k, v, bias, dropout_p, is_causal, scale, lse_pad = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, out, lse)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
-def _eff_backward(ctx, grad_out, grad_lse):  # noqa: ANN001, ANN202
+def _eff_backward(ctx, grad_out, grad_lse):
     q, k, v, bias, out, lse = ctx.saved_tensors
     dq, dk, dv = _eff_bwd(grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale)
     return dq, dk, dv, None, None, None, None, None
@@ -309,7 +315,7 @@ def _cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
 
 
 @_cudnn_fwd.register_fake
-def _cudnn_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale):  # noqa: ANN001, ANN202
+def _cudnn_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale):
     b, h, lq, _ = q.shape
     out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
     stats = torch.empty(b, h, lq, 1, dtype=torch.float32, device=q.device)
@@ -334,7 +340,7 @@ def _cudnn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 @_cudnn_bwd.register_fake
-def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):  # noqa: ANN001, ANN202
+def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):
     b, h, lq, d = q.shape
     hk, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
@@ -348,14 +354,14 @@ def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):  # n
     return dq, dk, dv
 
 
-def _cudnn_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+def _cudnn_setup(ctx, inputs, output) -> None:
     q, k, v, bias, dropout_p, is_causal, scale = inputs
     out, stats, seed, offset = output
     ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
     ctx.is_causal, ctx.scale = is_causal, scale
 
 
-def _cudnn_backward(ctx, grad_out, grad_stats, grad_seed, grad_offset):  # noqa: ANN001, ANN202
+def _cudnn_backward(ctx, grad_out, grad_stats, grad_seed, grad_offset):
     q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
     dq, dk, dv = _cudnn_bwd(grad_out, q, k, v, bias, out, stats, ctx.is_causal, ctx.scale)
     return dq, dk, dv, None, None, None, None

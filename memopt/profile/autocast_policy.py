@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-__all__ = ["cuda_autocast_policy", "CUDA_POLICY"]
+__all__ = ["CUDA_POLICY", "cuda_autocast_policy"]
 
 # op name (with overload, "" = default) -> policy, from ATen/autocast_mode.h
 _LOWER = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d.input

@@ -51,29 +51,66 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
             setattr(owner, attr, first)
 
 
-def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device) -> nn.Module:
-    """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``."""
+class _Dropped(nn.Module):
+    """Stands in, during the copy, for blocks that a truncated copy will not keep."""
+
+
+def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device,
+              keep_blocks: int | None = None) -> nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
+
+    With ``keep_blocks``, stacks of interchangeable blocks keep only their first ``keep_blocks`` blocks; the
+    others are never copied (an 80-block model costs what a 4-block one does).
+    """
     groups = tied_parameter_groups(model)
+    memo = _meta_memo(model)
+    cut: list[str] = []
+    if keep_blocks is not None:
+        dropped = _Dropped()
+        for stack in find_block_stacks(model):
+            if len(stack) > keep_blocks and stack.uniform_tail:
+                cut.append(stack.path)
+                for block in stack.blocks[keep_blocks:]:
+                    memo[id(block)] = dropped
     try:
-        clone = copy.deepcopy(model, memo=_meta_memo(model))
-    except Exception as exc:  # noqa: BLE001 - any deepcopy failure becomes one clear message
+        clone = copy.deepcopy(model, memo=memo)
+    except Exception as exc:
         raise ValueError(
             f"memopt could not copy the model for tracing ({type(exc).__name__}: {exc}). "
             "Build the model on the meta device (with torch.device('meta'): model = ...) and pass that, "
             "or make the module deep-copyable"
         ) from exc
+    for path in cut:
+        parent_name, _, attr = path.rpartition(".")
+        parent = clone.get_submodule(parent_name) if parent_name else clone
+        container = getattr(parent, attr)
+        kept = [b for b in container if not isinstance(b, _Dropped)]
+        setattr(parent, attr, type(container)(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept))
+    if cut:
+        groups = [[n for n in names if _resolvable(clone, n)] for names in groups]
+        groups = [g for g in groups if len(g) > 1]
     with fake_mode:
         clone.to_empty(device=device)
     _retie(clone, groups)
     return clone
 
 
+def _resolvable(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def truncate_stacks(model: nn.Module, keep: int = 3) -> list[tuple[BlockStack, int]]:
-    """Shorten every stack of identical blocks to ``keep`` blocks in place; returns (stack, full length)."""
+    """Shorten every stack of identical blocks to ``keep`` blocks in place; returns (stack, full length).
+
+    A stack whose blocks after the first are not interchangeable is left whole."""
     truncated: list[tuple[BlockStack, int]] = []
     for stack in find_block_stacks(model):
         full = len(stack)
-        if full > keep:
+        if full > keep and stack.uniform_tail:
             container = getattr(stack.parent, stack.attr)
             kept: Sequence[nn.Module] = list(stack.blocks[:keep])
             setattr(stack.parent, stack.attr, type(container)(*kept) if isinstance(container, nn.Sequential)

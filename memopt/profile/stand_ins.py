@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FakeGradScaler", "Fake8bitAdamW", "BNB_MIN_8BIT_SIZE", "BNB_BLOCKSIZE", "BNB_MIN_PAGED_SIZE"]
+__all__ = ["BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "Fake8bitAdamW", "FakeGradScaler"]
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCKSIZE = 256  # block-wise quantization: one fp32 absmax per 256 values
@@ -59,6 +59,11 @@ class Fake8bitAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
+                # the update reads and writes the weight, reads the gradient and rewrites both states: an
+                # in-place op over those tensors costs the same memory traffic (and allocates nothing)
+                torch.ops.aten.add_.Tensor(p, p.grad, alpha=0.0)
+                torch.ops.aten.add_.Tensor(state["state1"], state["state1"])
+                torch.ops.aten.add_.Tensor(state["state2"], state["state2"])
         return None
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:

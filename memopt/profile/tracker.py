@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
 
-__all__ = ["MemoryTracker", "allocator_size", "TrackedRun", "current_tracker", "report_scratch"]
+__all__ = ["MemoryTracker", "TrackedRun", "allocator_size", "current_tracker", "report_scratch"]
 
 _CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("memopt_tracker", default=None)
 
@@ -59,7 +59,8 @@ def _is_fake_bool(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.bool and type(t).__name__ == "FakeTensor"
 
 
-# Event kinds in the log. An event is a tuple (kind, key, size_bytes, phase_index, label_index).
+# Event kinds in the log. An event is a tuple (kind, key, requested_bytes, phase_index, label_index);
+# requested bytes are the storage's own size (the allocator rounds them: ``allocator_size``).
 ALLOC, FREE = 1, -1
 
 
@@ -71,12 +72,14 @@ class TrackedRun:
     labels: list[str] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
     categories: dict[int, MemoryCategory] = field(default_factory=dict)  # key -> category, where known
+    persistent_keys: set[int] = field(default_factory=set)  # process-lifetime buffers (cuBLAS workspaces)
 
     def peak(self, start_bytes: int = 0) -> tuple[int, int]:
         """(peak bytes, index of the event at which it is reached) replaying the log from ``start_bytes``."""
         cur = best = start_bytes
         at = -1
         for i, (kind, _key, size, _phase, _label) in enumerate(self.events):
+            size = allocator_size(size)
             cur += size if kind == ALLOC else -size
             if cur > best:
                 best, at = cur, i
@@ -93,7 +96,10 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.run = TrackedRun()
-        self._sizes: dict[int, int] = {}
+        self._live: dict[int, int] = {}  # id(storage) -> key (keys are unique over the run; ids are reused)
+        self._next_key = 1
+        self._sizes: dict[int, int] = {}  # key -> rounded bytes
+        self._raw: dict[int, int] = {}  # key -> requested bytes
         self._label_index: dict[str, int] = {}
         self._phase = 0
         self._next_synthetic = -1
@@ -114,67 +120,82 @@ class MemoryTracker(TorchDispatchMode):
         self.run.phases.append(name)
         self._phase = len(self.run.phases) - 1
 
-    def _alloc(self, key: int, size: int, label: int) -> None:
+    def _alloc(self, key: int, nbytes: int, label: int) -> None:
+        size = allocator_size(nbytes)
         self._sizes[key] = size
+        self._raw[key] = nbytes
         self.current_bytes += size
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
         if self.record:
-            self.run.events.append((ALLOC, key, size, self._phase, label))
+            self.run.events.append((ALLOC, key, nbytes, self._phase, label))
 
     def _free(self, key: int) -> None:
         size = self._sizes.pop(key, None)
         if size is None:
             return
+        nbytes = self._raw.pop(key)
         self.current_bytes -= size
         if self.record:
-            self.run.events.append((FREE, key, size, self._phase, 0))
+            self.run.events.append((FREE, key, nbytes, self._phase, 0))
 
     def _track_storage(self, storage: torch.UntypedStorage, label: int) -> int | None:
-        key = id(storage)
-        if key in self._sizes:
+        sid = id(storage)
+        if sid in self._live:
             return None
-        size = allocator_size(storage.nbytes())
-        if size == 0:
+        nbytes = storage.nbytes()
+        if nbytes <= 0:
             return None
-        self._alloc(key, size, label)
-        weakref.finalize(storage, self._free, key)
+        key = self._next_key
+        self._next_key += 1
+        self._live[sid] = key
+        self._alloc(key, nbytes, label)
+        weakref.finalize(storage, self._free_storage, sid)
         return key
+
+    def _free_storage(self, sid: int) -> None:
+        key = self._live.pop(sid, None)
+        if key is not None:
+            self._free(key)
+
+    def key_of(self, tensor: torch.Tensor) -> int | None:
+        """The run's key of a tracked tensor's storage (None if it is not tracked)."""
+        return self._live.get(id(tensor.untyped_storage()))
 
     # -- public API --------------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, category: MemoryCategory | None = None, label: str = "external") -> None:
         """Count a tensor created outside the tracked region (a parameter, an input batch)."""
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
             return
-        key = self._track_storage(tensor.untyped_storage(), self._label(label))
-        storage_key = id(tensor.untyped_storage())
-        if category is not None:
-            self.run.categories[storage_key if key is None else key] = category
+        self._track_storage(tensor.untyped_storage(), self._label(label))
+        key = self.key_of(tensor)
+        if category is not None and key is not None:
+            self.run.categories[key] = category
 
     def categorize(self, tensor: torch.Tensor, category: MemoryCategory) -> None:
         """Attach a category to an already-tracked tensor's storage (e.g. a parameter's .grad)."""
         if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
-            self.run.categories[id(tensor.untyped_storage())] = category
+            key = self.key_of(tensor)
+            if key is not None:
+                self.run.categories[key] = category
 
     def transient(self, nbytes: int, label: str) -> None:
         """A scratch buffer that a kernel allocates and frees inside itself."""
-        size = allocator_size(nbytes)
-        if size == 0:
+        if nbytes <= 0:
             return
         key = self._next_synthetic
         self._next_synthetic -= 1
-        lab = self._label(label)
-        self._alloc(key, size, lab)
+        self._alloc(key, nbytes, self._label(label))
         self._free(key)
 
     def persistent(self, nbytes: int, label: str, category: MemoryCategory = MemoryCategory.TEMPORARIES) -> int:
         """A buffer that stays allocated (a cuBLAS workspace); returns a key for ``release``."""
-        size = allocator_size(nbytes)
         key = self._next_synthetic
         self._next_synthetic -= 1
-        if size:
-            self._alloc(key, size, self._label(label))
+        if nbytes > 0:
+            self._alloc(key, nbytes, self._label(label))
             self.run.categories[key] = category
+            self.run.persistent_keys.add(key)
         return key
 
     def release(self, key: int) -> None:
@@ -186,8 +207,8 @@ class MemoryTracker(TorchDispatchMode):
         total = 0
         for t in tree_flatten(tensors)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                key = id(t.untyped_storage())
-                if key not in seen and key in self._sizes:
+                key = self.key_of(t)
+                if key is not None and key not in seen:
                     seen.add(key)
                     total += self._sizes[key]
         return total

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["apply_attention_backend", "flash_attn_available", "ATTENTION_FIDELITY"]
+__all__ = ["ATTENTION_FIDELITY", "apply_attention_backend", "flash_attn_available"]
 
 ATTENTION_FIDELITY = {"auto": "exact", "flash": "exact", "efficient": "exact", "cudnn": "exact", "math": "exact",
                       "flash_attn": "exact"}

@@ -20,7 +20,7 @@ from memopt.blocks import BlockStack
 from memopt.profile.attention_kernels import SAVE_FOR_SELECTIVE_AC
 from memopt.strategy import Checkpointing
 
-__all__ = ["apply_checkpointing", "selective_policy", "SELECTIVE_SAVE_OPS"]
+__all__ = ["SELECTIVE_SAVE_OPS", "apply_checkpointing", "selective_policy"]
 
 # matmuls and attention: expensive to recompute, so selective checkpointing keeps their outputs
 SELECTIVE_SAVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "_grouped_mm",

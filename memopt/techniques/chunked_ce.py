@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fused_linear_cross_entropy", "causal_lm_chunked_loss", "supports_chunked_ce"]
+__all__ = ["causal_lm_chunked_loss", "fused_linear_cross_entropy", "supports_chunked_ce"]
 
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunks, ignore_index):  # noqa: ANN001, ANN205
+    def forward(ctx, hidden, weight, labels, chunks, ignore_index):
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
@@ -50,7 +50,7 @@ class _FusedLinearCE(torch.autograd.Function):
         return total / denom
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.weight_requires_grad else None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_optimizer", "OPTIMIZER_FIDELITY", "bnb_available"]
+__all__ = ["OPTIMIZER_FIDELITY", "bnb_available", "build_optimizer"]
 
 OPTIMIZER_FIDELITY = {
     "adamw_fused": "exact",
@@ -38,7 +38,7 @@ _DEFAULTS: dict[str, Any] = {"lr": 1e-4, "weight_decay": 0.0}
 def bnb_available() -> bool:
     try:
         import bitsandbytes  # noqa: F401
-    except Exception:  # noqa: BLE001 - an import that fails in any way means "not available"
+    except Exception:
         return False
     return True
 

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 __all__ = [
-    "autocast_dtype",
-    "forward_context",
-    "cast_model",
-    "MasterWeights",
-    "uses_grad_scaler",
     "FIDELITY",
+    "MasterWeights",
+    "autocast_dtype",
+    "cast_model",
+    "forward_context",
+    "uses_grad_scaler",
 ]
 
 FIDELITY = {
@@ -97,7 +97,7 @@ def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
 
     def undo() -> None:
         names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
-        _convert(model, lambda t: original.get(names.get(id(t), ""), None))
+        _convert(model, lambda t: original.get(names.get(id(t), "")))
 
     return undo
 

@@ -82,7 +82,7 @@ def measure_row(row: Row) -> dict[str, Any]:
         result.update({"ok": False, "oom": True, "error": str(exc)[:2000],
                        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved()})
-    except Exception as exc:  # noqa: BLE001 - a row's failure is data, not a crash of the matrix
+    except Exception as exc:
         result.update({"ok": False, "oom": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
                        "traceback": traceback.format_exc()[-4000:]})
     return result

@@ -40,3 +40,25 @@ def simulate_row(row: Row) -> dict[str, Any]:
         "simulate_s": time.perf_counter() - t,
         "allocator_peak_allocated_bytes": alloc.peak_allocated_bytes,
     }
+
+
+def estimate_row(row: Row, *, exact_reserved: bool = True, use_cache: bool = True) -> dict[str, Any]:
+    """The composed estimate of a row, as ``memopt.plan`` makes it (profile once, compose per strategy)."""
+    import memopt
+    from memopt.models import with_overrides
+
+    spec = with_overrides(row.model, row.overrides)
+    t = time.perf_counter()
+    prof = memopt.profile(spec, sample=row.sample(), hardware=row.hardware, use_cache=use_cache)
+    est = memopt.estimate(prof, row.strategy, exact_reserved=exact_reserved, num_steps=row.steps)
+    return {
+        "predicted_peak_allocated_bytes": est.peak_allocated_bytes,
+        "predicted_peak_reserved_bytes": est.peak_reserved_bytes,
+        "predicted_runtime_bytes": est.runtime_bytes,
+        "predicted_total_bytes": est.total_bytes,
+        "predicted_step_s": est.step_time_s,
+        "predicted_breakdown": {str(k): v for k, v in est.breakdown.items()},
+        "predicted_peak_at": est.peak_at,
+        "time_terms": est.detail.get("time_terms"),
+        "estimate_s": time.perf_counter() - t,
+    }

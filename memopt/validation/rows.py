@@ -12,7 +12,7 @@ from typing import Any
 
 from memopt.strategy import Strategy
 
-__all__ = ["Row", "MEASURED_KEYS"]
+__all__ = ["MEASURED_KEYS", "Row"]
 
 MEASURED_KEYS = (
     "measured_peak_allocated_bytes",

@@ -1,0 +1,210 @@
+"""``memopt.estimate``: per-GPU peak memory (allocated, reserved, outside the allocator) and step time of
+one strategy, composed from a profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memopt.categories import MemoryCategory
+from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
+from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
+from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, terms_time
+from memopt.hardware import HardwareSpec, load_hardware
+from memopt.profile.profile import Profile
+from memopt.profile.trace import VariantKey, variant_key
+from memopt.profile.tracker import ALLOC, allocator_size
+from memopt.strategy import Strategy
+from memopt.techniques.precision import weight_dtype
+from memopt.units import MiB
+
+__all__ = ["Estimate", "StepPlan", "estimate_strategy"]
+
+Cat = MemoryCategory
+
+# measured on an H200: a process that offloads activations holds 128 MiB more outside the allocator
+_OFFLOAD_RUNTIME_BYTES = 128 * MiB
+
+
+@dataclass
+class Estimate:
+    """Predicted per-GPU memory and time of one training step under one strategy."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    runtime_bytes: int  # outside PyTorch's allocator (CUDA context, handles, paged optimizer state)
+    step_time_s: float
+    breakdown: dict[MemoryCategory, int]  # at the peak; sums to total_bytes
+    peak_at: str
+    reserved_exact: bool  # True when the caching allocator was simulated over the composed run
+    items_per_step: int = 0  # tokens (or samples) of the global batch
+    item_unit: str = "tokens"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_reserved_bytes + self.runtime_bytes
+
+    @property
+    def throughput(self) -> float:
+        return self.items_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_allocated_bytes": self.peak_allocated_bytes, "peak_reserved_bytes": self.peak_reserved_bytes,
+            "runtime_bytes": self.runtime_bytes, "total_bytes": self.total_bytes, "step_time_s": self.step_time_s,
+            f"{self.item_unit}_per_s": self.throughput, "breakdown": {str(k): v for k, v in self.breakdown.items()},
+            "peak_at": self.peak_at, "reserved_exact": self.reserved_exact, **self.detail,
+        }
+
+
+@dataclass
+class StepPlan:
+    """How a strategy maps onto the profile's traces."""
+
+    block_modes: list[list[VariantKey]]
+    base: VariantKey
+    variants: set[VariantKey]
+
+
+def step_plan(profile: Profile, strategy: Strategy) -> StepPlan:
+    plain = variant_key(strategy, checkpointing="none")
+    ckpt = variant_key(strategy)
+    modes: list[list[VariantKey]] = []
+    used = set()
+    for n in profile.full_block_counts:
+        chosen = set(strategy.checkpointing.blocks(n))
+        row = [ckpt if p in chosen else plain for p in range(n)]
+        modes.append(row)
+        used.update(row)
+    all_ckpt = all(m == ckpt for row in modes for m in row) and strategy.checkpointing.mode != "none"
+    base = ckpt if all_ckpt else plain
+    used.add(base)
+    return StepPlan(block_modes=modes, base=base, variants=used)
+
+
+def _static(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey, global_batch: int,
+            optimizer_master: int) -> tuple[dict[MemoryCategory, int], list[tuple[int, int, int]]]:
+    wd = weight_dtype(strategy.precision)
+    params = profile.param_bytes(wd) + profile.buffer_bytes(wd)
+    trace = traces[base]
+    inputs = sum(allocator_size(_input_size(trace, b1, b2, global_batch)) for b1, b2 in trace.input_sizes)
+    persistent = 0
+    persistent_events = []
+    for seg in trace.segments:
+        for kind, key, b1, _ in seg.events:
+            if kind == ALLOC and key in trace.persistent_keys:
+                persistent += allocator_size(b1)
+                persistent_events.append((ALLOC, -len(persistent_events) - 1, b1))
+    static = {Cat.PARAMETERS: params, Cat.OPTIMIZER_STATES: optimizer_master, Cat.ACTIVATIONS: inputs,
+              Cat.TEMPORARIES: persistent}
+    # the events the allocator sees before the first step: each parameter, buffer, master copy, input
+    events: list[tuple[int, int, int]] = []
+    item = torch.empty((), dtype=wd).element_size()
+    k = 1
+    for numel, dtype, _ in profile.param_sizes:
+        size = numel * (item if dtype in ("float32", "bfloat16", "float16") else 1)
+        events.append((ALLOC, -(10**9) - k, size))
+        k += 1
+    for numel, dtype in profile.buffer_sizes:
+        size = numel * (item if dtype in ("float32", "bfloat16", "float16") else torch.empty(
+            (), dtype=getattr(torch, dtype)).element_size())
+        events.append((ALLOC, -(10**9) - k, size))
+        k += 1
+    if optimizer_master:
+        for numel, dtype, grad in profile.param_sizes:
+            if grad and dtype in ("float32", "bfloat16", "float16"):
+                events.append((ALLOC, -(10**9) - k, numel * 4))
+                k += 1
+    for b1, b2 in trace.input_sizes:
+        events.append((ALLOC, -(10**9) - k, _input_size(trace, b1, b2, global_batch)))
+        k += 1
+    return static, events + persistent_events
+
+
+def _input_size(trace: Any, lo_bytes: int, hi_bytes: int, global_batch: int) -> int:
+    """Inputs are linear in the batch even when a trace was taken at a single size."""
+    if trace.hi == trace.lo:
+        return lo_bytes * global_batch // trace.lo
+    return trace.size(lo_bytes, hi_bytes, global_batch)
+
+
+def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | HardwareSpec | None = None,
+                      exact_reserved: bool = True, timing: TimingModel = DEFAULT_TIMING,
+                      num_steps: int = 3) -> Estimate:
+    """Predict the peak memory and step time of ``strategy`` from ``profile``."""
+    hw = load_hardware(hardware or profile.hardware)
+    sp = step_plan(profile, strategy)
+    traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}
+    layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)
+    opt = profile.optimizer(strategy.precision, strategy.optimizer)
+    b, m = strategy.micro_batch_size, strategy.grad_accum_steps
+    static, static_events = _static(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
+    peak = allocated_peak(traces, layout, b, m, opt, static)
+    reserved_exact = False
+    reserved = peak.peak_bytes
+    if exact_reserved:
+        events, start = event_stream(traces, layout, b, m, opt, static_events, num_steps=num_steps)
+        result = simulate_allocator(events[start:],
+                                    config=AllocatorConfig(expandable_segments=strategy.expandable_segments),
+                                    initial_events=events[:start])
+        reserved = max(result.peak_reserved_bytes, peak.peak_bytes)
+        reserved_exact = True
+    else:
+        reserved = _approx_reserved(peak.peak_bytes)
+    runtime = hw.runtime_overhead_bytes + opt.host_state_bytes
+    if strategy.activation_offload:
+        runtime += _OFFLOAD_RUNTIME_BYTES
+    breakdown = dict(peak.breakdown)
+    breakdown[Cat.ALLOCATOR_OVERHEAD] = reserved - peak.peak_bytes
+    breakdown[Cat.RUNTIME] = runtime
+    step_s, detail = _step_time(profile, traces, layout, b, m, opt, hw, timing, strategy)
+    tokens = profile.tokens_per_sample
+    items = b * m * (tokens if tokens else 1)
+    detail.update({"variants": sorted(k.label() for k in sp.variants), "gradient_bytes": peak.grad_bytes,
+                   "attention_backends": sorted({a for k in sp.variants for a in traces[k].attention_backends})})
+    return Estimate(peak_allocated_bytes=peak.peak_bytes, peak_reserved_bytes=reserved, runtime_bytes=runtime,
+                    step_time_s=step_s, breakdown=breakdown, peak_at=peak.where, reserved_exact=reserved_exact,
+                    items_per_step=items, item_unit="tokens" if tokens else "samples", detail=detail)
+
+
+def _approx_reserved(allocated: int) -> int:
+    """Without simulating the allocator: at least the allocated peak, rounded up to a 2 MiB page."""
+    return -(-allocated // (2 * MiB)) * (2 * MiB)
+
+
+def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt: Any, hw: HardwareSpec,
+               tm: TimingModel, strategy: Strategy) -> tuple[float, dict[str, Any]]:
+    fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches"), 0.0)
+    bwd = dict(fwd)
+    for insts, acc in ((layout.forward, fwd), (layout.backward, bwd)):
+        for i in insts:
+            t = traces[i.variant]
+            seg = t.segments[i.segment]
+            for k, v in segment_terms(seg.cost1, seg.cost2, b, hw, lo=t.lo, hi=t.hi).items():
+                acc[k] += v
+    opt_terms = segment_terms(opt.cost, opt.cost, 1, hw)
+    fwd_s, bwd_s, opt_s = terms_time(fwd, tm), terms_time(bwd, tm), terms_time(opt_terms, tm)
+    terms = {k: (fwd[k] + bwd[k]) * m + opt_terms[k] for k in fwd}
+    detail: dict[str, Any] = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s,
+                              "time_terms": terms}
+    compute = (fwd_s + bwd_s) * m + opt_s
+    if strategy.activation_offload:
+        # device-to-host copies overlap the forward pass; host-to-device copies happen as backward unpacks
+        moved = _offloaded_bytes(profile, traces, layout, b)
+        copy_s = moved / (hw.host_link_bandwidth * tm.offload_efficiency)
+        compute = (max(fwd_s, copy_s) + bwd_s + copy_s) * m + opt_s
+        detail.update({"offloaded_bytes": moved * m, "offload_copy_s": 2 * copy_s * m})
+    return compute, detail
+
+
+def _offloaded_bytes(profile: Profile, traces: dict, layout: Any, b: int) -> float:
+    """Bytes activation offload moves each way per micro-batch (traced counters, blocks repeated)."""
+    total = 0.0
+    for i in layout.forward:
+        seg = traces[i.variant].segments[i.segment]
+        o1, o2 = seg.offload
+        total += traces[i.variant].size(o1, o2, b)
+    return total

@@ -1,0 +1,70 @@
+"""Step time from the traced costs and the hardware's peaks (a calibrated roofline).
+
+Each traced segment carries matmul FLOPs by dtype, attention FLOPs, the bytes the other ops move and
+its op count. Its time is::
+
+    sum_dtype flops / (peak[dtype] * matmul_efficiency) + attention_flops / (peak * attention_efficiency)
+      + memory_bytes / (hbm_bandwidth * memory_efficiency) + num_ops * launch_s
+
+The efficiencies and the per-op overhead are fitted to step times measured on an H200 (see
+``benchmarks/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
+Activation offload moves the saved tensors over the host link on a side stream: the step takes at
+least the transfer time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memopt.hardware import HardwareSpec
+from memopt.profile.costs import PhaseCost
+
+__all__ = ["DEFAULT_TIMING", "TimingModel", "segment_time"]
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """Efficiencies fitted to 33 step times measured on an H200 (torch 2.11, benchmarks/validation):
+    median error 5%; ``memory_efficiency`` above 1 means the traced byte counts over-state HBM traffic
+    (activations re-read from the 50 MB L2)."""
+
+    matmul_efficiency: float = 0.90
+    attention_efficiency: float = 0.80
+    memory_efficiency: float = 1.30
+    launch_s: float = 1e-6
+    offload_efficiency: float = 0.85  # achieved fraction of the host link in each direction
+
+
+DEFAULT_TIMING = TimingModel()
+
+
+def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo: int = 1, hi: int = 2
+                  ) -> dict[str, float]:
+    """Ideal seconds of one traced segment at micro-batch ``b`` per resource (before efficiencies):
+    matmuls at the peak FLOP/s of their dtype, attention at the peak of its dtype, other ops at the HBM
+    bandwidth, and the kernel launch count."""
+
+    def lerp(a: float, c: float) -> float:
+        return a if hi == lo else a + (b - lo) * (c - a) / (hi - lo)
+
+    mm = 0.0
+    for dtype in set(c1.matmul_flops) | set(c2.matmul_flops):
+        mm += lerp(c1.matmul_flops.get(dtype, 0.0), c2.matmul_flops.get(dtype, 0.0)) / hw.flops(dtype)
+    attn = lerp(c1.attention_flops, c2.attention_flops)
+    return {
+        "matmul": mm,
+        "attention": attn / hw.flops(c1.attention_dtype) if attn else 0.0,
+        "memory": lerp(c1.memory_bytes, c2.memory_bytes) / hw.hbm_bandwidth,
+        "launches": float(max(c1.num_ops, c2.num_ops)),
+    }
+
+
+def terms_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
+    return (terms["matmul"] / tm.matmul_efficiency + terms["attention"] / tm.attention_efficiency
+            + terms["memory"] / tm.memory_efficiency + terms["launches"] * tm.launch_s)
+
+
+def segment_time(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, tm: TimingModel = DEFAULT_TIMING, *,
+                 lo: int = 1, hi: int = 2) -> float:
+    """Seconds for one traced segment at micro-batch ``b`` (costs traced at ``lo`` and ``hi``, interpolated)."""
+    return terms_time(segment_terms(c1, c2, b, hw, lo=lo, hi=hi), tm)

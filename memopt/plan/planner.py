@@ -1,0 +1,217 @@
+"""``memopt.plan(model, sample=..., budget="40GB")``: the fastest strategy that fits, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
+from memopt.plan.policy import ALLOWANCES, Policy
+from memopt.plan.schema import Plan
+from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, search
+from memopt.profile.api import profile_model
+from memopt.profile.profile import Profile
+from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.attention import flash_attn_available
+from memopt.techniques.optimizers import bnb_available
+from memopt.techniques.registry import SearchContext
+from memopt.units import format_bytes, parse_budget
+
+__all__ = ["make_plan", "resolve_hardware", "resolve_policy"]
+
+
+def resolve_hardware(hardware: str | HardwareSpec | dict | None) -> HardwareSpec:
+    if hardware in (None, "auto"):
+        local = detect_hardware()
+        if local is None:
+            raise ValueError("hardware='auto' needs a local GPU and none is visible; name the GPU you plan for, "
+                             "e.g. hardware=h100_80gb (shipped: see configs/hardware/)")
+        return local
+    return load_hardware(hardware)
+
+
+def resolve_policy(policy: Policy | dict[str, Any] | None, **overrides: Any) -> Policy:
+    if isinstance(policy, Policy) and not any(v is not None for v in overrides.values()):
+        return policy
+    data: dict[str, Any] = {}
+    if isinstance(policy, Policy):
+        data = {"fidelity": sorted(policy.allow), "pins": policy.pins, "forbid": policy.forbid,
+                "max_micro_batch": policy.max_micro_batch}
+    elif isinstance(policy, dict):
+        data = dict(policy)
+    elif policy is not None:
+        raise ValueError(f"policy must be a memopt Policy or a dict, got {type(policy).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return Policy.build(**data)
+
+
+def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy, user_optimizer: bool) -> SearchContext:
+    vocab = None
+    config = getattr(profile._model, "config", None)
+    if config is not None:
+        vocab = getattr(config, "vocab_size", None)
+    # PyTorch's own choice ("auto") is searched; a named backend only when pinned: on the GPUs modelled the
+    # other kernels allocate at least as much and run no faster than the one SDPA picks
+    backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
+    return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
+                         supports_bf16=hw.supports_bf16, causal_lm=profile.family == "causal_lm", vocab_size=vocab,
+                         bnb_available=bnb_available(), flash_attn_available=flash_attn_available(),
+                         user_optimizer=user_optimizer, attention_backends=backends,
+                         max_micro_batch=policy.max_micro_batch)
+
+
+def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = "h100_80gb",
+              policy: Policy | dict[str, Any] | None = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
+              forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
+              profile: Profile | None = None, use_cache: bool = True) -> Plan:
+    """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
+
+    ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
+    sample's batch size is the global batch; micro-batching keeps it. ``budget`` follows DEVELOPERS.md
+    ("40GB", "40GiB", "80%", bytes). ``policy`` (or ``fidelity``/``pins``/``forbid``) says what may change.
+    ``optimizer`` is a callable taking the parameters when the user brings their own optimizer.
+    """
+    start = time.perf_counter()
+    hw = resolve_hardware(hardware)
+    budget_bytes = parse_budget(budget, device_total_bytes=hw.memory_bytes)
+    pol = resolve_policy(policy, fidelity=fidelity, pins=pins, forbid=forbid)
+    notes: list[str] = []
+    if budget_bytes <= hw.runtime_overhead_bytes:
+        raise ValueError(
+            f"budget {format_bytes(budget_bytes)} is below what the CUDA runtime alone holds on {hw.name} "
+            f"({format_bytes(hw.runtime_overhead_bytes)} outside PyTorch's allocator); give at least "
+            f"{format_bytes(hw.runtime_overhead_bytes + pol.margin(budget_bytes) + (1 << 30))}")
+    if budget_bytes > hw.memory_bytes:
+        notes.append(f"the budget {format_bytes(budget_bytes)} is more than {hw.name} has "
+                     f"({format_bytes(hw.memory_bytes)}); planning for the budget as given")
+    prof = profile if profile is not None else profile_model(model, sample, hardware=hw, loss_fn=loss_fn,
+                                                             optimizer=optimizer, use_cache=use_cache)
+    if prof.sample.get("variable_length"):
+        notes.append(f"batches vary in length: planned for the longest (seq_len={prof.sample.get('seq_len')})")
+    notes.extend(prof.notes)
+    global_batch = int(prof.sample["batch_size"])
+    ctx = _context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
+    result = search(prof, hw, budget_bytes, pol, ctx)
+    return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start)
+
+
+def _summary(ev: Evaluated) -> dict[str, Any]:
+    est = ev.estimate
+    return {"techniques": ev.strategy.to_dict(), "label": ev.strategy.label(), "fits": ev.fits,
+            "total_bytes": ev.total_bytes, "step_time_s": est.step_time_s if est else None,
+            "throughput": est.throughput if est else None}
+
+
+def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tuple[dict[str, str], dict]:
+    """For each technique, why its other values lost, and what the chosen value saves and costs."""
+    rejected: dict[str, str] = {}
+    savings: dict[str, dict[str, Any]] = {}
+    chosen = best.strategy
+    fields = ["precision", "checkpointing", "activation_offload", "attention", "chunked_ce", "optimizer",
+              "micro_batch_size", "expandable_segments"]
+    for f in fields:
+        mine = getattr(chosen, f)
+        others = [e for e in evaluated if getattr(e.strategy, f) != mine and e.estimate is not None]
+        if not others:
+            continue
+        reasons = []
+        for value in sorted({_key(getattr(e.strategy, f)) for e in others}):
+            group = [e for e in others if _key(getattr(e.strategy, f)) == value]
+            fit = [e for e in group if e.fits]
+            unsimulated = [e for e in group if e.fits is None]
+            if fit:
+                b = min(fit, key=lambda e: e.estimate.step_time_s)
+                slower = b.estimate.step_time_s / best.estimate.step_time_s
+                reasons.append(f"{value}: best fitting plan {slower:.2f}x the chosen step time")
+            elif unsimulated:
+                b = min(unsimulated, key=lambda e: e.estimate.step_time_s)
+                slower = b.estimate.step_time_s / best.estimate.step_time_s
+                reasons.append(f"{value}: {slower:.2f}x the chosen step time at best")
+            else:
+                smallest = min(group, key=lambda e: e.total_bytes)
+                reasons.append(f"{value}: needs {format_bytes(smallest.total_bytes)} + margin at the least "
+                               f"(budget {format_bytes(budget)})")
+        rejected[f] = "; ".join(reasons)
+        # the same plan with this technique at its "off" value: what the choice saves and costs
+        off = {"checkpointing": Checkpointing(), "activation_offload": False, "chunked_ce": 0,
+               "precision": "fp32", "optimizer": "adamw_fused", "attention": "auto",
+               "expandable_segments": False}.get(f)
+        if off is None or _key(off) == _key(mine):
+            continue
+        twin = next((e for e in evaluated if e.estimate is not None and e.strategy == chosen.replace(**{f: off})),
+                    None)
+        if twin is not None:
+            savings[f] = {"saves_bytes": twin.estimate.total_bytes - best.estimate.total_bytes,
+                          "costs_s": best.estimate.step_time_s - twin.estimate.step_time_s}
+    return rejected, savings
+
+
+def _key(value: Any) -> str:
+    return value.label() if isinstance(value, Checkpointing) else str(value)
+
+
+def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int) -> Evaluated | None:
+    """The smallest total the policy can reach (the most memory-saving value of every technique)."""
+    cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol)
+    if not cands:
+        return None
+    best: Evaluated | None = None
+    # memory-saving extremes only: full checkpointing (if any), smallest micro-batch, offload and chunking on
+    def rank(s: Strategy) -> tuple:
+        return (s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None, not s.activation_offload,
+                -s.chunked_ce, s.optimizer not in ("adamw8bit", "paged_adamw8bit"), not s.expandable_segments)
+
+    cands.sort(key=rank)
+    head = [c for c in cands if rank(c) == rank(cands[0])]
+    for s in head[:8]:
+        ev = evaluate(prof, s, hw, budget, pol.margin(budget))
+        if ev.estimate is not None and (best is None or ev.total_bytes < best.total_bytes):
+            best = ev
+    return best
+
+
+def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result: SearchResult, notes: list[str],
+                seconds: float) -> Plan:
+    margin = pol.margin(budget)
+    model = {"name": prof.model_name, "class": prof.model_class, "num_params": prof.num_params,
+             "num_trainable_params": prof.num_trainable_params, "sample": prof.sample, "profile_key": prof.key}
+    search_info = {"candidates": result.num_candidates, "evaluated": len(result.evaluated),
+                   "pruned_as_slower": result.pruned_slower, "pruned_as_too_big": result.pruned_too_big,
+                   "seconds": seconds, "search_s": result.seconds, "profile_trace_s": prof.trace_s}
+    global_batch = int(prof.sample["batch_size"])
+    if result.best is not None:
+        best = result.best
+        rejected, savings = _rejections(best, result.evaluated, budget)
+        feasible = [e for e in result.feasible if e is not best]
+        return Plan(fits=True, strategy=best.strategy, budget_bytes=budget, margin_bytes=margin,
+                    prediction=best.estimate.to_dict(), model=model, hardware=hw.name, policy=pol.to_dict(),
+                    global_batch=global_batch, runners_up=[_summary(e) for e in feasible[:3]], rejected=rejected,
+                    savings=savings, search=search_info, notes=notes)
+    # nothing fits: report the smallest reachable footprint and what to allow to go lower
+    ctx = _context(prof, hw, global_batch, pol, False)
+    smallest = _min_footprint(prof, hw, pol, ctx, budget)
+    relax = []
+    for allowance in ALLOWANCES:
+        if allowance in pol.allow:
+            continue
+        relaxed = pol.relaxed(allowance)
+        ev = _min_footprint(prof, hw, relaxed, ctx, budget)
+        if ev is not None and smallest is not None and ev.total_bytes < smallest.total_bytes:
+            relax.append({"allow": allowance, "reaches_bytes": ev.total_bytes, "fits": ev.fits})
+    reach = smallest.total_bytes if smallest is not None else None
+    message = (f"needs {format_bytes(reach)} with every allowed technique (budget {format_bytes(budget)}, "
+               f"margin {format_bytes(margin)})" if reach is not None else "no candidate could be estimated")
+    for r in relax:
+        message += f"; allowing {r['allow']} reaches {format_bytes(r['reaches_bytes'])}"
+    if not any(r["fits"] for r in relax):
+        message += "; beyond that: more GPUs (sharding), CPU/NVMe offload of model states, or a smaller batch"
+    chosen = smallest if smallest is not None else (result.evaluated[0] if result.evaluated else None)
+    prediction = chosen.estimate.to_dict() if chosen is not None and chosen.estimate is not None else {
+        "peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "runtime_bytes": 0, "total_bytes": 0,
+        "step_time_s": 0.0, "breakdown": {}}
+    return Plan(fits=False, strategy=chosen.strategy if chosen else Strategy(), budget_bytes=budget,
+                margin_bytes=margin, prediction=prediction, model=model, hardware=hw.name, policy=pol.to_dict(),
+                global_batch=global_batch, infeasible={"message": message, "smallest_total_bytes": reach,
+                                                       "relaxations": relax},
+                search=search_info, notes=notes)

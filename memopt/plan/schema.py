@@ -1,0 +1,122 @@
+"""The ``Plan``: what the planner chose, why, and what it predicts; saved as JSON and loaded back unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memopt.strategy import Strategy
+
+__all__ = ["PLAN_SCHEMA_VERSION", "Plan"]
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """A chosen strategy with its predicted memory and time (``fits`` says whether it fits the budget)."""
+
+    fits: bool
+    strategy: Strategy
+    budget_bytes: int
+    margin_bytes: int
+    prediction: dict[str, Any]  # the chosen strategy's estimate (Estimate.to_dict())
+    model: dict[str, Any]
+    hardware: str
+    policy: dict[str, Any]
+    global_batch: int
+    runners_up: list[dict[str, Any]] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)  # technique -> why the other values lost
+    savings: dict[str, dict[str, Any]] = field(default_factory=dict)  # technique -> memory saved, time cost
+    infeasible: dict[str, Any] | None = None
+    search: dict[str, Any] = field(default_factory=dict)  # candidates, evaluated, pruned, seconds
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    # -- the figures every issue names ----------------------------------------------------------
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return int(self.prediction["peak_allocated_bytes"])
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return int(self.prediction["peak_reserved_bytes"])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.prediction["total_bytes"])
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.prediction["step_time_s"])
+
+    @property
+    def techniques(self) -> dict[str, Any]:
+        return self.strategy.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        throughput = {k: v for k, v in self.prediction.items() if k.endswith("_per_s")}
+        return {
+            "schema_version": self.schema_version,
+            "fits": self.fits,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "runtime_bytes": int(self.prediction["runtime_bytes"]),
+            "total_bytes": self.total_bytes,
+            "budget_bytes": self.budget_bytes,
+            "margin_bytes": self.margin_bytes,
+            "step_time_s": self.step_time_s,
+            **throughput,
+            "techniques": self.techniques,
+            "strategy_label": self.strategy.label(),
+            "breakdown": self.prediction["breakdown"],
+            "peak_at": self.prediction.get("peak_at"),
+            "prediction": self.prediction,
+            "model": self.model,
+            "hardware": self.hardware,
+            "policy": self.policy,
+            "global_batch": self.global_batch,
+            "runners_up": self.runners_up,
+            "rejected": self.rejected,
+            "savings": self.savings,
+            "infeasible": self.infeasible,
+            "search": self.search,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {version!r} is not the supported {PLAN_SCHEMA_VERSION}; "
+                             "make the plan again with this memopt (python -m memopt.plan ...)")
+        missing = [k for k in ("fits", "techniques", "budget_bytes", "prediction", "model", "hardware", "policy",
+                               "global_batch") if k not in data]
+        if missing:
+            raise ValueError(f"not a memopt plan: missing {', '.join(missing)}")
+        return cls(fits=data["fits"], strategy=Strategy.from_dict(data["techniques"]),
+                   budget_bytes=data["budget_bytes"], margin_bytes=data.get("margin_bytes", 0),
+                   prediction=data["prediction"], model=data["model"], hardware=data["hardware"],
+                   policy=data["policy"], global_batch=data["global_batch"], runners_up=data.get("runners_up", []),
+                   rejected=data.get("rejected", {}), savings=data.get("savings", {}),
+                   infeasible=data.get("infeasible"), search=data.get("search", {}), notes=data.get("notes", []),
+                   schema_version=version)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"no plan file at {path}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); it is not a memopt plan") from exc
+        return cls.from_dict(data)

@@ -1,0 +1,242 @@
+"""The search: the fastest strategy whose predicted total plus the safety margin fits the budget.
+
+Every combination of the techniques' options is a candidate (thousands). Each gets an optimistic step
+time from the plain trace of the default precision (its micro-batch size's cost, rescaled to the
+candidate's precision, plus what its techniques must at least add: recomputation, offload copies).
+Candidates are evaluated in that order, so nothing is traced that cannot win:
+
+* a candidate is *pruned as slower* once ``runners_up + 1`` fitting candidates are all faster than its
+  optimistic time (provably: its real time can only be higher);
+* a candidate is *pruned as too big* when one that needs no more memory in every respect (same
+  precision and optimizer, no larger micro-batch, at least as much checkpointing, offload and chunking)
+  already exceeded the budget in allocated bytes;
+* otherwise it is estimated exactly; the caching allocator is simulated only when its allocated bytes
+  fit and it would enter the top ``runners_up + 1`` by time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from memopt.estimate.estimator import Estimate, estimate_strategy
+from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
+from memopt.hardware import HardwareSpec
+from memopt.plan.policy import Policy
+from memopt.profile.profile import Profile
+from memopt.profile.trace import VariantKey
+from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
+
+__all__ = ["Evaluated", "SearchResult", "candidates", "evaluate", "search"]
+
+_SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
+
+
+@dataclass
+class Evaluated:
+    strategy: Strategy
+    estimate: Estimate | None
+    fits: bool | None  # None: allocated bytes fit but the allocator was not simulated (not a contender)
+    total_bytes: int
+    reason: str = ""
+
+
+@dataclass
+class SearchResult:
+    best: Evaluated | None
+    evaluated: list[Evaluated]
+    num_candidates: int
+    pruned_slower: int
+    pruned_too_big: int
+    seconds: float
+    feasible: list[Evaluated] = field(default_factory=list)
+
+
+def candidates(ctx: SearchContext, policy: Policy) -> list[Strategy]:
+    """Every combination of the options the policy allows."""
+    options: dict[str, list[Any]] = {}
+    for tech in TECHNIQUES:
+        values = tech.options(ctx)
+        if tech.name == "checkpointing":
+            mode = policy.pins.get("checkpointing")
+            blocks = policy.pins.get("checkpoint_blocks")
+            forbidden = set(policy.forbid.get("checkpointing", ()))
+            values = [v for v in values if (mode is None or v.mode == mode) and v.mode not in forbidden
+                      and (blocks is None or (v.num_blocks or max(ctx.block_counts, default=0)) == blocks)]
+            if mode in ("full", "selective") and blocks is not None and not values:
+                values = [Checkpointing(mode=mode, num_blocks=blocks)]
+        else:
+            if tech.name in policy.pins and policy.pins[tech.name] not in values:
+                values = [policy.pins[tech.name]]  # a pin outside the default options (e.g. chunked_ce=32)
+            values = [v for v in values if policy.allows(tech.name, v)]
+        options[tech.name] = values
+    names = list(options)
+    out = []
+    for combo in itertools.product(*(options[n] for n in names)):
+        d = dict(zip(names, combo))
+        b = d["micro_batch_size"]
+        out.append(Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
+                            activation_offload=d["activation_offload"], attention=d["attention"],
+                            chunked_ce=d["chunked_ce"], optimizer=d["optimizer"], micro_batch_size=b,
+                            grad_accum_steps=ctx.global_batch // b, expandable_segments=d["expandable_segments"]))
+    return out
+
+
+# -- optimistic times --------------------------------------------------------------------------
+_TERMS = ("matmul", "attention", "memory", "launches")
+
+
+def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:
+    from memopt.estimate.compose import pass_layout
+
+    trace = profile.variant(key, b)
+    modes = [[key] * n for n in profile.full_block_counts]
+    layout = pass_layout({key: trace}, key, modes, profile.full_block_counts)
+    out = {part: dict.fromkeys(_TERMS, 0.0) for part in ("fwd", "bwd", "blk")}
+    for part, insts in (("fwd", layout.forward), ("bwd", layout.backward)):
+        for inst in insts:
+            seg = trace.segments[inst.segment]
+            for k, v in segment_terms(seg.cost1, seg.cost2, b, hw, lo=trace.lo, hi=trace.hi).items():
+                out[part][k] += v
+                if part == "fwd" and inst.block is not None:
+                    out["blk"][k] += v
+    out["saved"] = {"bytes": float(_saved_activation_bytes(trace, layout, b))}
+    return out
+
+
+def _saved_activation_bytes(trace: Any, layout: Any, b: int) -> int:
+    """Bytes the blocks keep for backward in tensors of 1 MiB and more: what offload would move."""
+    from memopt.categories import MemoryCategory
+    from memopt.estimate.compose import _index
+
+    cats = _index(trace).categories
+    total = 0
+    for inst in layout.forward:
+        if inst.block is None:
+            continue
+        for kind, k, lo, hi in trace.segments[inst.segment].events:
+            size = trace.size(lo, hi, b)
+            if kind == 1 and cats.get(k) == MemoryCategory.ACTIVATIONS and size >= 1 << 20:
+                total += size
+    return total
+
+
+def _rescale(terms: dict[str, float], group: str, base_group: str, hw: HardwareSpec) -> dict[str, float]:
+    """Terms of another precision group, bounded from the base group's: fp32 matmuls run at the fp32 rate
+    (at least the bf16 count of FLOPs at it), fp32 activations move at least as many bytes."""
+    if group == base_group:
+        return terms
+    out = dict(terms)
+    if group == "fp32" and base_group != "fp32" and "bf16" in hw.peak_flops:
+        out["matmul"] = terms["matmul"] * hw.flops("bf16") / hw.flops("fp32")
+        out["attention"] = terms["attention"] * hw.flops("bf16") / hw.flops("fp32")
+    if group == "bf16w":
+        out["memory"] = terms["memory"] * 0.5  # at most half the bytes: weights and activations halve
+    return out
+
+
+def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
+    from memopt.profile.trace import PRECISION_GROUP
+
+    b = s.micro_batch_size
+    if b not in cache:
+        cache[b] = _pass_terms(profile, VariantKey(precision=base_group, checkpointing="none"), b, hw)
+    terms = cache[b]
+    group = PRECISION_GROUP[s.precision]
+    fwd = _rescale(terms["fwd"], group, base_group, hw)
+    bwd = _rescale(terms["bwd"], group, base_group, hw)
+    blk = _rescale(terms["blk"], group, base_group, hw)
+    tm = DEFAULT_TIMING
+    base = BaseTimes(forward_s=terms_time(fwd), backward_s=terms_time(bwd), block_forward_s=terms_time(blk),
+                     block_forward_matmul_s=blk["matmul"] / tm.matmul_efficiency,
+                     attention_s=(fwd["attention"] + bwd["attention"]) / tm.attention_efficiency,
+                     extra={"blocks": float(max(profile.full_block_counts, default=1)),
+                            "offload_copy_s": 0.5 * terms["saved"]["bytes"]
+                            / (hw.host_link_bandwidth * tm.offload_efficiency)})
+    per_pass = base.forward_s + base.backward_s
+    for tech in TECHNIQUES:
+        per_pass += tech.time_lower_bound(getattr(s, tech.name), base)
+    return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
+
+
+# -- memory dominance ----------------------------------------------------------------------------
+def _ac_level(c: Checkpointing, total: int) -> int:
+    if c.mode == "none":
+        return 0
+    n = c.num_blocks if c.num_blocks is not None else total
+    return n * (2 if c.mode == "full" else 1)  # selective keeps more than full for the same blocks
+
+
+def _no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
+    """``a`` needs no more allocated memory than ``b``: same precision, optimizer and attention kernel, and in
+    every other respect at most as much (micro-batch) or at least as much saving (checkpointing, offload,
+    chunked loss)."""
+    if (a.precision, a.optimizer, a.attention) != (b.precision, b.optimizer, b.attention):
+        return False
+    ma, mb = a.checkpointing.mode, b.checkpointing.mode
+    if ma != mb and "none" not in (ma, mb):
+        return False  # full and selective checkpointing are not ordered
+    chunk_ok = a.chunked_ce == b.chunked_ce or (a.chunked_ce > 0 and b.chunked_ce == 0) or a.chunked_ce > b.chunked_ce > 0
+    return (a.micro_batch_size <= b.micro_batch_size and chunk_ok and a.activation_offload >= b.activation_offload
+            and _ac_level(a.checkpointing, total) >= _ac_level(b.checkpointing, total))
+
+
+def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy, ctx: SearchContext,
+           *, runners_up: int = 3, base_group: str = "amp") -> SearchResult:
+    start = time.perf_counter()
+    cands = candidates(ctx, policy)
+    margin = policy.margin(budget_bytes)
+    total_blocks = max(profile.full_block_counts, default=0)
+    if base_group == "amp" and not hw.supports_bf16:
+        base_group = "fp32"
+    cache: dict = {}
+    bounds = sorted((_optimistic(profile, s, hw, base_group, cache), i) for i, s in enumerate(cands))
+    evaluated: list[Evaluated] = []
+    top: list[Evaluated] = []  # fitting, by time
+    too_big: list[Strategy] = []
+    pruned_slower = pruned_big = 0
+    for n, (bound, i) in enumerate(bounds):
+        if len(top) > runners_up and bound > top[runners_up].estimate.step_time_s:
+            pruned_slower = len(bounds) - n
+            break
+        s = cands[i]
+        if any(_no_bigger(t, s, total_blocks) for t in too_big):
+            pruned_big += 1
+            continue
+        ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
+        evaluated.append(ev)
+        if ev.fits is False and ev.reason.startswith("allocated"):
+            too_big.append(s)
+        if ev.fits:
+            top.append(ev)
+            top.sort(key=lambda e: e.estimate.step_time_s)
+    return SearchResult(best=top[0] if top else None, evaluated=evaluated, num_candidates=len(cands),
+                        pruned_slower=pruned_slower, pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
+                        feasible=top)
+
+
+def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,
+              top: list[Evaluated], runners_up: int) -> Evaluated:
+    try:
+        quick = estimate_strategy(profile, s, hardware=hw, exact_reserved=False)
+    except ValueError as exc:
+        return Evaluated(s, None, False, 0, f"cannot be estimated: {exc}")
+    allocated_total = quick.peak_allocated_bytes + quick.runtime_bytes
+    if allocated_total + margin > budget_bytes:
+        return Evaluated(s, quick, False, allocated_total, "allocated bytes alone exceed the budget")
+    if len(top) > runners_up and quick.step_time_s >= top[runners_up].estimate.step_time_s:
+        return Evaluated(s, quick, None, allocated_total, "not a contender (slower than the runners-up)")
+    return evaluate(profile, s, hw, budget_bytes, margin)
+
+
+def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int) -> Evaluated:
+    """Exact memory (allocator simulated) and time of one candidate."""
+    try:
+        exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2)
+    except ValueError as exc:
+        return Evaluated(s, None, False, 0, f"cannot be estimated: {exc}")
+    fits = exact.total_bytes + margin <= budget_bytes
+    return Evaluated(s, exact, fits, exact.total_bytes, "" if fits else "reserved bytes exceed the budget")

@@ -1,0 +1,147 @@
+"""``memopt.profile(model, sample=...)``: resolve what the user passed, then trace or load from the cache."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.hardware import HardwareSpec, load_hardware
+from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.profile import Profile, cache_dir, static_facts, structure_key
+from memopt.profile.trace import BatchFactory, VariantKey
+
+__all__ = ["default_variant", "profile_model", "resolve_model"]
+
+
+def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
+    """(module on meta or as given, model spec or None, display name) from a module, a shipped config name,
+    a YAML path, a spec dict, or a Hydra ``{'_target_': ...}`` node."""
+    from memopt.models import ModelSpec, build_model, load_model_spec
+
+    if isinstance(model, nn.Module):
+        return model, None, type(model).__name__
+    if isinstance(model, dict) and "_target_" in model:
+        import hydra.utils
+
+        with torch.device("meta"):
+            module = hydra.utils.instantiate(model)
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"_target_ {model['_target_']!r} built a {type(module).__name__}, not a torch.nn.Module")
+        return module, None, str(model["_target_"]).rsplit(".", 1)[-1]
+    if isinstance(model, (str, dict, ModelSpec)):
+        spec = load_model_spec(model)
+        return build_model(spec, device="meta"), spec, spec.name
+    raise ValueError(
+        f"cannot profile a {type(model).__name__}: pass a torch.nn.Module, a shipped model name "
+        "(e.g. 'llama3_8b'; see configs/model/), a model YAML path, or a Hydra node with _target_"
+    )
+
+
+def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
+    """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
+    from memopt.models import SampleSpec, make_batch
+
+    if spec is not None:
+        parsed = SampleSpec.parse(sample, spec)
+        config = getattr(module, "config", None)
+
+        def factory(b: int, device: str) -> dict[str, Any]:
+            return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
+                              config=config)
+
+        tokens = parsed.seq_len if spec.is_token_model else None
+        return factory, parsed.to_dict(), tokens
+    if not isinstance(sample, dict) or not sample:
+        raise ValueError(
+            "a custom nn.Module needs sample=<a batch>: a dict of tensors shaped like one global batch "
+            "(its first dimension is the batch), e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
+        )
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    batch_size = None
+    problems = []
+    for k, v in sample.items():
+        if not isinstance(v, torch.Tensor):
+            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
+            continue
+        if v.dim() == 0:
+            problems.append(f"{k!r} is a scalar; every entry needs the batch as its first dimension")
+            continue
+        shapes[k] = (tuple(v.shape), v.dtype)
+        batch_size = batch_size or v.shape[0]
+        if v.shape[0] != batch_size:
+            problems.append(f"{k!r} has {v.shape[0]} samples, others {batch_size}")
+    if problems:
+        raise ValueError("invalid sample batch: " + "; ".join(problems))
+
+    def factory(b: int, device: str) -> dict[str, Any]:
+        out = {}
+        for k, (shape, dtype) in shapes.items():
+            size = (b, *shape[1:])
+            out[k] = torch.randn(size, device=device).to(dtype) if dtype.is_floating_point else \
+                torch.zeros(size, dtype=dtype, device=device)
+        return out
+
+    seq = None
+    return factory, {"batch_size": batch_size, "tensors": {k: [list(s), str(d)] for k, (s, d) in shapes.items()}}, seq
+
+
+def default_variant(hardware: HardwareSpec) -> VariantKey:
+    return VariantKey(precision="amp" if hardware.supports_bf16 else "fp32", checkpointing="none")
+
+
+def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec = "h100_80gb",
+                  loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
+                  variants: list[VariantKey] | None = None) -> Profile:
+    """Profile ``model`` for ``sample`` on ``hardware`` (see :class:`Profile`); the first variant is traced now."""
+    hw = load_hardware(hardware)
+    policy = kernel_policy_for(hw)
+    module, spec, name = resolve_model(model)
+    factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
+    key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key})
+    path = cache_dir() / "profiles" / f"{key}.json"
+    prof: Profile | None = None
+    if use_cache and path.exists():
+        try:
+            prof = Profile.load(path)
+        except (ValueError, KeyError, OSError):
+            prof = None  # a stale or damaged cache entry is traced again
+    if prof is None:
+        facts = static_facts(module)
+        prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
+                       family=spec.family if spec is not None else None, sample=sample_dict,
+                       tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy.cache_key,
+                       torch_version=torch.__version__, moe=_moe_facts(module), **facts)
+        for stack in prof.stacks:
+            if not stack["uniform_tail"]:
+                prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
+    prof.attach(module, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
+                cache_path=path if use_cache else None)
+    start = time.perf_counter()
+    for v in variants or [default_variant(hw)]:
+        prof.variant(v)
+    prof.trace_s = max(prof.trace_s, time.perf_counter() - start) if not prof.trace_s else prof.trace_s
+    return prof
+
+
+def _moe_facts(module: nn.Module) -> dict[str, Any] | None:
+    config = getattr(module, "config", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    if not experts:
+        return None
+    impl = getattr(config, "_experts_implementation", None) or "grouped_mm"
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return {
+        "num_experts": experts, "top_k": top_k, "experts_implementation": impl,
+        "routing": ("independent of routing: transformers' grouped GEMM runs every token's top-k experts as one "
+                    "batch of tokens x top_k rows, so memory does not depend on how tokens are spread"
+                    if impl == "grouped_mm" else "balanced routing assumed (capacity factor 1.0)"),
+        "capacity_factor": 1.0,
+    }
+
+
+_ = (copy, warnings)

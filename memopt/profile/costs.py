@@ -1,0 +1,128 @@
+"""What each traced op costs in arithmetic and memory traffic, for the step-time model.
+
+Per phase of a trace: matmul FLOPs by compute dtype, attention FLOPs, the bytes that non-matmul ops
+read and write (inputs + outputs; views and in-place metadata ops move nothing), and the op count
+(kernel launches). The time model turns these into seconds with the hardware's peaks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["ATTENTION_OPS", "CostRecorder", "PhaseCost"]
+
+ATTENTION_OPS = {
+    "cuda_flash_attention", "cuda_efficient_attention", "cuda_cudnn_attention",
+    "cuda_flash_attention_backward", "cuda_efficient_attention_backward", "cuda_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+}
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addmv", "mv", "_grouped_mm", "convolution",
+               "convolution_backward", "_scaled_mm"}
+_FREE_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "expand", "slice", "select", "as_strided",
+             "permute", "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "unbind",
+             "empty", "empty_strided", "empty_like", "lift_fresh", "_to_copy_noop", "view_as_real", "view_as_complex",
+             "unflatten", "flatten", "narrow", "chunk", "_reshape_alias", "diagonal", "squeeze_", "unsqueeze_",
+             "is_same_size", "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel"}
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+@dataclass
+class PhaseCost:
+    """Cost of one phase of a trace."""
+
+    matmul_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    attention_flops: float = 0.0
+    attention_dtype: str = "bf16"
+    memory_bytes: float = 0.0
+    num_ops: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"matmul_flops": dict(self.matmul_flops), "attention_flops": self.attention_flops,
+                "attention_dtype": self.attention_dtype, "memory_bytes": self.memory_bytes, "num_ops": self.num_ops}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PhaseCost:
+        c = cls()
+        c.matmul_flops.update(d.get("matmul_flops", {}))
+        c.attention_flops = d.get("attention_flops", 0.0)
+        c.attention_dtype = d.get("attention_dtype", "bf16")
+        c.memory_bytes = d.get("memory_bytes", 0.0)
+        c.num_ops = d.get("num_ops", 0)
+        return c
+
+
+def _attention_flops(name: str, args: tuple) -> float:
+    """Dense attention FLOPs: 4 B H Lq Lk D forward (two GEMMs), 2.5x that backward; causal halves both."""
+    if name.endswith("_backward"):
+        q, k = args[1], args[2]
+        factor = 2.5
+    else:
+        q, k = args[0], args[1]
+        factor = 1.0
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return 0.0
+    b, h, lq, d = q.shape
+    lk = k.shape[-2]
+    causal = any(a is True for a in args[3:8])
+    flops = 4.0 * b * h * lq * lk * d * factor
+    return flops / 2 if causal else flops
+
+
+def _grouped_mm_flops(args: tuple, out: Any) -> float:
+    """2 x (output elements) x (reduced dimension): grouped GEMMs reduce over mat_a's last dimension, or over
+    its rows when it is the 2-D operand of a weight-gradient product (output 3-D)."""
+    a = args[0]
+    if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
+        return 0.0
+    reduced = a.shape[-1] if not (out.dim() == 3 and a.dim() == 2) else a.shape[0]
+    return 2.0 * out.numel() * reduced
+
+
+class CostRecorder:
+    """A tracker op hook: accumulates a ``PhaseCost`` per phase index."""
+
+    def __init__(self, phase_of: Any) -> None:
+        self.phase_of = phase_of  # callable returning the current phase index
+        self.costs: dict[int, PhaseCost] = defaultdict(PhaseCost)
+
+    def __call__(self, func: Any, args: tuple, out: Any) -> None:
+        packet = getattr(func, "_overloadpacket", None)
+        name = packet.__name__ if packet is not None else getattr(func, "__name__", "")
+        if name in _FREE_OPS:
+            return
+        cost = self.costs[self.phase_of()]
+        cost.num_ops += 1
+        if name in ATTENTION_OPS:
+            cost.attention_flops += _attention_flops(name, args)
+            q = args[0] if not name.endswith("_backward") else args[1]
+            if isinstance(q, torch.Tensor):
+                cost.attention_dtype = _dtype_key(q.dtype)
+            return
+        if name == "_grouped_mm":
+            flops = _grouped_mm_flops(args, out)
+            cost.matmul_flops[_dtype_key(args[0].dtype)] += flops
+            return
+        if name in _MATMUL_OPS and packet in flop_registry:
+            try:
+                flops = flop_registry[packet](*args, out_val=out)
+            except Exception:
+                flops = 0
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            cost.matmul_flops[_dtype_key(first.dtype) if first is not None else "fp32"] += float(flops)
+            return
+        nbytes = 0
+        for t in tree_flatten((args, out))[0]:
+            if isinstance(t, torch.Tensor):
+                nbytes += t.numel() * t.element_size()
+        cost.memory_bytes += nbytes

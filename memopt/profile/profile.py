@@ -1,0 +1,281 @@
+"""``memopt.profile``: what a model needs in memory and compute, recorded once on the CPU.
+
+A ``Profile`` holds the model's static facts (parameters and buffers by module and dtype, its block
+stacks), the traces of the variants the planner has asked for (one forward + backward of the
+block-truncated model at micro-batch 1 and 2), and the optimizer traces. It serializes to JSON with a
+schema version and is cached under a key of the model's structure, the sample, the kernel policy of
+the planned hardware and the torch version. Variants missing from a loaded profile are traced on
+demand when the model is at hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.blocks import find_block_stacks
+from memopt.hardware import HardwareSpec
+from memopt.profile.attention_kernels import UnsupportedAttention
+from memopt.profile.cuda_semantics import KernelPolicy
+from memopt.profile.trace import (
+    BatchFactory,
+    OptimizerTrace,
+    TraceAlignmentError,
+    VariantKey,
+    VariantTrace,
+    trace_optimizer,
+    trace_variant,
+)
+from memopt.profile.tracker import allocator_size
+
+__all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
+
+SCHEMA_VERSION = 1
+
+
+def cache_dir() -> Path:
+    """Where profiles and calibrations are cached: $MEMOPT_CACHE_DIR, else ~/.cache/memopt."""
+    return Path(os.environ.get("MEMOPT_CACHE_DIR", Path.home() / ".cache" / "memopt"))
+
+
+@dataclass
+class Profile:
+    """The recorded facts of one model, sample and target GPU stack."""
+
+    key: str
+    model_name: str
+    model_class: str
+    family: str | None
+    num_params: int
+    num_trainable_params: int
+    param_sizes: list[tuple[int, str, bool]]  # per distinct parameter: (numel, dtype, requires_grad)
+    buffer_sizes: list[tuple[int, str]]
+    params_by_module: dict[str, dict[str, int]]
+    stacks: list[dict[str, Any]]
+    sample: dict[str, Any]
+    tokens_per_sample: int | None
+    hardware: str
+    kernel_policy: str
+    torch_version: str
+    variants: dict[VariantKey, VariantTrace] = field(default_factory=dict)
+    optimizers: dict[tuple[str, str], OptimizerTrace] = field(default_factory=dict)
+    moe: dict[str, Any] | None = None
+    analytic: bool = False
+    notes: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    trace_s: float = 0.0
+    # not serialized: what lazy tracing needs
+    _model: nn.Module | None = field(default=None, repr=False, compare=False)
+    _batch_factory: BatchFactory | None = field(default=None, repr=False, compare=False)
+    _policy: KernelPolicy | None = field(default=None, repr=False, compare=False)
+    _loss_fn: Any = field(default=None, repr=False, compare=False)
+    _optimizer_spec: Any = field(default=None, repr=False, compare=False)
+    _cache_path: Path | None = field(default=None, repr=False, compare=False)
+    _failed: dict[VariantKey, str] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- derived facts -------------------------------------------------------------------------
+    @property
+    def full_block_counts(self) -> list[int]:
+        return [s["num_blocks"] for s in self.stacks]
+
+    def param_bytes(self, weight_dtype: torch.dtype = torch.float32) -> int:
+        """Parameter bytes on the GPU with floating weights stored in ``weight_dtype`` (allocator-rounded)."""
+        total = 0
+        item = torch.empty((), dtype=weight_dtype).element_size()
+        for numel, dtype, _ in self.param_sizes:
+            size = item if _is_float(dtype) else torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            total += allocator_size(numel * size)
+        return total
+
+    def buffer_bytes(self, weight_dtype: torch.dtype = torch.float32) -> int:
+        item = torch.empty((), dtype=weight_dtype).element_size()
+        total = 0
+        for numel, dtype in self.buffer_sizes:
+            size = item if _is_float(dtype) and weight_dtype != torch.float32 else \
+                torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            total += allocator_size(numel * size)
+        return total
+
+    # -- traces ----------------------------------------------------------------------------------
+    def can_trace(self) -> bool:
+        return self._model is not None and self._batch_factory is not None and self._policy is not None
+
+    def variant(self, key: VariantKey, micro_batch: int = 1) -> VariantTrace:
+        """The trace of ``key`` that covers ``micro_batch`` (traced now if missing and the model is at hand)."""
+        if key.activation_offload:
+            # offload's bounded copy window makes the event sequence depend on the bytes: trace each size
+            exact = key.at(micro_batch)
+            return self.variants.get(exact) or self._trace(exact)
+        linear = key.at(None)
+        trace = self.variants.get(linear)
+        if trace is None:
+            trace = self._trace(linear)
+        if trace.covers(micro_batch):
+            return trace
+        exact = key.at(micro_batch)
+        return self.variants.get(exact) or self._trace(exact)
+
+    def _trace(self, key: VariantKey) -> VariantTrace:
+        if not self.can_trace():
+            raise ValueError(
+                f"the profile has no trace of {key.label()} and was loaded without its model; "
+                "profile the model again (memopt.profile(model, ...)) to trace it"
+            )
+        if key in self._failed:
+            raise ValueError(self._failed[key])
+        start = time.perf_counter()
+        try:
+            traces = trace_variant(self._model, self._batch_factory, key, self._policy, loss_fn=self._loss_fn)
+        except UnsupportedAttention as exc:
+            self._failed[key] = f"{key.label()}: {exc}"
+            raise ValueError(self._failed[key]) from exc
+        except TraceAlignmentError as exc:
+            raise ValueError(f"memopt cannot extrapolate this model's memory over micro-batch sizes ({exc}); "
+                             "its forward pass takes different code paths at micro-batch 1 and 2") from exc
+        for t in traces:
+            self.variants[t.key] = t
+        self.trace_s += time.perf_counter() - start
+        self._save()
+        return traces[0]
+
+    def optimizer(self, precision: str, optimizer: str) -> OptimizerTrace:
+        key = (precision, optimizer)
+        if key not in self.optimizers:
+            if self._model is None or self._policy is None:
+                raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
+                                 "profile the model again to trace it")
+            if optimizer == "user" and self._optimizer_spec is None:
+                raise ValueError("optimizer 'user' needs the optimizer callable passed to memopt.profile/plan")
+            start = time.perf_counter()
+            self.optimizers[key] = trace_optimizer(self._model, precision, optimizer, self._policy,
+                                                   optimizer_spec=self._optimizer_spec)
+            self.trace_s += time.perf_counter() - start
+            self._save()
+        return self.optimizers[key]
+
+    # -- serialization -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version, "key": self.key, "model_name": self.model_name,
+            "model_class": self.model_class, "family": self.family, "num_params": self.num_params,
+            "num_trainable_params": self.num_trainable_params, "param_sizes": self.param_sizes,
+            "buffer_sizes": self.buffer_sizes, "params_by_module": self.params_by_module, "stacks": self.stacks,
+            "sample": self.sample, "tokens_per_sample": self.tokens_per_sample, "hardware": self.hardware,
+            "kernel_policy": self.kernel_policy, "torch_version": self.torch_version,
+            "variants": [v.to_dict() for v in self.variants.values()],
+            "optimizers": [o.to_dict() for o in self.optimizers.values()],
+            "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"profile schema version {version} is not the supported {SCHEMA_VERSION}; "
+                             "profile the model again")
+        variants = {VariantTrace.from_dict(v).key: VariantTrace.from_dict(v) for v in d["variants"]}
+        optimizers = {}
+        for o in d["optimizers"]:
+            t = OptimizerTrace.from_dict(o)
+            optimizers[(t.precision, t.optimizer)] = t
+        return cls(key=d["key"], model_name=d["model_name"], model_class=d["model_class"], family=d.get("family"),
+                   num_params=d["num_params"], num_trainable_params=d["num_trainable_params"],
+                   param_sizes=[tuple(x) for x in d["param_sizes"]],
+                   buffer_sizes=[tuple(x) for x in d["buffer_sizes"]], params_by_module=d["params_by_module"],
+                   stacks=d["stacks"], sample=d["sample"], tokens_per_sample=d.get("tokens_per_sample"),
+                   hardware=d["hardware"], kernel_policy=d["kernel_policy"], torch_version=d["torch_version"],
+                   variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
+                   notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def _save(self) -> None:
+        if self._cache_path is not None:
+            try:
+                self.save(self._cache_path)
+            except OSError:
+                pass  # a read-only cache is no reason to fail a plan
+
+    def attach(self, model: nn.Module, batch_factory: BatchFactory, policy: KernelPolicy, loss_fn: Any = None,
+               optimizer_spec: Any = None, cache_path: Path | None = None) -> Profile:
+        self._model, self._batch_factory, self._policy = model, batch_factory, policy
+        self._loss_fn, self._optimizer_spec, self._cache_path = loss_fn, optimizer_spec, cache_path
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        return {"model": self.model_name, "num_params": self.num_params,
+                "num_trainable_params": self.num_trainable_params,
+                "stacks": [{k: s[k] for k in ("path", "num_blocks", "block_class")} for s in self.stacks],
+                "sample": self.sample, "variants": [k.label() for k in self.variants], "moe": self.moe,
+                "analytic": self.analytic, "notes": self.notes}
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype in ("float32", "float16", "bfloat16", "float64")
+
+
+def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
+    """A hash of what decides the traces: module classes, parameter shapes and dtypes, the sample, the
+    kernel policy, torch's version and memopt's profile schema."""
+    h = hashlib.sha256()
+    h.update(type(model).__qualname__.encode())
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        h.update(config.to_json_string(use_diff=False).encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    h.update(f"{torch.__version__}:{SCHEMA_VERSION}".encode())
+    return h.hexdigest()[:24]
+
+
+def static_facts(model: nn.Module) -> dict[str, Any]:
+    seen: set[int] = set()
+    param_sizes: list[tuple[int, str, bool]] = []
+    by_module: dict[str, dict[str, int]] = {}
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        dtype = str(p.dtype).removeprefix("torch.")
+        param_sizes.append((p.numel(), dtype, p.requires_grad))
+        top = name.split(".")[0] if "." in name else "(root)"
+        entry = by_module.setdefault(top, {})
+        entry[dtype] = entry.get(dtype, 0) + p.numel() * p.element_size()
+    buffers = [(b.numel(), str(b.dtype).removeprefix("torch.")) for b in model.buffers()]
+    stacks = []
+    for s in find_block_stacks(model):
+        block = s.blocks[0]
+        stacks.append({"path": s.path, "num_blocks": len(s), "block_class": s.block_class,
+                       "params_per_block": sum(p.numel() for p in block.parameters()),
+                       "uniform_tail": s.uniform_tail})
+        by_dtype: dict[str, int] = {}
+        for p in block.parameters():
+            d = str(p.dtype).removeprefix("torch.")
+            by_dtype[d] = by_dtype.get(d, 0) + p.numel() * p.element_size()
+        by_module[f"{s.path}[*] ({s.block_class}, each)"] = by_dtype
+    return {"param_sizes": param_sizes, "buffer_sizes": buffers, "params_by_module": by_module, "stacks": stacks,
+            "num_params": sum(n for n, _, _ in param_sizes),
+            "num_trainable_params": sum(n for n, _, g in param_sizes if g)}
+
+
+_ = (Callable, HardwareSpec)

@@ -1,0 +1,460 @@
+"""Traces that the profile records: one forward + backward of a block-truncated copy of the model.
+
+A *variant* is what changes the bytes a forward and backward allocate: precision group, activation
+checkpointing mode, attention backend, chunked cross-entropy, activation offload. Each variant is
+traced at micro-batch 1 and 2 on a copy whose block stacks keep ``TRACED_BLOCKS`` blocks (first,
+second, a middle one that stands for all the others, last); the events of the two traces are aligned
+one to one, so the bytes of every allocation at any micro-batch ``b`` follow exactly
+(``bytes(b) = bytes(1) + (b - 1) * (bytes(2) - bytes(1))``, before the allocator rounds them).
+
+The optimizer step is traced on its own, over fake parameters and gradients of the *full* model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memopt.apply.prepare import prepare
+from memopt.apply.train_step import TrainStep
+from memopt.blocks import find_block_stacks
+from memopt.categories import MemoryCategory
+from memopt.profile.costs import CostRecorder, PhaseCost
+from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
+from memopt.profile.fake_model import fake_copy
+from memopt.profile.hf_compat import real_code_paths
+from memopt.profile.markers import install_markers
+from memopt.profile.simulate import trace_device
+from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
+from memopt.strategy import Checkpointing, Strategy
+
+__all__ = [
+    "TRACED_BLOCKS",
+    "OptimizerTrace",
+    "Segment",
+    "TraceAlignmentError",
+    "VariantKey",
+    "VariantTrace",
+    "trace_optimizer",
+    "trace_variant",
+    "variant_key",
+]
+
+TRACED_BLOCKS = 4
+
+PRECISION_GROUP = {"fp32": "fp32", "bf16_autocast": "amp", "fp16_autocast": "amp", "bf16_master": "bf16w",
+                   "bf16_pure": "bf16w"}
+_GROUP_PRECISION = {"fp32": "fp32", "amp": "bf16_autocast", "bf16w": "bf16_pure"}
+
+
+class TraceAlignmentError(RuntimeError):
+    """The traces at micro-batch 1 and 2 did not run the same ops (shapes steer the model's code)."""
+
+
+@dataclass(frozen=True, order=True)
+class VariantKey:
+    precision: str  # "fp32" | "amp" | "bf16w"
+    checkpointing: str  # "none" | "full" | "selective"
+    attention: str = "auto"
+    chunked_ce: int = 0
+    activation_offload: bool = False
+    micro_batch: int | None = None  # None: traced at two sizes, linear in the micro-batch; else one exact size
+
+    def label(self) -> str:
+        mb = "" if self.micro_batch is None else f"/mb={self.micro_batch}"
+        return (f"{self.precision}/ac={self.checkpointing}/attn={self.attention}/ce={self.chunked_ce}"
+                f"/offload={int(self.activation_offload)}{mb}")
+
+    def at(self, micro_batch: int | None) -> VariantKey:
+        return dataclasses.replace(self, micro_batch=micro_batch)
+
+    def strategy(self) -> Strategy:
+        """A strategy that makes a trace of this variant (one micro-batch, every block in this mode)."""
+        return Strategy(precision=_GROUP_PRECISION[self.precision],
+                        checkpointing=Checkpointing(mode=self.checkpointing),
+                        attention=self.attention, chunked_ce=self.chunked_ce,
+                        activation_offload=self.activation_offload, optimizer="sgd")
+
+
+def variant_key(strategy: Strategy, checkpointing: str | None = None) -> VariantKey:
+    return VariantKey(precision=PRECISION_GROUP[strategy.precision],
+                      checkpointing=checkpointing or strategy.checkpointing.mode,
+                      attention=strategy.attention, chunked_ce=strategy.chunked_ce,
+                      activation_offload=strategy.activation_offload)
+
+
+@dataclass
+class Segment:
+    """One phase of a trace: its events (bytes at micro-batch 1 and 2) and costs."""
+
+    name: str
+    events: list[tuple[int, int, int, int]]  # (kind, key, bytes at the trace's lo and hi micro-batch)
+    cost1: PhaseCost = field(default_factory=PhaseCost)
+    cost2: PhaseCost = field(default_factory=PhaseCost)
+    offload: tuple[int, int] = (0, 0)  # bytes activation offload copied to the host, at b=1 and b=2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "events": self.events, "cost1": self.cost1.to_dict(),
+                "cost2": self.cost2.to_dict(), "offload": list(self.offload)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Segment:
+        return cls(name=d["name"], events=[tuple(e) for e in d["events"]], cost1=PhaseCost.from_dict(d["cost1"]),
+                   cost2=PhaseCost.from_dict(d["cost2"]), offload=tuple(d.get("offload", (0, 0))))
+
+
+@dataclass
+class VariantTrace:
+    """Forward and backward of one micro-batch of the truncated model, in this variant."""
+
+    key: VariantKey
+    segments: list[Segment]
+    grad_keys: set[int]
+    persistent_keys: set[int]
+    input_bytes: tuple[int, int]  # the batch's bytes at b=1 and b=2 (requested, summed over tensors)
+    input_sizes: list[tuple[int, int]]  # per input tensor
+    attention_backends: list[str]
+    traced_blocks: list[int]  # per stack: blocks kept in the trace
+    lo: int = 1  # the micro-batch sizes the two columns of every event were traced at
+    hi: int = 2
+    min_b: int = 1  # the smallest micro-batch the trace holds for
+
+    def size(self, lo_bytes: int, hi_bytes: int, b: int) -> int:
+        """Requested bytes at micro-batch ``b`` (linear between/beyond the traced sizes)."""
+        if self.hi == self.lo:
+            return lo_bytes
+        return lo_bytes + (b - self.lo) * (hi_bytes - lo_bytes) // (self.hi - self.lo)
+
+    def covers(self, b: int) -> bool:
+        return (self.lo == self.hi == b) or (self.hi > self.lo and b >= self.min_b)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key.__dict__, "segments": [s.to_dict() for s in self.segments],
+                "grad_keys": sorted(self.grad_keys), "persistent_keys": sorted(self.persistent_keys),
+                "input_bytes": list(self.input_bytes), "input_sizes": [list(x) for x in self.input_sizes],
+                "attention_backends": self.attention_backends, "traced_blocks": self.traced_blocks,
+                "lo": self.lo, "hi": self.hi, "min_b": self.min_b}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VariantTrace:
+        return cls(key=VariantKey(**d["key"]), segments=[Segment.from_dict(s) for s in d["segments"]],
+                   grad_keys=set(d["grad_keys"]), persistent_keys=set(d["persistent_keys"]),
+                   input_bytes=tuple(d["input_bytes"]), input_sizes=[tuple(x) for x in d["input_sizes"]],
+                   attention_backends=list(d["attention_backends"]), traced_blocks=list(d["traced_blocks"]),
+                   lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1))
+
+
+@dataclass
+class _RawTrace:
+    phases: list[str]
+    events: list[tuple[int, int, int, int, str]]  # (kind, key, bytes, phase, op that allocated the key)
+    costs: dict[int, PhaseCost]
+    grad_keys: set[int]
+    persistent_keys: set[int]
+    inputs: list[int]
+    attention: list[str]
+    traced_blocks: list[int]
+    offload: dict[int, int]  # phase -> bytes copied to the host
+    micro_batch: int = 1
+
+
+BatchFactory = Callable[[int, str], dict[str, Any]]  # (micro_batch_size, device) -> batch
+
+
+def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strategy: Strategy,
+              policy: KernelPolicy, keep_blocks: int, loss_fn: Any) -> _RawTrace:
+    device, emulate = trace_device(policy)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    clone = fake_copy(model, fake_mode, device, keep_blocks=keep_blocks)
+    clone.train()
+    tracker = MemoryTracker(device)
+    costs = CostRecorder(lambda: tracker._phase)
+    attention: list[str] = []
+    semantics = cuda_semantics(policy, tracker, attention) if emulate else contextlib.nullcontext()
+    host = "meta" if emulate else "cpu"
+    with fake_mode, semantics, real_code_paths():
+        prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
+        remove = install_markers(prepared.stacks, tracker.set_phase)
+        tracker.op_hooks.append(costs)
+        offload_by_phase: dict[int, int] = {}
+        if prepared.step.offload is not None:
+            off = prepared.step.offload
+            pack = off.pack
+
+            def counting_pack(t: torch.Tensor) -> Any:
+                before = off.bytes_offloaded
+                packed = pack(t)
+                ph = tracker._phase
+                offload_by_phase[ph] = offload_by_phase.get(ph, 0) + off.bytes_offloaded - before
+                return packed
+
+            off.pack = counting_pack
+        try:
+            with tracker:
+                for p in clone.parameters():
+                    tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
+                for b in clone.buffers():
+                    tracker.track(b, MemoryCategory.PARAMETERS, "buffer")
+                batch = batch_factory(micro_batch, device)
+                inputs = [v.untyped_storage().nbytes() for v in batch.values() if isinstance(v, torch.Tensor)]
+                for v in batch.values():
+                    tracker.track(v, MemoryCategory.ACTIVATIONS, "input")
+                step: TrainStep = prepared.step
+                tracker.set_phase("forward[0]")
+                loss = step.loss(batch)
+                tracker.set_phase("backward[0]")
+                step.backward(loss)
+                del loss
+                tracker.set_phase("end")
+                grads = {tracker.key_of(p.grad) for p in clone.parameters() if p.grad is not None} - {None}
+        finally:
+            remove()
+            prepared.undo()
+    setup_end = tracker.run.phases.index("forward[0]")
+    labels = tracker.run.labels
+    alloc_label: dict[int, str] = {}
+    events = []
+    for k, key, size, ph, lab in tracker.run.events:
+        if k == ALLOC:
+            alloc_label[key] = labels[lab]
+        if ph >= setup_end:
+            events.append((k, key, size, ph, alloc_label.get(key, "")))
+    return _RawTrace(phases=tracker.run.phases, events=events, costs=dict(costs.costs), grad_keys=grads,
+                     persistent_keys=set(tracker.run.persistent_keys), inputs=inputs, attention=attention,
+                     traced_blocks=[len(s) for s in find_block_stacks(clone)], offload=offload_by_phase,
+                     micro_batch=micro_batch)
+
+
+def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, str]]]]:
+    by_phase: dict[int, list[tuple[int, int, int, str]]] = {}
+    for kind, key, size, ph, label in raw.events:
+        by_phase.setdefault(ph, []).append((kind, key, size, label))
+    first = raw.phases.index("forward[0]")
+    out = []
+    for i in range(first, len(raw.phases)):
+        if raw.phases[i] == "end":
+            break
+        out.append((raw.phases[i], i, by_phase.get(i, [])))
+    return out
+
+
+def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], bool]:
+    """Pair the events of two traces (smaller size first); keys of the result are those of the first.
+
+    Events are matched by (kind, allocating op) with a sequence alignment. Events only the larger size has
+    (a copy that a dimension of size 1 let the smaller skip) are kept, with bytes proportional to the
+    micro-batch; events only the smaller size has are dropped. Returns the segments and whether every
+    event matched (if not, the result holds for micro-batches >= the larger size only).
+    """
+    s1, s2 = _segments(one), _segments(two)
+    if [n for n, _, _ in s1] != [n for n, _, _ in s2]:
+        raise TraceAlignmentError("the two traces passed different phases")
+    mapping: dict[int, int] = {}
+    exact = True
+    segments: list[Segment] = []
+    for (name, ph1, ev1), (_, ph2, ev2) in zip(s1, s2):
+        a = [(e[0], e[3]) for e in ev1]
+        c = [(e[0], e[3]) for e in ev2]
+        merged: list[tuple[int, int, int, int]] = []
+        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes():
+            if op == "equal":
+                for (k1, key1, b1, _), (_, key2, b2, _) in zip(ev1[i1:i2], ev2[j1:j2]):
+                    if k1 == ALLOC:
+                        mapping[key2] = key1
+                        merged.append((k1, key1, b1, b2))
+                    else:
+                        merged.append((k1, mapping.get(key2, key1), b1, b2))
+                continue
+            exact = False
+            for k2, key2, b2, _ in ev2[j1:j2]:  # only at the larger size: proportional to the micro-batch
+                key = mapping.setdefault(key2, key2 + _UNMATCHED) if k2 == ALLOC else mapping.get(key2, key2 + _UNMATCHED)
+                merged.append((k2, key, b2 * one_size(one) // one_size(two), b2))
+        segments.append(Segment(name=name, events=merged, cost1=one.costs.get(ph1, PhaseCost()),
+                                cost2=two.costs.get(ph2, PhaseCost()),
+                                offload=(one.offload.get(ph1, 0), two.offload.get(ph2, 0))))
+    return segments, exact
+
+
+_UNMATCHED = 1 << 40  # keys of events only the larger trace has (kept apart from the smaller trace's keys)
+
+
+def one_size(raw: _RawTrace) -> int:
+    return raw.micro_batch
+
+
+def _exact_segments(raw: _RawTrace) -> list[Segment]:
+    return [Segment(name=name, events=[(k, key, size, size) for k, key, size, _ in ev],
+                    cost1=raw.costs.get(ph, PhaseCost()), cost2=raw.costs.get(ph, PhaseCost()),
+                    offload=(raw.offload.get(ph, 0), raw.offload.get(ph, 0)))
+            for name, ph, ev in _segments(raw)]
+
+
+def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey, policy: KernelPolicy, *,
+                  keep_blocks: int = TRACED_BLOCKS, loss_fn: Any = None) -> list[VariantTrace]:
+    """Trace one variant. ``key.micro_batch`` set: that size only. Otherwise micro-batches 1 and 2, aligned
+    into one linear trace; when a size-1 batch dimension changed the ops (a reshape skipped a copy), the
+    linear trace holds from micro-batch 2 on and an exact micro-batch-1 trace is returned as well."""
+    strategy = key.strategy()
+
+    def build(segments: list[Segment], raw1: _RawTrace, raw2: _RawTrace, k: VariantKey, lo: int, hi: int,
+              min_b: int) -> VariantTrace:
+        return VariantTrace(key=k, segments=segments, grad_keys=set(raw1.grad_keys),
+                            persistent_keys=set(raw1.persistent_keys),
+                            input_bytes=(sum(raw1.inputs), sum(raw2.inputs)),
+                            input_sizes=list(zip(raw1.inputs, raw2.inputs)),
+                            attention_backends=sorted(set(raw1.attention)), traced_blocks=raw1.traced_blocks,
+                            lo=lo, hi=hi, min_b=min_b)
+
+    if key.micro_batch is not None:
+        raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)
+        return [build(_exact_segments(raw), raw, raw, key, key.micro_batch, key.micro_batch, key.micro_batch)]
+    one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn)
+    two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
+    segments, exact = _align(one, two)
+    linear = build(segments, one, two, key, 1, 2, 1 if exact else 2)
+    if exact:
+        return [linear]
+    return [linear, build(_exact_segments(one), one, one, key.at(1), 1, 1, 1)]
+
+
+@dataclass
+class OptimizerTrace:
+    """The optimizer step over the full model: first step (states appear) and a later one."""
+
+    precision: str
+    optimizer: str
+    first: list[tuple[int, int, int]]  # (kind, key, bytes)
+    steady: list[tuple[int, int, int]]
+    state_bytes: int  # rounded bytes of optimizer state alive after the first step (master weights excluded)
+    master_bytes: int  # fp32 master copies (bf16_master), allocated when the plan is applied
+    cost: PhaseCost = field(default_factory=PhaseCost)
+    host_state_bytes: int = 0  # paged optimizer state living outside the allocator
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "optimizer": self.optimizer, "first": self.first,
+                "steady": self.steady, "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
+                "cost": self.cost.to_dict(), "host_state_bytes": self.host_state_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OptimizerTrace:
+        return cls(precision=d["precision"], optimizer=d["optimizer"], first=[tuple(e) for e in d["first"]],
+                   steady=[tuple(e) for e in d["steady"]], state_bytes=d["state_bytes"],
+                   master_bytes=d["master_bytes"], cost=PhaseCost.from_dict(d["cost"]),
+                   host_state_bytes=d.get("host_state_bytes", 0))
+
+
+class _ParamHolder(nn.Module):
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+
+def trace_optimizer(model: nn.Module, precision: str, optimizer: str, policy: KernelPolicy,
+                    optimizer_spec: Any = None, optimizer_kwargs: dict[str, Any] | None = None) -> OptimizerTrace:
+    """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s."""
+    from memopt.profile.stand_ins import Fake8bitAdamW
+    from memopt.techniques.precision import MasterWeights, weight_dtype
+
+    device, emulate = trace_device(policy)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    wdtype = weight_dtype(precision)
+    tracker = MemoryTracker(device)
+    costs = CostRecorder(lambda: tracker._phase)
+    host = "meta" if emulate else "cpu"
+    seen: set[int] = set()
+    with fake_mode:
+        params = []
+        for p in model.parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            dtype = wdtype if p.is_floating_point() else p.dtype
+            params.append(nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
+        holder = _ParamHolder(params)
+        strategy = Strategy(precision=precision, optimizer=optimizer)
+        master = MasterWeights(list(holder.parameters())) if precision == "bf16_master" else None
+        opt_params = master.masters if master is not None else list(holder.parameters())
+        if optimizer == "user":
+            opt = optimizer_spec(opt_params)
+        elif optimizer in ("adamw8bit", "paged_adamw8bit"):
+            opt = Fake8bitAdamW(opt_params, paged=optimizer == "paged_adamw8bit", state_device=host)
+        else:
+            from memopt.techniques.optimizers import build_optimizer
+
+            opt = build_optimizer(optimizer, opt_params, **(optimizer_kwargs or {}))
+        scaler = None
+        if precision == "fp16_autocast":
+            from memopt.profile.stand_ins import FakeGradScaler
+
+            scaler = FakeGradScaler(device)
+        step = TrainStep(model=holder, optimizer=opt, strategy=strategy, device_type=device, scaler=scaler,
+                         master=master)
+        tracker.op_hooks.append(costs)
+        with tracker:
+            # parameters and master copies exist before the step: tracked so in-place writes are not new bytes
+            for p in holder.parameters():
+                tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
+            for m in master.masters if master is not None else []:
+                tracker.track(m, MemoryCategory.OPTIMIZER_STATES, "master_weight")
+            phase_first = None
+            for i in range(2):
+                for p in holder.parameters():
+                    p.grad = torch.empty_like(p)
+                tracker.set_phase(f"opt{i}")
+                if phase_first is None:
+                    phase_first = len(tracker.run.phases) - 1
+                step.optimizer_step()
+            tracker.set_phase("end")
+            state_keys = set()
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.device.type == device:
+                        state_keys.add(tracker.key_of(v))
+            host_state = sum(v.untyped_storage().nbytes() for state in opt.state.values() for v in state.values()
+                             if isinstance(v, torch.Tensor) and v.device.type != device)
+    phases = tracker.run.phases
+    first_ph, second_ph = phases.index("opt0"), phases.index("opt1")
+    # gradients are created outside the step (they are the backward's); zero_grad frees them: drop both
+    grad_keys: set[int] = set()
+    first: list[tuple[int, int, int]] = []
+    steady: list[tuple[int, int, int]] = []
+    for kind, key, size, ph, _label in tracker.run.events:
+        target = first if first_ph <= ph < second_ph else steady if ph >= second_ph else None
+        if target is None:
+            continue
+        target.append((kind, key, size))
+    # gradients belong to the backward pass, not to the step: the fake ones made here (before each step) and
+    # their frees by zero_grad are dropped (a key freed in a phase that did not allocate it is a gradient)
+    for events in (first, steady):
+        allocated = {key for kind, key, _ in events if kind == ALLOC}
+        freed = {key for kind, key, _ in events if kind == FREE}
+        grad_keys |= {key for key in freed if key not in allocated}
+    from memopt.profile.tracker import allocator_size
+
+    state_bytes = 0
+    live: dict[int, int] = {}
+    for kind, key, size in first:
+        if kind == ALLOC:
+            live[key] = size
+        else:
+            live.pop(key, None)
+    state_bytes = sum(allocator_size(size) for key, size in live.items() if key in state_keys)
+    master_bytes = 0
+    if master is not None:
+        master_bytes = sum(allocator_size(m.untyped_storage().nbytes()) for m in master.masters)
+    cost = costs.costs.get(second_ph, PhaseCost())
+    return OptimizerTrace(precision=precision, optimizer=optimizer, first=_drop_grads(first, grad_keys),
+                          steady=_drop_grads(steady, grad_keys), state_bytes=state_bytes, master_bytes=master_bytes,
+                          cost=cost, host_state_bytes=host_state)
+
+
+def _drop_grads(events: list[tuple[int, int, int]], grad_keys: set[int]) -> list[tuple[int, int, int]]:
+    return [e for e in events if e[1] not in grad_keys]
