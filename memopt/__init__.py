@@ -6,6 +6,7 @@
 """
 
 from memopt import estimate, plan, profile
+from memopt.apply.wrap import Wrapped, wrap
 from memopt.categories import MemoryCategory
 from memopt.estimate import Estimate
 from memopt.hardware import HardwareSpec, load_hardware
@@ -25,6 +26,7 @@ __all__ = [
     "Policy",
     "Profile",
     "Strategy",
+    "Wrapped",
     "estimate",
     "format_bytes",
     "load_hardware",
@@ -33,4 +35,5 @@ __all__ = [
     "parse_bytes",
     "plan",
     "profile",
+    "wrap",
 ]

@@ -8,9 +8,14 @@ The order matters:
   2. the attention backend is a global switch, independent of the module tree;
   3. activation checkpointing wraps the blocks' ``forward``; later wrappers (offload hooks, the
      train step's autocast) sit outside it, so recomputation happens under the same autocast;
-  4. the optimizer is built last over the parameters as they now are (master copies for bf16_master);
+  3b. quantization and adapters (``strategy.extras`` "quantization" / "adapters"): the block linears are
+     swapped for frozen quantized layers (bitsandbytes; fake-tensor stand-ins when tracing), then peft puts
+     trainable adapters on them and freezes everything else; both change modules *inside* the blocks, so the
+     checkpoint wrappers of 3 and the casts of 1 (done on the full-precision weights) stay valid;
+  4. the optimizer is built last over the parameters as they now are (master copies for bf16_master;
+     only the adapters when adapters are on);
   5. the gradient scaler (fp16) and activation offload live in the train step.
-Sharding, parameter offload and quantization (later) slot in between 3 and 4.
+Sharding and parameter offload (later) slot in between 3 and 4.
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ def _disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
+def _move(model: nn.Module, device: torch.device) -> Callable[[], None]:
+    """Move the model to the training device; the undo moves it back where it was."""
+    first = next(model.parameters(), None)
+    before = first.device if first is not None else None
+    if before == device:
+        return lambda: None
+    model.to(device)
+    return (lambda: model.to(before)) if before is not None else (lambda: None)
+
+
 def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSpec, kwargs: dict[str, Any],
                fake: bool, host_device: str) -> torch.optim.Optimizer:
     if strategy.optimizer == "user":
@@ -87,14 +102,18 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             optimizer: OptimizerSpec = None, optimizer_kwargs: dict[str, Any] | None = None,
             loss_fn: LossFn | None = None, fake: bool = False, host_device: str = "cpu",
             max_grad_norm: float | None = None, lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-            stacks: list[BlockStack] | None = None) -> Prepared:
+            stacks: list[BlockStack] | None = None, move_to: torch.device | str | None = None) -> Prepared:
     """Apply ``strategy`` to ``model`` (in place, reversibly) and build its optimizer and train step."""
     undo: list[Callable[[], None]] = []
     try:
         # 0. no KV cache in training
         undo.append(_disable_kv_cache(model))
-        # 1. precision
+        # 1. precision (before moving: weights stored in bf16 never occupy the GPU in fp32); bf16_master keeps the
+        #    fp32 originals to become the master weights, so no precision is lost in the cast
+        originals = [p for p in model.parameters() if p.requires_grad] if strategy.precision == "bf16_master" else []
         undo.append(cast_model(model, strategy.precision))
+        if move_to is not None:
+            undo.append(_move(model, torch.device(move_to)))
         # 2. attention backend
         undo.append(apply_attention_backend(model, strategy.attention))
         # 3. activation checkpointing
@@ -103,11 +122,22 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList of identical "
                              "layers), and this model has none; use checkpointing mode 'none'")
         undo.append(apply_checkpointing(stacks, strategy.checkpointing))
+        # 3b. quantization and adapters (memopt.techniques.quantization / .adapters; imported here so that peft and
+        #     bitsandbytes load only when used)
+        if strategy.extra("quantization") is not None:
+            from memopt.techniques.quantization import apply_quantization
+
+            undo.append(apply_quantization(model, strategy.extra("quantization"), fake=fake))
+        if strategy.extra("adapters") is not None:
+            from memopt.techniques.adapters import apply_adapters
+
+            undo.append(apply_adapters(model, strategy.extra("adapters"), fake=fake)[1])
         # 4. optimizer (over fp32 masters for bf16_master)
         params = [p for p in model.parameters() if p.requires_grad]
         master = None
         if strategy.precision == "bf16_master":
-            master = MasterWeights(params)
+            target = move_to if move_to is not None else (params[0].device if params else None)
+            master = MasterWeights(params, sources=[o.detach().to(target) for o in originals])
             params = master.masters
         opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), fake, host_device)
         # 5. gradient scaler and activation offload
@@ -122,7 +152,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         offload = ActivationOffload(device_type, host_device=host_device) if strategy.activation_offload else None
         step = TrainStep(model=model, optimizer=opt, strategy=strategy, device_type=device_type, device=device,
                          loss_fn=loss_fn, scaler=scaler, master=master, offload=offload,
-                         max_grad_norm=max_grad_norm,
+                         max_grad_norm=max_grad_norm, causal_lm=type(model).__name__.endswith("ForCausalLM"),
                          lr_scheduler=lr_scheduler(opt) if lr_scheduler is not None else None)
     except Exception:
         while undo:

@@ -43,10 +43,13 @@ def split_batch(batch: dict[str, Any], micro_batch_size: int) -> list[dict[str, 
     return out
 
 
-def count_loss_items(batch: dict[str, Any]) -> int:
-    """Tokens that carry loss (labels != -100), or samples when labels are per-sample."""
+def count_loss_items(batch: dict[str, Any], *, causal: bool = False) -> int:
+    """Tokens that carry loss (labels != -100), or samples when labels are per-sample. A causal LM predicts
+    token i+1 at position i, so the first label of each row carries no loss (``causal=True``)."""
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        if causal:
+            labels = labels[..., 1:]
         if type(labels).__name__ == "FakeTensor":
             return labels.numel()  # a fake batch has no values: every label counts
         return int((labels != -100).sum())
@@ -88,6 +91,7 @@ class TrainStep:
     max_grad_norm: float | None = None
     lr_scheduler: Any = None
     on_phase: Callable[[str], None] | None = None
+    causal_lm: bool = False  # labels are shifted inside the model (Hugging Face *ForCausalLM)
     steps_done: int = 0
     last_micro_losses: list[float] = field(default_factory=list)
 
@@ -150,7 +154,7 @@ class TrainStep:
     def step(self, batch: dict[str, Any]) -> float:
         """One optimizer step over ``batch`` (the global batch); returns the batch's mean loss."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = [count_loss_items(mb) for mb in micro]
+        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
         total_items = sum(counts)
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")

@@ -302,12 +302,24 @@ def _instance_summary(traces: dict[VariantKey, VariantTrace], layout: PassLayout
     return _summarize(trace, idx.core[inst.segment], b, acc, inserted)
 
 
-def _opt_summary(events: list[tuple[int, int, int]]) -> Summary:
+def _opt_summary(events: list[tuple[int, int, int]], state_keys: set[int]) -> Summary:
+    """The optimizer step: states it creates (kept) and temporaries (fp32 gradient copies, foreach buffers)."""
     cur = peak = 0
-    for kind, _key, size in events:
-        cur += allocator_size(size) if kind == ALLOC else -allocator_size(size)
-        peak = max(peak, cur)
-    return Summary(net=cur, peak=peak, net_by_cat={Cat.OPTIMIZER_STATES: cur}, at_peak_by_cat={}, grads=0)
+    by_cat: dict[MemoryCategory, int] = defaultdict(int)
+    at_peak: dict[MemoryCategory, int] = {}
+    cat_of: dict[int, MemoryCategory] = {}
+    for kind, key, size in events:
+        size = allocator_size(size)
+        if kind == ALLOC:
+            cat = cat_of[key] = Cat.OPTIMIZER_STATES if key in state_keys else Cat.TEMPORARIES
+            cur += size
+            by_cat[cat] += size
+            if cur > peak:
+                peak, at_peak = cur, dict(by_cat)
+        else:
+            cur -= size
+            by_cat[cat_of.get(key, Cat.TEMPORARIES)] -= size
+    return Summary(net=cur, peak=peak, net_by_cat=dict(by_cat), at_peak_by_cat=at_peak, grads=0)
 
 
 def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: int, m: int,
@@ -319,7 +331,8 @@ def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b
     best, best_where, best_cats = level, "start", dict(running)
     step_peaks: list[int] = []
     grad_total = 0
-    opt_first, opt_steady = _opt_summary(optimizer.first), _opt_summary(optimizer.steady)
+    opt_first = _opt_summary(optimizer.first, optimizer.state_keys)
+    opt_steady = _opt_summary(optimizer.steady, optimizer.state_keys)
 
     def visit(s: Summary, where: str) -> None:
         nonlocal level, best, best_where, best_cats
@@ -372,12 +385,12 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
     next_key = [10**12]
     grads_live: list[tuple[int, int]] = []
     deferred_cache: dict[Instance, list] = {}
+    alive: set[int] = set()  # fresh keys allocated and not yet freed, over the whole run
     for step in range(num_steps):
         for mb in range(m):
             acc = mb > 0
             live: dict[tuple, int] = {}  # (block position or None, traced key) -> fresh key
             slots: dict[tuple, int] = {}  # (block position, role, allocation index) -> fresh key
-            alive: set[int] = set()
 
             def emit_alloc(scope: tuple | None, key: int, size: int, slot: tuple | None, is_grad: bool) -> None:
                 next_key[0] += 1
@@ -444,7 +457,9 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
             elif key in remap:
                 out.append((FREE, remap.pop(key), size))
         for k, size in grads_live:
-            out.append((FREE, k, size))
+            if k in alive:
+                alive.discard(k)
+                out.append((FREE, k, size))
         grads_live = []
     return out, start
 

@@ -42,10 +42,44 @@ def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
     )
 
 
+_FAMILY_SUFFIX = {"ForCausalLM": "causal_lm", "ForMaskedLM": "masked_lm", "ForConditionalGeneration": "seq2seq_lm",
+                  "ForImageClassification": "image_classification"}
+
+
+def spec_from_module(module: nn.Module) -> Any:
+    """A model spec for a Hugging Face model instance (so shape samples work for it), or None."""
+    from memopt.models import ModelSpec
+
+    config = getattr(module, "config", None)
+    name = type(module).__name__
+    family = next((f for suffix, f in _FAMILY_SUFFIX.items() if name.endswith(suffix)), None)
+    if config is None or family is None or not hasattr(config, "to_dict"):
+        return None
+    hf = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
+    hf["model_type"] = config.model_type
+    sample: dict[str, Any] = {}
+    if family == "image_classification":
+        sample["image_size"] = getattr(config, "image_size", 224)
+    return ModelSpec(name=name, family=family, architecture=name, hf_config=hf,
+                     **{_SAMPLE_FIELD: sample})
+
+
+_SAMPLE_FIELD = "defaults" if "defaults" in {f for f in __import__("memopt.models.spec", fromlist=["ModelSpec"]).
+                                             ModelSpec.__dataclass_fields__} else "sample"
+
+
+def _is_shapes(sample: Any) -> bool:
+    return sample is None or (isinstance(sample, dict) and all(not isinstance(v, torch.Tensor) for v in sample.values()))
+
+
 def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
     from memopt.models import SampleSpec, make_batch
 
+    if spec is None and (_is_shapes(sample) or isinstance(sample, dict)):
+        derived = spec_from_module(module)
+        if derived is not None and (_is_shapes(sample) or "input_ids" in sample or "pixel_values" in sample):
+            spec = derived
     if spec is not None:
         parsed = SampleSpec.parse(sample, spec)
         config = getattr(module, "config", None)
@@ -122,8 +156,9 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     prof.attach(module, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()
+    batch = int(sample_dict.get("batch_size", 1))
     for v in variants or [default_variant(hw)]:
-        prof.variant(v)
+        prof.variant(v, micro_batch=batch)
     prof.trace_s = max(prof.trace_s, time.perf_counter() - start) if not prof.trace_s else prof.trace_s
     return prof
 

@@ -149,11 +149,26 @@ def _math_reference(q, k, v, mask, is_causal, scale):
     return out.to(q.dtype), lse
 
 
-def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):
-    with torch.enable_grad():
-        qq, kk, vv = (t.detach().float().requires_grad_() for t in (q, k, v))
-        out, _ = _math_reference(qq, kk, vv, mask, is_causal, scale)
-        return torch.autograd.grad(out.float(), (qq, kk, vv), grad_out.float())
+def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):  # noqa: ANN001, ANN202
+    """Attention gradients by the closed form (autograd is off inside a custom op's kernel). With grouped
+    query heads the key/value gradients are per query head; callers sum them into the kv heads."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    qf, kf, vf, go = q.float(), k.float(), v.float(), grad_out.float()
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (qf @ kf.transpose(-2, -1)) * s
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    p = torch.softmax(scores, dim=-1)
+    dv = p.transpose(-2, -1) @ go
+    dp = go @ vf.transpose(-2, -1)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    return (ds @ kf) * s, (ds.transpose(-2, -1) @ qf) * s, dv
 
 
 def _blhd(b: int, length: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -227,6 +242,8 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, roun
 def _flash_setup(ctx, inputs, output) -> None:
     q, k, v, dropout_p, is_causal, scale = inputs
     out, lse, seed, offset = output
+    ctx.mark_non_differentiable(lse, seed, offset)
+    ctx.set_materialize_grads(False)  # as for native ops: no zero gradients for outputs nobody used
     ctx.save_for_backward(q, k, v, out, lse, seed, offset)
     ctx.is_causal, ctx.scale = is_causal, scale
     ctx.round_q, ctx.round_d, ctx.dq_accum = _ACTIVE_POLICY[-1]
@@ -267,6 +284,10 @@ def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale)
     gq, gk, gv = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
+        gv = gv.unflatten(1, (k.shape[1], g)).sum(2)
     dq.copy_(gq)
     dk.copy_(gk)
     dv.copy_(gv)
@@ -290,6 +311,8 @@ def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):
 def _eff_setup(ctx, inputs, output) -> None:
     q, k, v, bias, dropout_p, is_causal, scale, lse_pad = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, bias, out, lse)
     ctx.is_causal, ctx.scale = is_causal, scale
 
@@ -357,6 +380,8 @@ def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):
 def _cudnn_setup(ctx, inputs, output) -> None:
     q, k, v, bias, dropout_p, is_causal, scale = inputs
     out, stats, seed, offset = output
+    ctx.mark_non_differentiable(stats, seed, offset)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, bias, out, stats, seed, offset)
     ctx.is_causal, ctx.scale = is_causal, scale
 

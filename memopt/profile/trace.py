@@ -28,6 +28,7 @@ from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.costs import CostRecorder, PhaseCost
+from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
 from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
@@ -316,7 +317,15 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
     if key.micro_batch is not None:
         raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)
         return [build(_exact_segments(raw), raw, raw, key, key.micro_batch, key.micro_batch, key.micro_batch)]
-    one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn)
+    try:
+        one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn)
+    except (UnsupportedAttentionError, TraceAlignmentError):
+        raise
+    except Exception:  # noqa: BLE001 - e.g. BatchNorm refuses a batch of one: fit sizes 2 and 3 instead
+        two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
+        three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
+        segments, exact = _align(two, three)
+        return [build(segments, two, three, key, 2, 3, 2 if exact else 3)]
     two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
     segments, exact = _align(one, two)
     linear = build(segments, one, two, key, 1, 2, 1 if exact else 2)
@@ -337,18 +346,20 @@ class OptimizerTrace:
     master_bytes: int  # fp32 master copies (bf16_master), allocated when the plan is applied
     cost: PhaseCost = field(default_factory=PhaseCost)
     host_state_bytes: int = 0  # paged optimizer state living outside the allocator
+    state_keys: set[int] = field(default_factory=set)  # keys (in ``first``) of the states the step creates
 
     def to_dict(self) -> dict[str, Any]:
         return {"precision": self.precision, "optimizer": self.optimizer, "first": self.first,
                 "steady": self.steady, "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
-                "cost": self.cost.to_dict(), "host_state_bytes": self.host_state_bytes}
+                "cost": self.cost.to_dict(), "host_state_bytes": self.host_state_bytes,
+                "state_keys": sorted(self.state_keys)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OptimizerTrace:
         return cls(precision=d["precision"], optimizer=d["optimizer"], first=[tuple(e) for e in d["first"]],
                    steady=[tuple(e) for e in d["steady"]], state_bytes=d["state_bytes"],
                    master_bytes=d["master_bytes"], cost=PhaseCost.from_dict(d["cost"]),
-                   host_state_bytes=d.get("host_state_bytes", 0))
+                   host_state_bytes=d.get("host_state_bytes", 0), state_keys=set(d.get("state_keys", ())))
 
 
 class _ParamHolder(nn.Module):
@@ -453,7 +464,7 @@ def trace_optimizer(model: nn.Module, precision: str, optimizer: str, policy: Ke
     cost = costs.costs.get(second_ph, PhaseCost())
     return OptimizerTrace(precision=precision, optimizer=optimizer, first=_drop_grads(first, grad_keys),
                           steady=_drop_grads(steady, grad_keys), state_bytes=state_bytes, master_bytes=master_bytes,
-                          cost=cost, host_state_bytes=host_state)
+                          cost=cost, host_state_bytes=host_state, state_keys=state_keys - {None})
 
 
 def _drop_grads(events: list[tuple[int, int, int]], grad_keys: set[int]) -> list[tuple[int, int, int]]:

@@ -109,9 +109,12 @@ class MasterWeights:
     step); after the step the masters are copied back into the bf16 weights.
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], sources: list[torch.Tensor] | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.masters = [nn.Parameter(p.detach().float(), requires_grad=True) for p in self.params]
+        if sources is not None and len(sources) != len(self.params):
+            raise ValueError("MasterWeights: one fp32 source per trainable parameter is needed")
+        self.masters = [nn.Parameter(src.float() if src is not None else p.detach().float(), requires_grad=True)
+                        for p, src in zip(self.params, sources or [None] * len(self.params))]
 
     def grads_to_masters(self) -> None:
         for p, m in zip(self.params, self.masters):

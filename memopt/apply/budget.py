@@ -1,0 +1,57 @@
+"""Holding a process to its budget on the GPU: allocator settings and the hard cap.
+
+* Expandable segments must be chosen before CUDA's caching allocator starts; if CUDA already holds
+  memory, the setting cannot change and memopt says so (the plan then assumed the wrong allocator).
+* The cap is ``torch.cuda.set_per_process_memory_fraction((budget - outside) / total)``: what the
+  allocator may reserve is the budget minus the memory the process holds outside it (CUDA context,
+  handles, paged optimizer states), so a wrong plan fails loudly instead of quietly using more.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = ["set_expandable_segments", "cap_allocator", "outside_allocator_bytes"]
+
+
+def set_expandable_segments(enabled: bool) -> bool:
+    """Choose the allocator's segment mode. Returns False (and warns) when it is too late to change it."""
+    if not torch.cuda.is_available():
+        return True
+    wanted = f"expandable_segments:{'True' if enabled else 'False'}"
+    if not torch.cuda.is_initialized():
+        conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+                if c and not c.startswith("expandable_segments")]
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*conf, wanted])
+        return True
+    if torch.cuda.memory_reserved() == 0:
+        torch.cuda.memory._set_allocator_settings(wanted)
+        return True
+    warnings.warn(
+        f"memopt planned with {wanted}, but CUDA already holds memory, so the allocator's segment mode can no "
+        "longer change; call memopt.wrap before moving anything to the GPU (or set PYTORCH_CUDA_ALLOC_CONF="
+        f"{wanted} before starting Python). The plan's reserved-memory prediction may not hold.",
+        stacklevel=3,
+    )
+    return False
+
+
+def outside_allocator_bytes(device: int | None = None) -> int:
+    """Device memory this process uses outside PyTorch's allocator right now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def cap_allocator(budget_bytes: int, outside_bytes: int, device: int | None = None) -> float:
+    """Cap what the allocator may reserve at ``budget - outside``; returns the fraction set."""
+    total = torch.cuda.get_device_properties(device or torch.cuda.current_device()).total_memory
+    allowed = budget_bytes - outside_bytes
+    if allowed <= 0:
+        raise ValueError(f"the budget ({budget_bytes} B) leaves nothing for tensors once the {outside_bytes} B the "
+                         "CUDA runtime holds outside the allocator are counted; raise the budget")
+    fraction = min(1.0, allowed / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction

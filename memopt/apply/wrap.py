@@ -1,0 +1,270 @@
+"""``memopt.wrap(model, budget="40GB")``: plan (or take a saved plan), apply it for real, train under it.
+
+    >>> wrapped = memopt.wrap(model, budget="40GB", sample={"batch_size": 8, "seq_len": 4096}, optimizer="adamw", lr=1e-4)
+    >>> for batch in loader:                 # the global batch; memopt splits it into the plan's micro-batches
+    ...     loss = wrapped.step(batch)
+
+The pieces stay usable for a hand-written loop (``wrapped.model``, ``wrapped.optimizer``,
+``wrapped.autocast()``, ``wrapped.backward(loss)``, ``wrapped.optimizer_step()``), e.g. with accelerate.
+``wrapped.unwrap()`` removes every technique and returns the user's module (its state_dict loads into
+an unwrapped model unchanged). A Hugging Face ``Trainer`` can be wrapped too: its arguments are set
+from the plan (see ``memopt.integrations.hf_trainer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.apply.budget import cap_allocator, outside_allocator_bytes, set_expandable_segments
+from memopt.apply.prepare import Prepared, prepare
+from memopt.apply.train_step import count_loss_items
+from memopt.plan.planner import make_plan, resolve_hardware
+from memopt.plan.schema import Plan
+from memopt.techniques.precision import forward_context
+from memopt.units import format_bytes, parse_budget
+
+__all__ = ["wrap", "Wrapped"]
+
+_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
+
+
+def _optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
+    if callable(optimizer) and not isinstance(optimizer, str):
+        return {"optimizer": "user"}, optimizer
+    if optimizer in (None, "adamw", "adam"):
+        return {}, None
+    if optimizer in _ADAM_FAMILY or optimizer == "sgd":
+        return {"optimizer": optimizer}, None
+    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
+                     f"{', '.join((*_ADAM_FAMILY, 'sgd'))}, or a callable taking the parameters")
+
+
+def _is_trainer(obj: Any) -> bool:
+    return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
+
+
+def _check_model(model: nn.Module) -> None:
+    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
+        raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
+                         "that memopt's plan does not account for. Wrap the uncompiled model")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model has parameters on the meta device (no weights): load or initialize the weights "
+                         "first, or use memopt.plan(...) for a dry run without weights")
+
+
+def _batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms and micro < global_batch:
+        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}; the model has "
+                      f"BatchNorm layers ({', '.join(norms[:3])}{'...' if len(norms) > 3 else ''}) whose batch "
+                      "statistics then come from micro-batches, which changes training; pin micro_batch_size="
+                      f"{global_batch} to keep them", stacklevel=3)
+
+
+class Wrapped:
+    """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
+
+    def __init__(self, model: nn.Module, *, budget: Any, sample: Any, plan: Plan | None, optimizer: Any,
+                 optimizer_kwargs: dict[str, Any], loss_fn: Any, lr_scheduler: Any, max_grad_norm: float | None,
+                 hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
+                 device: Any, enforce_budget: bool, use_cache: bool) -> None:
+        _check_model(model)
+        self._user_model = model
+        self._budget = budget
+        self._optimizer_arg = optimizer
+        self._optimizer_kwargs = optimizer_kwargs
+        self._loss_fn = loss_fn
+        self._lr_scheduler_factory = lr_scheduler
+        self._max_grad_norm = max_grad_norm
+        self._hardware = hardware
+        self._policy_args = {"policy": policy, "fidelity": fidelity, "pins": pins, "forbid": forbid}
+        self._enforce_budget = enforce_budget
+        self._use_cache = use_cache
+        self._prepared: Prepared | None = None
+        self.plan: Plan | None = plan
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.steps_done = 0
+        self.items_seen = 0
+        if plan is None and sample is not None:
+            self.plan = self._make_plan(sample)
+        if self.plan is not None:
+            self._apply(self.plan)
+
+    # -- planning and applying -------------------------------------------------------------------
+    def _make_plan(self, sample: Any) -> Plan:
+        if self._budget is None:
+            raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
+        pins, user_opt = _optimizer_choice(self._optimizer_arg)
+        merged_pins = {**pins, **(self._policy_args["pins"] or {})}
+        plan = make_plan(self._user_model, sample, budget=self._budget, hardware=self._hardware,
+                         policy=self._policy_args["policy"], fidelity=self._policy_args["fidelity"],
+                         pins=merged_pins or None, forbid=self._policy_args["forbid"], optimizer=user_opt,
+                         loss_fn=self._loss_fn, use_cache=self._use_cache)
+        if not plan.fits:
+            raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+        return plan
+
+    def _apply(self, plan: Plan) -> None:
+        strategy = plan.strategy
+        cuda = self.device.type == "cuda"
+        if cuda:
+            set_expandable_segments(strategy.expandable_segments)
+        _batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
+        model = self._user_model
+        if cuda:
+            torch.cuda.init()
+            if self._enforce_budget:
+                outside = max(outside_allocator_bytes(self.device.index), int(plan.prediction.get("runtime_bytes", 0)))
+                self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
+        user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
+            self._optimizer_arg, str) else None
+        self._prepared = prepare(model, strategy, device_type=self.device.type, device=self.device,
+                                 optimizer=user_opt, optimizer_kwargs=self._optimizer_kwargs, loss_fn=self._loss_fn,
+                                 max_grad_norm=self._max_grad_norm, lr_scheduler=self._lr_scheduler_factory,
+                                 move_to=self.device)
+
+    # -- the training API ------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._user_model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._require_prepared()
+        return self._prepared.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        self._require_prepared()
+        return self._prepared.step.lr_scheduler
+
+    def _require_prepared(self) -> None:
+        if self._prepared is None:
+            raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
+                             "or pass sample= to memopt.wrap")
+
+    def step(self, batch: dict[str, Any]) -> float:
+        """One optimizer step over the global ``batch``; returns its mean loss."""
+        if self._prepared is None:
+            self.plan = self._make_plan(batch)
+            self._apply(self.plan)
+        loss = self._prepared.step.step(batch)
+        self.steps_done += 1
+        self.items_seen += count_loss_items(batch)
+        return loss
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The plan's autocast for a hand-written forward pass."""
+        self._require_prepared()
+        with forward_context(self.plan.strategy.precision, self.device.type):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_prepared()
+        self._prepared.step.backward(loss)
+
+    def optimizer_step(self) -> None:
+        """Unscale (fp16), clip, step, copy master weights back (bf16_master), clear gradients."""
+        self._require_prepared()
+        self._prepared.step.optimizer_step()
+
+    def unwrap(self) -> nn.Module:
+        """Remove every technique and return the user's module (weights keep their trained values)."""
+        if self._prepared is not None:
+            self._prepared.undo()
+            self._prepared = None
+        return self._user_model
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self._require_prepared()
+        state = {"model": self._user_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "steps_done": self.steps_done, "items_seen": self.items_seen,
+                 "plan": self.plan.to_dict() if self.plan is not None else None}
+        if self._prepared.step.master is not None:
+            state["master_weights"] = self._prepared.step.master.state_dict()
+        if self._prepared.step.scaler is not None and hasattr(self._prepared.step.scaler, "state_dict"):
+            state["grad_scaler"] = self._prepared.step.scaler.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._require_prepared()
+        self._user_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = state.get("steps_done", 0)
+        self.items_seen = state.get("items_seen", 0)
+        if "master_weights" in state and self._prepared.step.master is not None:
+            self._prepared.step.master.load_state_dict(state["master_weights"])
+        if "grad_scaler" in state and self._prepared.step.scaler is not None:
+            self._prepared.step.scaler.load_state_dict(state["grad_scaler"])
+        if "lr_scheduler" in state and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        tmp.replace(out)  # never leaves a half-written checkpoint where the last good one was
+        return out
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return "memopt: not planned yet"
+        p = self.plan
+        return (f"memopt plan: {p.strategy.label()} | predicted {format_bytes(p.total_bytes)} of "
+                f"{format_bytes(p.budget_bytes)}, {p.step_time_s:.3f} s/step")
+
+
+def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = None,
+         plan: Plan | str | os.PathLike[str] | None = None, optimizer: str | Callable[..., Any] | None = "adamw",
+         lr: float | None = None, weight_decay: float | None = None, betas: tuple[float, float] | None = None,
+         optimizer_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None,
+         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
+         hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
+         forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
+         use_cache: bool = True) -> Any:
+    """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
+
+    ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
+    ``optimizer`` is a name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...)
+    with ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss
+    is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
+    budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
+    without one, name the GPU to plan for.
+    """
+    kwargs = dict(optimizer_kwargs or {})
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
+        if value is not None:
+            kwargs[name] = value
+    loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if _is_trainer(target):
+        from memopt.integrations.hf_trainer import wrap_trainer
+
+        return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,
+                            fidelity=fidelity, pins=pins, forbid=forbid, enforce_budget=enforce_budget,
+                            use_cache=use_cache)
+    if not isinstance(target, nn.Module):
+        raise ValueError(f"memopt.wrap takes a torch.nn.Module or a transformers Trainer, got {type(target).__name__}")
+    if loaded is None and budget is None:
+        raise ValueError("memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan=")
+    if budget is not None and loaded is None:
+        hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
+        parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early
+    return Wrapped(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
+                   loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
+                   policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
+                   enforce_budget=enforce_budget, use_cache=use_cache)

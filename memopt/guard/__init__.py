@@ -1,0 +1,62 @@
+"""Runtime guard and observability: per-step memory telemetry, leak detection, OOM recovery, calibration.
+
+* ``memopt.guard.telemetry``: ``Telemetry`` (``RUN_DIR/telemetry.jsonl``, ``progress()``) and the
+  ``MemorySource`` readings it uses (``memopt.guard.memory``);
+* ``memopt.guard.leaks``: ``LeakDetector`` (sustained growth at the same point of the step, with its cause);
+* ``memopt.guard.recovery``: ``OOMGuard`` (free, re-plan, re-apply, retry the same batch; atomic optimizer
+  step; ranks retry together) and the escalations ``PlanEscalator``/``step_down``;
+* ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner;
+* ``memopt.guard.runtime``: ``RuntimeGuard``, all of the above around a train step (for ``memopt.wrap``);
+* ``memopt.guard.report``: ``python -m memopt.report RUN_DIR``.
+"""
+
+from memopt.guard.calibration import Calibration, CalibrationEntry, calibration_for, record_calibration
+from memopt.guard.leaks import LeakDetector, LeakReport, MemoryLeakWarning
+from memopt.guard.memory import (
+    CudaMemorySource,
+    MemorySample,
+    MemorySource,
+    SimulatedMemorySource,
+    TrackedMemorySource,
+)
+from memopt.guard.recovery import (
+    EscalationFailed,
+    MemoptOOMError,
+    OOMGuard,
+    OOMMeasurement,
+    PlanEscalator,
+    PreparedReplanner,
+    Replanner,
+    StepTransaction,
+    reprepare,
+    step_down,
+)
+from memopt.guard.runtime import RuntimeGuard
+from memopt.guard.telemetry import Telemetry
+
+__all__ = [
+    "Calibration",
+    "CalibrationEntry",
+    "CudaMemorySource",
+    "EscalationFailed",
+    "LeakDetector",
+    "LeakReport",
+    "MemoptOOMError",
+    "MemoryLeakWarning",
+    "MemorySample",
+    "MemorySource",
+    "OOMGuard",
+    "OOMMeasurement",
+    "PlanEscalator",
+    "PreparedReplanner",
+    "Replanner",
+    "RuntimeGuard",
+    "SimulatedMemorySource",
+    "StepTransaction",
+    "Telemetry",
+    "TrackedMemorySource",
+    "calibration_for",
+    "record_calibration",
+    "reprepare",
+    "step_down",
+]

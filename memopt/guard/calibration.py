@@ -1,0 +1,216 @@
+"""Measured peaks per (model profile, hardware, strategy), cached locally, for the planner's margins.
+
+A run under a plan measures the real peaks (``Telemetry``); an OOM gives a lower bound. Each is stored as a
+``CalibrationEntry`` (predicted and measured bytes, keyed by the strategy's label) in
+``cache_dir()/calibration/<hardware>__<profile key>.json`` (``memopt.profile.profile.cache_dir``:
+``$MEMOPT_CACHE_DIR`` or ``~/.cache/memopt``). ``calibration_for(profile_key, hardware)`` returns them with
+ratios measured / predicted; the planner can tighten its margin with ``Calibration.margin_bytes`` when the
+predictions came out low (it never loosens them: a plan that over-predicted is only slower than it could be).
+Peaks are maxima, so repeated runs of one strategy keep the highest measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "Calibration",
+    "CalibrationEntry",
+    "calibration_for",
+    "calibration_path",
+    "record_calibration",
+    "record_from_telemetry",
+]
+
+CALIBRATION_VERSION = 1
+
+
+@dataclass
+class CalibrationEntry:
+    """One strategy's predicted and measured peaks on one GPU kind (bytes)."""
+
+    strategy: str
+    predicted_peak_allocated_bytes: int
+    predicted_peak_reserved_bytes: int
+    predicted_total_bytes: int
+    measured_peak_allocated_bytes: int
+    measured_peak_reserved_bytes: int
+    measured_total_bytes: int | None = None  # peak reserved + outside the allocator (None off a GPU)
+    steps: int = 0
+    oom: bool = False  # the measurement is a lower bound taken at an out-of-memory error
+    updated: float = field(default_factory=time.time)
+
+    @staticmethod
+    def _ratio(measured: int | None, predicted: int) -> float | None:
+        return measured / predicted if measured and predicted else None
+
+    @property
+    def ratio_allocated(self) -> float | None:
+        return self._ratio(self.measured_peak_allocated_bytes, self.predicted_peak_allocated_bytes)
+
+    @property
+    def ratio_reserved(self) -> float | None:
+        return self._ratio(self.measured_peak_reserved_bytes, self.predicted_peak_reserved_bytes)
+
+    @property
+    def ratio_total(self) -> float | None:
+        """Measured / predicted total (reserved ratio when the total was not measured)."""
+        return self._ratio(self.measured_total_bytes, self.predicted_total_bytes) or self.ratio_reserved
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(ratio_allocated=self.ratio_allocated, ratio_reserved=self.ratio_reserved,
+                 ratio_total=self.ratio_total)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CalibrationEntry:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Calibration:
+    """Every calibrated strategy of one model profile on one GPU kind."""
+
+    profile_key: str
+    hardware: str
+    entries: dict[str, CalibrationEntry] = field(default_factory=dict)
+    version: int = CALIBRATION_VERSION
+
+    def _max(self, attr: str) -> float | None:
+        vals = [getattr(e, attr) for e in self.entries.values() if getattr(e, attr) is not None]
+        return max(vals) if vals else None
+
+    @property
+    def ratio_allocated(self) -> float | None:
+        return self._max("ratio_allocated")
+
+    @property
+    def ratio_reserved(self) -> float | None:
+        return self._max("ratio_reserved")
+
+    @property
+    def ratio_total(self) -> float | None:
+        """The worst measured / predicted total over the strategies (the conservative one to plan with)."""
+        return self._max("ratio_total")
+
+    def ratio(self, strategy_label: str | None = None) -> float | None:
+        """That strategy's own ratio when it was measured, else the worst over all strategies."""
+        entry = self.entries.get(strategy_label) if strategy_label else None
+        if entry is not None and entry.ratio_total is not None:
+            return entry.ratio_total
+        return self.ratio_total
+
+    def margin_bytes(self, budget_bytes: int, policy_margin_bytes: int, strategy_label: str | None = None) -> int:
+        """A margin under which a plan whose prediction is ``ratio`` x too low still leaves the policy's margin
+        free: a plan may then predict at most ``(budget - policy margin) / ratio``. Never below the policy's."""
+        r = self.ratio(strategy_label)
+        if r is None or r <= 1.0:
+            return policy_margin_bytes
+        return int(budget_bytes - max(budget_bytes - policy_margin_bytes, 0) / r)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "profile_key": self.profile_key, "hardware": self.hardware,
+                "ratio_allocated": self.ratio_allocated, "ratio_reserved": self.ratio_reserved,
+                "ratio_total": self.ratio_total,
+                "entries": {k: e.to_dict() for k, e in sorted(self.entries.items())}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        if data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"calibration version {data.get('version')!r} is not {CALIBRATION_VERSION}")
+        return cls(profile_key=data["profile_key"], hardware=data["hardware"],
+                   entries={k: CalibrationEntry.from_dict(v) for k, v in data.get("entries", {}).items()})
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def calibration_path(profile_key: str, hardware: str, *, directory: str | os.PathLike[str] | None = None) -> Path:
+    if directory is None:
+        from memopt.profile.profile import cache_dir
+
+        directory = cache_dir() / "calibration"
+    return Path(directory) / f"{_safe(hardware)}__{_safe(profile_key)}.json"
+
+
+def calibration_for(profile_key: str, hardware: str, *,
+                    directory: str | os.PathLike[str] | None = None) -> Calibration | None:
+    """The calibration recorded for this profile on this GPU kind, or None (none yet, or unreadable)."""
+    path = calibration_path(profile_key, hardware, directory=directory)
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_calibration(profile_key: str, hardware: str, strategy: str, *, predicted: dict[str, Any],
+                       measured: dict[str, Any], steps: int = 1, oom: bool = False,
+                       directory: str | os.PathLike[str] | None = None) -> Calibration:
+    """Add one measurement (merged with what is stored: peaks keep their maximum) and save atomically.
+
+    ``predicted``: a plan's prediction (``peak_allocated_bytes``, ``peak_reserved_bytes``, ``total_bytes``);
+    ``measured``: ``peak_allocated_bytes``, ``peak_reserved_bytes`` and, on a GPU, ``measured_total_bytes``.
+    A stored entry whose prediction differs (another memopt) is replaced rather than merged.
+    """
+    cal = calibration_for(profile_key, hardware, directory=directory) or Calibration(profile_key, hardware)
+    new = CalibrationEntry(strategy=strategy,
+                           predicted_peak_allocated_bytes=int(predicted["peak_allocated_bytes"]),
+                           predicted_peak_reserved_bytes=int(predicted["peak_reserved_bytes"]),
+                           predicted_total_bytes=int(predicted["total_bytes"]),
+                           measured_peak_allocated_bytes=int(measured.get("peak_allocated_bytes") or 0),
+                           measured_peak_reserved_bytes=int(measured.get("peak_reserved_bytes") or 0),
+                           measured_total_bytes=(int(measured["measured_total_bytes"])
+                                                 if measured.get("measured_total_bytes") else None),
+                           steps=steps, oom=oom)
+    old = cal.entries.get(strategy)
+    same_prediction = old is not None and (old.predicted_peak_allocated_bytes, old.predicted_peak_reserved_bytes,
+                                           old.predicted_total_bytes) == (new.predicted_peak_allocated_bytes,
+                                                                          new.predicted_peak_reserved_bytes,
+                                                                          new.predicted_total_bytes)
+    if same_prediction:
+        new.measured_peak_allocated_bytes = max(old.measured_peak_allocated_bytes, new.measured_peak_allocated_bytes)
+        new.measured_peak_reserved_bytes = max(old.measured_peak_reserved_bytes, new.measured_peak_reserved_bytes)
+        if old.measured_total_bytes is not None:
+            new.measured_total_bytes = max(old.measured_total_bytes, new.measured_total_bytes or 0)
+        new.steps += old.steps
+        new.oom = old.oom or new.oom
+    cal.entries[strategy] = new
+    path = calibration_path(profile_key, hardware, directory=directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cal.to_dict(), f, indent=2)
+    os.replace(tmp, path)
+    return cal
+
+
+def record_from_telemetry(telemetry: Any, *, directory: str | os.PathLike[str] | None = None,
+                          force: bool = False) -> Calibration | None:
+    """Store what a run's ``Telemetry`` measured for each strategy it ran. Only real GPU figures calibrate
+    (a CPU stand-in's bytes say nothing about a GPU) unless ``force``."""
+    plan = telemetry.plan
+    memory = telemetry.memory
+    if plan is None or memory is None or (memory.kind != "cuda" and not force):
+        return None
+    key = (plan.model or {}).get("profile_key")
+    if not key:
+        return None
+    cal = None
+    for label, m in telemetry.measured.items():
+        if not m["steps"]:
+            continue
+        cal = record_calibration(key, plan.hardware, label, predicted=m["prediction"], measured=m,
+                                 steps=m["steps"], directory=directory)
+    return cal

@@ -1,0 +1,380 @@
+"""Reports of a recorded run (``RUN_DIR`` written by ``Telemetry``/``RuntimeGuard``).
+
+``render_report(run_dir)`` writes into ``RUN_DIR/report/``:
+
+* ``timeline.png``: allocated / reserved per step (peaks and end of step, measured total on a GPU) against
+  the plan's predictions and the budget; OOMs, re-plans and leaks marked;
+* ``categories.png`` (when the telemetry has categories): the measured peak split into parameters,
+  optimizer states, gradients, the rest of the step (activations and temporaries), allocator overhead and
+  memory outside the allocator, against the predicted total;
+* ``modules.png`` (when modules were recorded): what the largest modules' forward passes kept;
+* ``summary.md`` and ``summary.json``: predicted vs measured per strategy, events, and after an OOM a
+  post-mortem: which category overran the plan and by how much.
+
+Post-mortem: at the failure the guard measured the allocator (allocated, reserved, the request that failed)
+and the live parameters and optimizer states. Each is set against the failing plan's breakdown at its
+predicted peak: parameters and optimizer states directly; the step's own memory (gradients, activations and
+temporaries, which the telemetry cannot tell apart) as allocated + requested - parameters - states; the
+allocator's overhead as reserved - allocated; the runtime as device used - reserved. The category with the
+largest excess over its prediction is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memopt.units import GiB, MiB, format_bytes
+
+__all__ = ["RunData", "load_run", "postmortem", "render_report", "summarize"]
+
+STEP_CATEGORY = "gradients+activations+temporaries"
+
+
+@dataclass
+class RunData:
+    run_dir: Path
+    steps: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    plan: dict[str, Any] | None
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    oom_report: dict[str, Any] | None = None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+    return out
+
+
+def load_run(run_dir: str | os.PathLike[str], *, rank: int = 0) -> RunData:
+    d = Path(run_dir)
+    suffix = "" if rank == 0 else f".rank{rank}"
+    steps = _jsonl(d / f"telemetry{suffix}.jsonl")
+    events = _jsonl(d / f"events{suffix}.jsonl")
+    if not steps and not events:
+        raise FileNotFoundError(f"{d} has no telemetry{suffix}.jsonl or events{suffix}.jsonl: not a memopt run "
+                                "directory (RuntimeGuard/Telemetry with run_dir= writes them)")
+    plan = json.loads((d / "plan.json").read_text()) if (d / "plan.json").exists() else None
+    plans = []
+    if (d / "plans").is_dir():
+        files = sorted((d / "plans").glob("plan_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+        plans = [json.loads(p.read_text()) for p in files]
+    oom = json.loads((d / "oom_report.json").read_text()) if (d / "oom_report.json").exists() else None
+    return RunData(run_dir=d, steps=steps, events=events, plan=plan, plans=plans, oom_report=oom)
+
+
+# -- analysis ------------------------------------------------------------------------------------------
+def _rel(measured: float | None, predicted: float | None) -> float | None:
+    if measured is None or not predicted:
+        return None
+    return measured / predicted - 1.0
+
+
+def summarize(run: RunData) -> dict[str, Any]:
+    """Predicted vs measured per strategy, the events, and post-mortems."""
+    by: dict[str, dict[str, Any]] = {}
+    for rec in run.steps:
+        label = rec.get("strategy") or "(no plan)"
+        s = by.setdefault(label, {"steps": 0, "first_step": rec["step"], "times": [],
+                                  "predicted_peak_allocated_bytes": rec.get("predicted_peak_allocated_bytes"),
+                                  "predicted_peak_reserved_bytes": rec.get("predicted_peak_reserved_bytes"),
+                                  "predicted_total_bytes": rec.get("predicted_total_bytes"),
+                                  "predicted_step_time_s": rec.get("predicted_step_time_s"),
+                                  "measured_peak_allocated_bytes": None, "measured_peak_reserved_bytes": None,
+                                  "measured_total_bytes": None})
+        s["steps"] += 1
+        s["last_step"] = rec["step"]
+        if rec.get("step_time_s") is not None and rec.get("attempts", 1) == 1:
+            s["times"].append(rec["step_time_s"])
+        on_device = rec.get("device_used_bytes") is not None
+        for k, src in (("measured_peak_allocated_bytes", "peak_allocated_bytes"),
+                       ("measured_peak_reserved_bytes", "peak_reserved_bytes"),
+                       ("measured_total_bytes", "measured_total_bytes" if on_device else None)):
+            v = rec.get(src) if src else None
+            if v is not None:
+                s[k] = v if s[k] is None else max(s[k], v)
+    for s in by.values():
+        times = s.pop("times")
+        s["measured_step_time_s"] = statistics.median(times) if times else None
+        s["error_peak_allocated"] = _rel(s["measured_peak_allocated_bytes"], s["predicted_peak_allocated_bytes"])
+        s["error_peak_reserved"] = _rel(s["measured_peak_reserved_bytes"], s["predicted_peak_reserved_bytes"])
+        s["error_total"] = _rel(s["measured_total_bytes"], s["predicted_total_bytes"])
+        s["error_step_time"] = _rel(s["measured_step_time_s"], s["predicted_step_time_s"])
+    kinds: dict[str, int] = {}
+    for e in run.events:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    return {
+        "run_dir": str(run.run_dir), "steps": len(run.steps), "strategies": list(by),
+        "plan": {k: (run.plan or {}).get(k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "total_bytes",
+                                                       "budget_bytes", "step_time_s", "strategy_label", "hardware")},
+        "by_strategy": by, "events": kinds,
+        "leaks": [e for e in run.events if e["kind"] == "leak"],
+        "postmortem": postmortem(run),
+        "stopped": run.oom_report.get("final") if run.oom_report else None,
+    }
+
+
+def postmortem(run: RunData) -> list[dict[str, Any]]:
+    """For each OOM on this rank: measured at the failure vs the failing plan's breakdown, and the culprit."""
+    out = []
+    for e in run.events:
+        if e["kind"] != "oom" or e.get("phase") == "peer":
+            continue
+        pred = e.get("predicted") or {}
+        bd = {k: int(v) for k, v in (pred.get("breakdown") or {}).items()}
+        cats = e.get("categories_bytes") or {}
+        rows: list[dict[str, Any]] = []
+        row = _row_adder(rows)
+        params, states = cats.get("parameters"), cats.get("optimizer_states")
+        row("parameters", params, bd.get("parameters"))
+        row("optimizer_states", states, bd.get("optimizer_states"))
+        allocated, reserved = e.get("allocated_bytes"), e.get("reserved_bytes")
+        if allocated is not None and params is not None and states is not None:
+            need = allocated + (e.get("requested_bytes") or 0)
+            row(STEP_CATEGORY, need - params - states,
+                sum(bd.get(k, 0) for k in ("gradients", "activations", "temporaries")))
+        if allocated is not None and reserved is not None:
+            row("allocator_overhead", reserved - allocated, bd.get("allocator_overhead"))
+        if reserved is not None and e.get("device_used_bytes") is not None:
+            row("runtime", e["device_used_bytes"] - reserved, bd.get("runtime", pred.get("runtime_bytes")))
+        worst = max(rows, key=lambda r: r["over_bytes"], default=None)
+        needed, total = e.get("needed_bytes"), pred.get("total_bytes")
+        if worst is not None and worst["over_bytes"] > 0:
+            verdict = (f"{worst['category']} overran the plan by {format_bytes(worst['over_bytes'])} (measured "
+                       f"{format_bytes(worst['measured_bytes'])}, planned {format_bytes(worst['predicted_bytes'])})")
+        else:
+            verdict = "no measured category exceeded its prediction at the failure"
+        if needed and total:
+            verdict += (f"; the step needed at least {format_bytes(needed)} against a predicted "
+                        f"{format_bytes(total)} ({needed / total - 1:+.1%})")
+        if e.get("budget_bytes"):
+            verdict += f", budget {format_bytes(e['budget_bytes'])}"
+        out.append({"step": e.get("step"), "attempt": e.get("attempt"), "phase": e.get("phase"),
+                    "location": e.get("location"), "strategy": e.get("strategy"), "rank": e.get("rank"),
+                    "requested_bytes": e.get("requested_bytes"), "needed_bytes": needed,
+                    "predicted_total_bytes": total, "predicted_peak_at": pred.get("peak_at"), "rows": rows,
+                    "culprit": worst["category"] if worst is not None and worst["over_bytes"] > 0 else None,
+                    "verdict": verdict, "snapshot": e.get("snapshot_path")})
+    return out
+
+
+def _row_adder(rows: list[dict[str, Any]]) -> Any:
+    def row(name: str, measured: int | None, predicted: int | None) -> None:
+        if measured is None or predicted is None:
+            return
+        rows.append({"category": name, "measured_bytes": int(measured), "predicted_bytes": int(predicted),
+                     "over_bytes": int(measured - predicted)})
+    return row
+
+
+# -- rendering -----------------------------------------------------------------------------------------
+def _unit(max_bytes: float) -> tuple[float, str]:
+    return (GiB, "GiB") if max_bytes >= GiB else (MiB, "MiB")
+
+
+def _series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in steps:
+        if r.get(key) is not None:
+            xs.append(r["step"])
+            ys.append(r[key])
+    return xs, ys
+
+
+def _mark_events(ax: Any, events: list[dict]) -> None:
+    colors = {"oom": "tab:red", "replan": "tab:purple", "leak": "tab:orange", "stopped": "black"}
+    for e in events:
+        c = colors.get(e["kind"])
+        if c is None:
+            continue
+        ax.axvline(e["step"], color=c, linestyle=":", linewidth=1.2)
+        ax.annotate(e["kind"], (e["step"], 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                    color=c, va="top", ha="left" if e["kind"] == "replan" else "right")
+
+
+def _timeline(run: RunData, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    steps = run.steps
+    keys = ["peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes", "measured_total_bytes",
+            "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes", "predicted_total_bytes",
+            "budget_bytes"]
+    top = max([r.get(k) or 0 for r in steps for k in keys] + [1])
+    unit, name = _unit(top)
+    fig = Figure(figsize=(10, 5), dpi=100)
+    ax = fig.subplots()
+    styles = {"peak_allocated_bytes": ("peak allocated", "tab:blue", "-"),
+              "peak_reserved_bytes": ("peak reserved", "tab:green", "-"),
+              "allocated_bytes": ("allocated at step end", "tab:gray", "-"),
+              "measured_total_bytes": ("measured total (reserved + outside allocator)", "tab:brown", "-"),
+              "predicted_peak_allocated_bytes": ("predicted peak allocated", "tab:blue", "--"),
+              "predicted_peak_reserved_bytes": ("predicted peak reserved", "tab:green", "--"),
+              "predicted_total_bytes": ("predicted total", "tab:brown", "--"),
+              "budget_bytes": ("budget", "tab:red", "-.")}
+    on_device = any(r.get("device_used_bytes") is not None for r in steps)
+    for key, (label, color, ls) in styles.items():
+        if key in ("measured_total_bytes", "predicted_total_bytes", "budget_bytes") and not on_device:
+            continue
+        xs, ys = _series(steps, key)
+        if xs:
+            ax.step(xs, [y / unit for y in ys], where="post" if ls != "-" else "mid", label=label, color=color,
+                    linestyle=ls, linewidth=1.4)
+    _mark_events(ax, run.events)
+    ax.set_xlabel("step")
+    ax.set_ylabel(name)
+    ax.set_title("memory per step vs plan")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _categories_plot(run: RunData, path: Path) -> Path | None:
+    from matplotlib.figure import Figure
+
+    steps = [r for r in run.steps if r.get("categories_bytes") and r.get("peak_allocated_bytes") is not None]
+    if not steps:
+        return None
+    names = ["parameters", "optimizer_states", "gradients", "activations+temporaries", "allocator_overhead",
+             "outside_allocator"]
+    series: dict[str, list[float]] = {n: [] for n in names}
+    for r in steps:
+        c = r["categories_bytes"]
+        p, s, g = c.get("parameters", 0), c.get("optimizer_states", 0), c.get("gradients", 0)
+        series["parameters"].append(p)
+        series["optimizer_states"].append(s)
+        series["gradients"].append(g)
+        series["activations+temporaries"].append(max(r["peak_allocated_bytes"] - p - s - g, 0))
+        series["allocator_overhead"].append(max(r["peak_reserved_bytes"] - r["peak_allocated_bytes"], 0))
+        series["outside_allocator"].append(r.get("outside_allocator_bytes") or 0)
+    top = max(sum(v[i] for v in series.values()) for i in range(len(steps)))
+    top = max(top, *[(r.get("predicted_total_bytes") or 0) for r in steps])
+    unit, uname = _unit(top)
+    fig = Figure(figsize=(10, 5), dpi=100)
+    ax = fig.subplots()
+    xs = [r["step"] for r in steps]
+    ax.stackplot(xs, *[[v / unit for v in series[n]] for n in names], labels=names, alpha=0.8)
+    on_device = any(r.get("device_used_bytes") is not None for r in steps)
+    key = "predicted_total_bytes" if on_device else "predicted_peak_reserved_bytes"
+    px, py = _series(steps, key)
+    if px:
+        ax.step(px, [y / unit for y in py], where="post", color="black", linestyle="--",
+                label="predicted " + ("total" if on_device else "peak reserved"))
+    _mark_events(ax, run.events)
+    ax.set_xlabel("step")
+    ax.set_ylabel(uname)
+    ax.set_title("measured peak by category (gradients at the optimizer step)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _modules_plot(run: RunData, path: Path, top: int = 8) -> Path | None:
+    from matplotlib.figure import Figure
+
+    steps = [r for r in run.steps if r.get("modules_bytes")]
+    if not steps:
+        return None
+    peak: dict[str, int] = {}
+    for r in steps:
+        for m, v in r["modules_bytes"].items():
+            peak[m] = max(peak.get(m, 0), v)
+    names = sorted(peak, key=lambda m: -peak[m])[:top]
+    unit, uname = _unit(max(peak.values(), default=1))
+    fig = Figure(figsize=(10, 5), dpi=100)
+    ax = fig.subplots()
+    for m in names:
+        ax.plot([r["step"] for r in steps], [r["modules_bytes"].get(m, 0) / unit for r in steps], label=m)
+    ax.set_xlabel("step")
+    ax.set_ylabel(uname)
+    ax.set_title(f"bytes kept by the forward of the top {len(names)} modules")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    return "n/a" if v is None else format_bytes(v)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.1%}"
+
+
+def _markdown(summary: dict[str, Any], images: dict[str, Path]) -> str:
+    lines = [f"# memopt run report: {summary['run_dir']}", "", f"{summary['steps']} steps recorded."]
+    plan = summary["plan"]
+    if plan.get("strategy_label"):
+        lines.append(f"Plan: `{plan['strategy_label']}` on {plan.get('hardware')}, budget "
+                     f"{_fmt(plan.get('budget_bytes'))}.")
+    if summary["stopped"]:
+        lines += ["", f"**Stopped:** {summary['stopped']}"]
+    lines += ["", "## Predicted vs measured", "",
+              "| strategy | steps | peak allocated (pred / meas) | peak reserved (pred / meas) | "
+              "total (pred / meas) | step time (pred / meas) |", "|---|---|---|---|---|---|"]
+    for label, s in summary["by_strategy"].items():
+        t_pred, t_meas = s["predicted_step_time_s"], s["measured_step_time_s"]
+        lines.append(
+            f"| `{label}` | {s['steps']} | {_fmt(s['predicted_peak_allocated_bytes'])} / "
+            f"{_fmt(s['measured_peak_allocated_bytes'])} ({_pct(s['error_peak_allocated'])}) | "
+            f"{_fmt(s['predicted_peak_reserved_bytes'])} / {_fmt(s['measured_peak_reserved_bytes'])} "
+            f"({_pct(s['error_peak_reserved'])}) | {_fmt(s['predicted_total_bytes'])} / "
+            f"{_fmt(s['measured_total_bytes'])} ({_pct(s['error_total'])}) | "
+            f"{'n/a' if t_pred is None else f'{t_pred:.3f} s'} / {'n/a' if t_meas is None else f'{t_meas:.3f} s'} |")
+    if summary["events"]:
+        lines += ["", "## Events", ""] + [f"- {k}: {v}" for k, v in sorted(summary["events"].items())]
+    for leak in summary["leaks"]:
+        lines += ["", "## Memory leak", "", leak["message"]]
+    for pm in summary["postmortem"]:
+        lines += ["", f"## Post-mortem: OOM at step {pm['step']} (attempt {pm['attempt']}, {pm['phase']})", "",
+                  f"Strategy `{pm['strategy']}`; the plan predicted its peak at: {pm['predicted_peak_at']}.", "",
+                  f"**{pm['verdict']}**", "", "| category | measured | planned | over |", "|---|---|---|---|"]
+        for r in pm["rows"]:
+            lines.append(f"| {r['category']} | {_fmt(r['measured_bytes'])} | {_fmt(r['predicted_bytes'])} | "
+                         f"{_fmt(r['over_bytes'])} |")
+        if pm.get("snapshot"):
+            lines += ["", f"Memory snapshot: `{pm['snapshot']}` (open in https://pytorch.org/memory_viz)"]
+    if images:
+        lines += ["", "## Timelines", ""] + [f"![{k}]({p.name})" for k, p in images.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_report(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
+                  rank: int = 0) -> dict[str, Path]:
+    """Write the report files (see the module docstring); returns their paths by name."""
+    run = load_run(run_dir, rank=rank)
+    out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images: dict[str, Path] = {}
+    if run.steps:
+        images["timeline"] = _timeline(run, out / "timeline.png")
+        for name, fn in (("categories", _categories_plot), ("modules", _modules_plot)):
+            p = fn(run, out / f"{name}.png")
+            if p is not None:
+                images[name] = p
+    summary = summarize(run)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "summary.md").write_text(_markdown(summary, images))
+    paths = {**images, "summary_json": out / "summary.json", "summary_md": out / "summary.md"}
+    if summary["postmortem"]:
+        (out / "postmortem.json").write_text(json.dumps(summary["postmortem"], indent=2, default=str))
+        paths["postmortem"] = out / "postmortem.json"
+    return paths

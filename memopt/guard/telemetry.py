@@ -1,0 +1,467 @@
+"""Per-step memory telemetry: what the step used, beside what the plan predicted.
+
+Every step appends one JSON object to ``RUN_DIR/telemetry.jsonl`` (``telemetry.rank<r>.jsonl`` on other
+ranks); bytes are ints and their keys end in ``_bytes``:
+
+=================================== ==================================================================
+step, attempts, strategy            the step's index (0-based), tries it took (1 without an OOM), the
+                                    strategy label it finished under
+step_time_s, loss, time             wall time of the step (all attempts), its loss, a Unix timestamp
+allocated_bytes, reserved_bytes     at the end of the step
+fragmentation_bytes                 reserved - allocated at the end of the step
+peak_allocated_bytes,               highest since the start of the step (peaks are reset every step and
+peak_reserved_bytes                 every retry)
+peak_fragmentation_bytes            peak reserved - peak allocated
+device_used_bytes,                  the driver's view (``torch.cuda.mem_get_info``: every process on the
+device_total_bytes                  device); null where unknown (CPU)
+outside_allocator_bytes             device used - reserved: CUDA context, handles, NCCL (null on CPU)
+measured_total_bytes                peak reserved + outside the allocator: comparable to the plan's total
+predicted_peak_allocated_bytes,     the plan's prediction (null without a plan)
+predicted_peak_reserved_bytes,
+predicted_total_bytes, budget_bytes
+points_bytes                        allocated at named points: step_start, optimizer (before the optimizer
+                                    step), step_end; the batch's own bytes are not counted
+categories_bytes                    parameters and optimizer states (end of step), gradients (before the
+                                    optimizer step), measured on the live tensors
+saved_tensors                       the graph census (``memopt.guard.census``), when on
+output_bytes                        bytes of the model's outputs over the step's forward passes
+modules_bytes                       bytes each top module's forward left allocated (``record_modules``)
+=================================== ==================================================================
+
+Other happenings (OOMs, re-plans, leaks) go to ``RUN_DIR/events.jsonl``; the plan to ``RUN_DIR/plan.json``
+and each re-plan to ``RUN_DIR/plans/plan_<n>.json``. ``progress()`` is a short string for a progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.guard.census import GraphCensus, live_tensor_census
+from memopt.guard.leaks import LeakDetector, LeakReport
+from memopt.guard.memory import (
+    CudaMemorySource,
+    MemorySample,
+    MemorySource,
+    SimulatedMemorySource,
+    TrackedMemorySource,
+    default_memory_source,
+    state_bytes,
+)
+from memopt.plan.schema import Plan
+from memopt.units import GiB, MiB
+
+__all__ = [
+    "CudaMemorySource",
+    "MemorySample",
+    "MemorySource",
+    "SimulatedMemorySource",
+    "Telemetry",
+    "TrackedMemorySource",
+    "format_progress",
+    "top_modules",
+]
+
+
+def format_progress(measured_bytes: int | None, limit_bytes: int | None = None,
+                    predicted_bytes: int | None = None) -> str:
+    """``mem 31.2/40.0 GiB (pred 30.9)``: the unit follows the limit (or the measurement)."""
+    if measured_bytes is None:
+        return "mem n/a"
+    ref = limit_bytes or measured_bytes
+    unit, name = (GiB, "GiB") if ref >= GiB else (MiB, "MiB")
+    text = f"mem {measured_bytes / unit:.1f}"
+    text += f"/{limit_bytes / unit:.1f} {name}" if limit_bytes else f" {name}"
+    if predicted_bytes is not None:
+        text += f" (pred {predicted_bytes / unit:.1f})"
+    return text
+
+
+def top_modules(model: nn.Module, max_depth: int = 2) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks (``memopt.blocks``) and the deepest modules with parameters of depth <= ``max_depth``
+    outside them (embeddings, final norm, head), in the model's order."""
+    from memopt.blocks import find_block_stacks
+
+    stacks = find_block_stacks(model)
+    blocks = {id(b): f"{s.path}.{i}" for s in stacks for i, b in enumerate(s.blocks)}
+    containers = [s.path for s in stacks]
+
+    def related(name: str) -> bool:  # a block list, inside one, or an ancestor of one
+        return any(name == c or name.startswith(c + ".") or c.startswith(name + ".") for c in containers)
+
+    others = [(n, m) for n, m in model.named_modules()
+              if n and n.count(".") < max_depth and not related(n) and any(True for _ in m.parameters())]
+    names = [n for n, _ in others]
+    keep = {n for n in names if not any(o.startswith(n + ".") for o in names)}
+    out = []
+    for n, m in model.named_modules():
+        if (id(m) in blocks and n == blocks[id(m)]) or n in keep:
+            out.append((n, m))
+    return out
+
+
+class Telemetry:
+    """Records one line per training step (see the module docstring).
+
+    Typical use, with a ``TrainStep`` (``memopt.guard.RuntimeGuard`` does all of this)::
+
+        tel = Telemetry(plan=plan, run_dir="runs/x")   # CUDA counters when a GPU is present
+        tel.attach(prepared.step)
+        for batch in loader:
+            tel.begin_step(batch)
+            loss = prepared.step.step(batch)
+            tel.end_step(loss=loss, batch=batch)
+            bar.set_postfix_str(tel.progress())
+        tel.close()
+
+    A hand-written loop calls ``begin_step``/``mark("optimizer")``/``end_step`` itself.
+    """
+
+    FILE = "telemetry.jsonl"
+    EVENTS = "events.jsonl"
+
+    def __init__(self, memory: MemorySource | None = None, *, plan: Plan | None = None,
+                 run_dir: str | os.PathLike[str] | None = None, leaks: LeakDetector | bool = True,
+                 leak_threshold_bytes: int = 32 * MiB, leak_window: int = 5, census: bool = True,
+                 record_categories: bool = True, record_outputs: bool = True, record_modules: bool = False,
+                 model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, rank: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.memory = memory if memory is not None else default_memory_source()
+        self.plan = plan
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.rank = rank
+        self.clock = clock
+        self.record_categories = record_categories
+        self.record_outputs = record_outputs
+        self.record_modules = record_modules
+        self.model = model
+        self.optimizer = optimizer
+        device_type = self.memory.device_type if self.memory is not None else "cpu"
+        self.census = GraphCensus(device_type) if census and self.memory is not None else None
+        if leaks is True and self.memory is not None:
+            leaks = LeakDetector(threshold_bytes=leak_threshold_bytes, window=leak_window)
+        self.leaks: LeakDetector | None = leaks if isinstance(leaks, LeakDetector) else None
+        if self.leaks is not None:
+            if self.leaks.census_fn is None:
+                self.leaks.census_fn = self._live_tensors
+            user_cb = self.leaks.on_leak
+            self.leaks.on_leak = lambda r: self._on_leak(r, user_cb)
+        self.records: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.step_index = 0
+        self.last: dict[str, Any] | None = None
+        self._hooks: list[Any] = []
+        self._phase = ""
+        self._points: dict[str, int] = {}
+        self._batch_bytes = 0
+        self._grads_bytes: int | None = None
+        self._output_bytes = 0
+        self._module_bytes: dict[str, int] = {}
+        self._module_stack: list[int] = []
+        self._t0: float | None = None
+        self._attempts = 1
+        self._files: dict[str, Any] = {}
+        self._plan_count = 0
+        self._started = False
+        self.measured: dict[str, dict[str, Any]] = {}  # strategy label -> max measured + prediction (calibration)
+
+    # -- wiring ------------------------------------------------------------------------------------
+    def attach(self, step: Any, *, chain_phases: bool = True) -> Telemetry:
+        """Read the model and optimizer of a ``TrainStep`` and (by default) listen to its phases."""
+        self.bind(step)
+        if chain_phases:
+            previous = step.on_phase
+
+            def on_phase(name: str) -> None:
+                self.on_phase(name)
+                if previous is not None:
+                    previous(name)
+
+            step.on_phase = on_phase
+        return self
+
+    def bind(self, step: Any) -> None:
+        """Follow a (new) train step: its model, optimizer and master weights."""
+        model = getattr(step, "model", None)
+        if model is not self.model:
+            self._remove_hooks()
+            self.model = model
+        self.optimizer = getattr(step, "optimizer", self.optimizer)
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        if self._hooks or self.model is None or self.memory is None:
+            return
+        if self.record_outputs:
+            self._hooks.append(self.model.register_forward_hook(self._output_hook))
+        if self.record_modules:
+            for name, module in top_modules(self.model):
+                self._hooks.append(module.register_forward_pre_hook(self._module_pre))
+                self._hooks.append(module.register_forward_hook(self._module_post(name)))
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._output_bytes += self.memory.tensor_bytes(output)
+
+    def _module_pre(self, module: nn.Module, args: Any) -> None:
+        self._module_stack.append(self.memory.allocated_bytes())
+
+    def _module_post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            before = self._module_stack.pop() if self._module_stack else None
+            if before is None or not (self._phase.startswith("forward") or not self._phase):
+                return  # recomputation inside backward (checkpointing) is not the forward's memory
+            self._module_bytes[name] = self._module_bytes.get(name, 0) + self.memory.allocated_bytes() - before
+        return hook
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self.census is not None:
+            self.census.install()
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.plan is not None and self.rank == 0:
+                self.plan.save(self.run_dir / "plan.json")
+
+    def set_plan(self, plan: Plan, *, reason: str | None = None) -> Path | None:
+        """A new plan from now on (after an escalation); saved as ``plans/plan_<n>.json``."""
+        self.plan = plan
+        self._plan_count += 1
+        path = None
+        if self.run_dir is not None and self.rank == 0:
+            path = plan.save(self.run_dir / "plans" / f"plan_{self._plan_count}.json")
+        self.event("replan", strategy=plan.strategy.label(), reason=reason,
+                   plan_file=str(path.relative_to(self.run_dir)) if path is not None else None,
+                   predicted_total_bytes=plan.total_bytes)
+        return path
+
+    # -- the step ----------------------------------------------------------------------------------
+    def on_phase(self, name: str) -> None:
+        self._phase = name
+        if name == "optimizer":
+            self.mark("optimizer")
+
+    def begin_step(self, batch: Any = None) -> None:
+        self.start()
+        self._t0 = self.clock()
+        self._attempts = 1
+        self._reset_step_state(batch)
+        if self.memory is None:
+            return
+        self.memory.reset_peak()
+        value = self.memory.allocated_bytes() - self._batch_bytes
+        self._points["step_start"] = value
+        if self.leaks is not None:
+            self.leaks.observe(self.step_index, "step_start", value, self._evidence(end=False))
+
+    def _reset_step_state(self, batch: Any) -> None:
+        self._points = {}
+        self._grads_bytes = None
+        self._output_bytes = 0
+        self._module_bytes = {}
+        self._module_stack = []
+        self._phase = ""
+        self._batch_bytes = self.memory.tensor_bytes(batch) if (self.memory is not None and batch is not None) else 0
+
+    def retry(self, batch: Any = None) -> None:
+        """The step starts again (after an OOM): per-attempt figures restart, the clock does not."""
+        self._attempts += 1
+        points = {k: v for k, v in self._points.items() if k == "step_start"}
+        self._reset_step_state(batch)
+        self._points = points
+        if self.memory is not None:
+            self.memory.reset_peak()
+
+    def mark(self, point: str) -> None:
+        """Allocated bytes at a named point of the step (``optimizer``: also the gradients' bytes)."""
+        if self.memory is None:
+            return
+        self._points[point] = self.memory.allocated_bytes() - self._batch_bytes
+        if point == "optimizer" and self.record_categories:
+            self._grads_bytes = self._categories().get("gradients")
+
+    def end_step(self, *, loss: float | None = None, batch: Any = None, **extra: Any) -> dict[str, Any]:
+        """Close the step: write its record, run the leak check; returns the record."""
+        if self._t0 is None:
+            self.begin_step(batch)
+        elapsed = self.clock() - self._t0
+        rec: dict[str, Any] = {"step": self.step_index, "attempts": self._attempts, "time": time.time(),
+                               "step_time_s": elapsed, "loss": _finite(loss)}
+        if self.plan is not None:
+            rec["strategy"] = self.plan.strategy.label()
+        sample = self.memory.sample() if self.memory is not None else None
+        if sample is not None:
+            if batch is not None and not self._batch_bytes:
+                self._batch_bytes = self.memory.tensor_bytes(batch)
+            self._points["step_end"] = sample.allocated_bytes - self._batch_bytes
+            rec.update(self._memory_fields(sample))
+        rec.update(self._prediction_fields())
+        if sample is not None:
+            rec["points_bytes"] = dict(self._points)
+            rec["batch_bytes"] = self._batch_bytes
+            evidence = self._evidence(end=True)
+            if self.record_categories:
+                rec["categories_bytes"] = {k: evidence[f"{k}_bytes"] for k in
+                                           ("parameters", "gradients", "optimizer_states") if f"{k}_bytes" in evidence}
+            if "saved_unused_bytes" in evidence:
+                rec["saved_tensors"] = {k: evidence[k] for k in ("saved_unused_bytes", "saved_retained_bytes",
+                                                                 "saved_packed_bytes")}
+            if self.record_outputs:
+                rec["output_bytes"] = self._output_bytes
+            if self.record_modules and self._module_bytes:
+                rec["modules_bytes"] = dict(self._module_bytes)
+        rec.update(extra)
+        self._write(self._file_name(self.FILE), rec)
+        self.records.append(rec)
+        self.last = rec
+        self._update_measured(rec)
+        if sample is not None and self.leaks is not None:
+            if "optimizer" in self._points:
+                self.leaks.observe(self.step_index, "optimizer", self._points["optimizer"], evidence)
+            self.leaks.observe(self.step_index, "step_end", self._points["step_end"], evidence)
+        self.step_index += 1
+        self._t0 = None
+        return rec
+
+    # -- pieces of a record ------------------------------------------------------------------------
+    @staticmethod
+    def _memory_fields(s: MemorySample) -> dict[str, Any]:
+        outside = s.outside_allocator_bytes
+        return {"allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes,
+                "fragmentation_bytes": s.fragmentation_bytes, "peak_allocated_bytes": s.peak_allocated_bytes,
+                "peak_reserved_bytes": s.peak_reserved_bytes,
+                "peak_fragmentation_bytes": s.peak_reserved_bytes - s.peak_allocated_bytes,
+                "device_used_bytes": s.device_used_bytes, "device_total_bytes": s.device_total_bytes,
+                "outside_allocator_bytes": outside,
+                "measured_total_bytes": s.peak_reserved_bytes + (outside or 0)}
+
+    def _prediction_fields(self) -> dict[str, Any]:
+        p = self.plan
+        if p is None:
+            return {"predicted_peak_allocated_bytes": None, "predicted_peak_reserved_bytes": None,
+                    "predicted_total_bytes": None, "budget_bytes": None}
+        return {"predicted_peak_allocated_bytes": p.peak_allocated_bytes,
+                "predicted_peak_reserved_bytes": p.peak_reserved_bytes, "predicted_total_bytes": p.total_bytes,
+                "predicted_step_time_s": p.step_time_s, "budget_bytes": p.budget_bytes}
+
+    def _categories(self) -> dict[str, int]:
+        if self.memory is None or self.model is None:
+            return {}
+        return state_bytes(self.memory, self.model, self.optimizer)
+
+    def _evidence(self, *, end: bool) -> dict[str, Any]:
+        ev: dict[str, Any] = {}
+        if self.census is not None and self.census.active:
+            ev.update(self.census.snapshot(reset_packed=end).to_dict())
+            ev["census"] = True
+        if self.record_categories:
+            cats = self._categories()
+            for k, v in cats.items():
+                ev[f"{k}_bytes"] = v
+            if end and self._grads_bytes is not None:
+                ev["gradients_bytes"] = self._grads_bytes
+        if end and self.record_outputs:
+            ev["output_bytes"] = self._output_bytes
+        return ev
+
+    def _live_tensors(self) -> list[dict[str, Any]]:
+        exclude = [x for x in (self.model, self.optimizer) if x is not None]
+        return live_tensor_census(self.memory.device_type, exclude=exclude)
+
+    def _update_measured(self, rec: dict[str, Any]) -> None:
+        if self.plan is None or rec.get("peak_allocated_bytes") is None:
+            return
+        label = self.plan.strategy.label()
+        m = self.measured.setdefault(label, {"steps": 0, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
+                                             "measured_total_bytes": 0, "prediction": self.plan.prediction,
+                                             "device_used_known": rec.get("device_used_bytes") is not None})
+        m["steps"] += 1
+        for k in ("peak_allocated_bytes", "peak_reserved_bytes", "measured_total_bytes"):
+            m[k] = max(m[k], int(rec[k]))
+
+    # -- events, files, progress -------------------------------------------------------------------
+    def event(self, kind: str, **data: Any) -> dict[str, Any]:
+        rec = {"kind": kind, "step": self.step_index, "time": time.time(), **data}
+        self.events.append(rec)
+        self._write(self._file_name(self.EVENTS), rec)
+        return rec
+
+    def _on_leak(self, report: LeakReport, user_cb: Callable[[LeakReport], None] | None) -> None:
+        self.event("leak", **report.to_dict())
+        if user_cb is not None:
+            user_cb(report)
+
+    def _file_name(self, name: str) -> str:
+        if self.rank == 0:
+            return name
+        stem, ext = name.rsplit(".", 1)
+        return f"{stem}.rank{self.rank}.{ext}"
+
+    def _write(self, name: str, rec: dict[str, Any]) -> None:
+        if self.run_dir is None:
+            return
+        f = self._files.get(name)
+        if f is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            f = self._files[name] = open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115
+        f.write(json.dumps(rec, default=_json_default) + "\n")
+        f.flush()
+
+    def progress(self) -> str:
+        """``mem 31.2/40.0 GiB (pred 30.9)`` for the last step (measured total vs budget and prediction)."""
+        rec = self.last
+        if rec is None or rec.get("peak_reserved_bytes") is None:
+            return "mem n/a"
+        on_device = rec.get("device_used_bytes") is not None
+        measured = rec["measured_total_bytes"] if on_device else rec["peak_reserved_bytes"]
+        limit = rec.get("budget_bytes") or rec.get("device_total_bytes")
+        pred = rec.get("predicted_total_bytes") if on_device else rec.get("predicted_peak_reserved_bytes")
+        return format_progress(measured, limit, pred)
+
+    def close(self) -> None:
+        self._remove_hooks()
+        if self.census is not None:
+            self.census.remove()
+        self._started = False
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+    def __enter__(self) -> Telemetry:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _finite(x: Any) -> float | None:
+    if x is None:
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v and abs(v) != float("inf") else None
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+

@@ -1,0 +1,132 @@
+"""``memopt.wrap(trainer, budget=...)``: a Hugging Face ``Trainer`` script, planned by memopt.
+
+The plan becomes the Trainer's own arguments (``per_device_train_batch_size``,
+``gradient_accumulation_steps``, ``bf16``/``fp16``, ``gradient_checkpointing``, ``optim``), and a callback
+sets the allocator mode and the budget cap when training begins. The Trainer can express a subset of
+memopt's techniques, so the search is restricted to it: checkpointing of every block or none, no
+activation offload, no chunked loss, AdamW variants the Trainer knows.
+
+The global batch is the Trainer's per-device batch x gradient accumulation (x processes), as the user
+configured it; memopt keeps it and chooses how to split it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memopt.plan.planner import make_plan
+from memopt.plan.schema import Plan
+
+__all__ = ["wrap_trainer", "trainer_arguments", "MemoptCallback", "TRAINER_OPTIM"]
+
+TRAINER_OPTIM = {"adamw_fused": "adamw_torch_fused", "adamw_foreach": "adamw_torch", "adamw": "adamw_torch",
+                 "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit", "sgd": "sgd"}
+
+
+def trainer_arguments(plan: Plan) -> dict[str, Any]:
+    """The TrainingArguments fields that carry out ``plan``."""
+    s = plan.strategy
+    if s.activation_offload or s.chunked_ce or s.attention != "auto":
+        raise ValueError(f"the plan uses techniques a Trainer cannot express ({s.label()}); plan with "
+                         "memopt.wrap(trainer, ...) so the search is restricted to what the Trainer supports")
+    if s.checkpointing.mode == "selective" or (s.checkpointing.mode == "full" and s.checkpointing.num_blocks):
+        raise ValueError("the Trainer checkpoints every block or none; this plan checkpoints some blocks only")
+    return {
+        "per_device_train_batch_size": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
+        "bf16": s.precision == "bf16_autocast",
+        "fp16": s.precision == "fp16_autocast",
+        "gradient_checkpointing": s.checkpointing.mode == "full",
+        "gradient_checkpointing_kwargs": {"use_reentrant": False} if s.checkpointing.mode == "full" else None,
+        "optim": TRAINER_OPTIM[s.optimizer],
+    }
+
+
+class MemoptCallback:
+    """Applies the allocator mode and the budget cap when training begins; records the measured peak."""
+
+    def __init__(self, plan: Plan, enforce_budget: bool = True) -> None:
+        self.plan = plan
+        self.enforce_budget = enforce_budget
+        self.measured_peak_allocated_bytes = 0
+        self.measured_peak_reserved_bytes = 0
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return control
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_available() and self.enforce_budget:
+            from memopt.apply.budget import cap_allocator, outside_allocator_bytes
+
+            outside = max(outside_allocator_bytes(), int(self.plan.prediction.get("runtime_bytes", 0)))
+            cap_allocator(self.plan.budget_bytes, outside)
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if torch.cuda.is_available():
+            self.measured_peak_allocated_bytes = max(self.measured_peak_allocated_bytes,
+                                                     torch.cuda.max_memory_allocated())
+            self.measured_peak_reserved_bytes = max(self.measured_peak_reserved_bytes, torch.cuda.max_memory_reserved())
+        return control
+
+    def __getattr__(self, name: str) -> Any:  # every other TrainerCallback event: nothing to do
+        if name.startswith("on_"):
+            return lambda args, state, control, **kwargs: control
+        raise AttributeError(name)
+
+
+def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
+    args = trainer.args
+    world = max(1, getattr(args, "world_size", 1))
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    if isinstance(sample, dict) and "batch_size" in sample:
+        return sample
+    extra = dict(sample or {})
+    dataset = getattr(trainer, "train_dataset", None)
+    if "seq_len" not in extra and dataset is not None and len(dataset) > 0:
+        first = dataset[0]
+        ids = first.get("input_ids") if isinstance(first, dict) else None
+        if ids is not None:
+            extra["seq_len"] = max(len(dataset[i]["input_ids"]) for i in range(min(len(dataset), 256)))
+    return {"batch_size": global_batch, **extra}
+
+
+def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
+                 policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
+                 forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True) -> Any:
+    """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it."""
+    if plan is None:
+        if budget is None:
+            raise ValueError("memopt.wrap(trainer) needs budget= (e.g. '24GB') or a saved plan=")
+        restricted = {"activation_offload": [True], "checkpointing": ["selective"]}
+        for key, values in (forbid or {}).items():
+            restricted.setdefault(key, [])
+            restricted[key] = list(restricted[key]) + list(values if isinstance(values, (list, tuple)) else [values])
+        trainer_pins = {"chunked_ce": 0, "attention": "auto", **(pins or {})}
+        sample = _sample_from_trainer(trainer, sample)
+        plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
+                         pins=trainer_pins, forbid=restricted, use_cache=use_cache)
+        # partial checkpointing is not expressible: fall back to the best plan with all or no blocks
+        if plan.fits and plan.strategy.checkpointing.num_blocks:
+            plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy,
+                             fidelity=fidelity, pins={**trainer_pins, "checkpointing": "full"}, forbid=restricted,
+                             use_cache=use_cache)
+    if not plan.fits:
+        raise ValueError(f"no Trainer configuration fits the budget: "
+                         f"{plan.infeasible['message'] if plan.infeasible else ''}")
+    from memopt.apply.budget import set_expandable_segments
+
+    set_expandable_segments(plan.strategy.expandable_segments)
+    for key, value in trainer_arguments(plan).items():
+        if value is None and key == "gradient_checkpointing_kwargs":
+            continue
+        setattr(trainer.args, key, value)
+    if plan.strategy.checkpointing.mode == "full" and hasattr(trainer.model, "gradient_checkpointing_enable"):
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    callback = MemoptCallback(plan, enforce_budget)
+    trainer.add_callback(callback)
+    trainer.memopt_plan = plan
+    trainer.memopt_callback = callback
+    return trainer

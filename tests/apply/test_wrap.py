@@ -1,0 +1,120 @@
+"""memopt.wrap on a CPU: the API, lazy planning, reversibility, checkpoints, bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.models import SampleSpec, build_model, make_batch
+
+SAMPLE = {"batch_size": 8, "seq_len": 64}
+
+
+def _batch(seed=0):
+    return make_batch("tiny_llama", SampleSpec.parse(SAMPLE, "tiny_llama"), generator=torch.Generator().manual_seed(seed))
+
+
+def test_wrap_plans_applies_and_trains():
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", device="cpu")
+    w = memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr=1e-3)
+    assert w.plan.fits and w.model is model and isinstance(w.optimizer, torch.optim.Optimizer)
+    losses = [w.step(_batch(i)) for i in range(3)]
+    assert all(isinstance(x, float) for x in losses)
+    assert w.steps_done == 3
+
+
+def test_lazy_planning_from_the_first_batch():
+    model = build_model("tiny_llama", device="cpu")
+    w = memopt.wrap(model, budget="4GB", hardware="h100_80gb", lr=1e-3)
+    assert w.plan is None
+    with pytest.raises(ValueError, match="step"):
+        _ = w.optimizer
+    w.step(_batch())
+    assert w.plan is not None and w.plan.global_batch == 8
+
+
+def test_unwrap_restores_the_module_and_state_dict_loads():
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", device="cpu")
+    before = {k: v.dtype for k, v in model.state_dict().items()}
+    w = memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr=1e-3,
+                    pins={"precision": "bf16_autocast", "checkpointing": "full"})
+    w.step(_batch())
+    module = w.unwrap()
+    assert module is model and "forward" not in vars(model.model.layers[0])
+    assert {k: v.dtype for k, v in module.state_dict().items()} == before
+    fresh = build_model("tiny_llama", device="cpu")
+    fresh.load_state_dict(module.state_dict())
+
+
+def test_saved_plan_is_applied_unchanged(tmp_path):
+    plan = memopt.plan("tiny_llama", SAMPLE, budget="4GB", hardware="h100_80gb")
+    path = plan.save(tmp_path / "plan.json")
+    w = memopt.wrap(build_model("tiny_llama", device="cpu"), plan=str(path), lr=1e-3)
+    assert w.plan.strategy == plan.strategy
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    w = memopt.wrap(build_model("tiny_llama", device="cpu"), budget="4GB", sample=SAMPLE, hardware="h100_80gb",
+                    lr=1e-3)
+    w.step(_batch(0))
+    path = w.save(tmp_path / "ckpt.pt")
+    next_loss = w.step(_batch(1))
+    w2 = memopt.wrap(build_model("tiny_llama", device="cpu"), plan=w.plan, lr=1e-3)
+    w2.load_state_dict(torch.load(path, weights_only=False))
+    assert w2.steps_done == 1
+    assert w2.step(_batch(1)) == pytest.approx(next_loss, rel=1e-6)
+
+
+def test_bad_input_is_explained():
+    model = build_model("tiny_llama", device="cpu")
+    with pytest.raises(ValueError, match="budget"):
+        memopt.wrap(model)
+    with pytest.raises(ValueError, match="40GB"):
+        memopt.wrap(model, budget="40 gigs", hardware="h100_80gb")
+    with pytest.raises(ValueError, match="meta"):
+        memopt.wrap(build_model("tiny_llama"), budget="4GB", hardware="h100_80gb")
+    with pytest.raises(ValueError, match="compile"):
+        memopt.wrap(torch.compile(model), budget="4GB", hardware="h100_80gb")
+    with pytest.raises(ValueError, match="optimizer"):
+        memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb", optimizer="adagrad-ish")
+
+
+def test_batchnorm_is_flagged_when_micro_batching():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)) for _ in range(4))
+
+        def forward(self, x, labels):
+            for b in self.blocks:
+                x = b(x)
+            return {"loss": nn.functional.mse_loss(x, labels)}
+
+    sample = {"x": torch.randn(16, 64), "labels": torch.randn(16, 64)}
+    with pytest.warns(UserWarning, match="BatchNorm"):
+        memopt.wrap(Net(), budget="4GB", sample=sample, hardware="h100_80gb", pins={"micro_batch_size": 4})
+
+
+def test_custom_module_with_user_optimizer_and_loss():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(5))
+
+        def forward(self, x, labels):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    sample = {"x": torch.randn(8, 32), "labels": torch.randn(8, 32)}
+    w = memopt.wrap(Net(), budget="4GB", sample=sample, hardware="h100_80gb",
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                    loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch["labels"]))
+    assert isinstance(w.optimizer, torch.optim.SGD)
+    first = w.step(sample)
+    for _ in range(10):
+        last = w.step(sample)
+    assert last < first

@@ -1,0 +1,44 @@
+"""The default escalation, memopt.plan.make_plan on the same profile, in a real recovery (slow: profiling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memopt.apply.prepare import prepare
+from memopt.guard.faults import FaultInjector
+from memopt.guard.recovery import OOMGuard, PlanEscalator, PreparedReplanner
+from memopt.models import build_model, make_batch
+from memopt.plan import make_plan
+from memopt.profile.api import profile_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_plan_escalator_replans_on_the_same_profile_and_training_continues(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    sample = {"batch_size": 8, "seq_len": 32}
+    torch.manual_seed(0)
+    model = build_model("tiny_gpt2", device="cpu")
+    prof = profile_model("tiny_gpt2", sample, hardware="h100_80gb")
+    plan = make_plan(None, None, profile=prof, budget="2GiB", hardware="h100_80gb",
+                     pins={"precision": "fp32", "attention": "math"})
+    assert plan.fits and plan.global_batch == 8
+    kwargs = {"device_type": "cpu"}
+    prepared = prepare(model, plan.strategy, **kwargs)
+    guard = OOMGuard(prepared.step, plan, replanner=PreparedReplanner(prepared, kwargs, PlanEscalator(prof)))
+    injector = FaultInjector(at_attempt=1, phase="backward", after_ops=20)
+    guard.phase_listeners.append(injector.on_phase)
+    gen = torch.Generator().manual_seed(0)
+    with injector:
+        losses = [guard.run(make_batch("tiny_gpt2", sample, generator=gen)) for _ in range(3)]
+    assert all(loss == loss for loss in losses)
+    assert len(guard.report.replans) == 1
+    new = guard.plan
+    assert new.strategy != plan.strategy and new.fits
+    assert new.total_bytes < plan.total_bytes  # the escalated plan asks for less
+    assert new.strategy.global_batch == 8  # same global batch: micro-batching and accumulation
+    assert new.policy["pins"] == {**plan.policy["pins"], "expandable_segments": plan.strategy.expandable_segments}
+    assert set(new.policy["allow"]) == set(plan.policy["allow"])  # no lossier technique than the user allowed
+    assert any("re-planned after an out-of-memory error" in n for n in new.notes)
+    assert guard.step.strategy == new.strategy and guard.step.steps_done == 3

@@ -1,0 +1,122 @@
+"""The planner against brute force, and its promises: pins, forbids, budgets, infeasibility, round-trips."""
+
+import dataclasses
+
+import pytest
+
+import memopt
+from memopt.hardware import load_hardware
+from memopt.models import with_overrides
+from memopt.plan import Plan, Policy
+from memopt.plan.planner import _context
+from memopt.plan.search import candidates, evaluate, rank, search
+
+SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048})
+SAMPLE = {"batch_size": 8, "seq_len": 128}
+HW = load_hardware("h200")
+
+
+@pytest.fixture(scope="module")
+def prof():
+    return memopt.profile(SPEC, sample=SAMPLE, hardware=HW, use_cache=False)
+
+
+def _small_policy(**extra) -> Policy:
+    return Policy.build(pins={"activation_offload": False, "expandable_segments": True, "optimizer": "adamw_fused"},
+                        **extra)
+
+
+@pytest.mark.slow
+def test_search_finds_the_brute_force_optimum(prof):
+    pol = _small_policy()
+    ctx = _context(prof, HW, 8, pol, user_optimizer=False)
+    everything = candidates(ctx, pol)
+    assert len(everything) >= 30
+    # a budget between the smallest and the largest footprint, so the choice is not trivial
+    evaluated = [evaluate(prof, s, HW, 10**12, 0) for s in everything]
+    totals = sorted(e.total_bytes for e in evaluated)
+    budget = totals[len(totals) // 3] + pol.margin(totals[len(totals) // 3]) + 1
+    margin = pol.margin(budget)
+    brute = [evaluate(prof, e.strategy, HW, budget, margin) for e in evaluated]
+    fitting = [e for e in brute if e.fits]
+    assert fitting and len(fitting) < len(brute)
+    best = min(fitting, key=rank)
+    result = search(prof, HW, budget, pol, ctx)
+    assert result.best is not None
+    assert rank(result.best) == pytest.approx(rank(best), rel=1e-9)
+    assert result.num_candidates == len(everything)
+    assert len(result.evaluated) + result.pruned_slower + result.pruned_too_big == len(everything)
+
+
+def test_pins_and_forbids_are_honoured():
+    plan = memopt.plan(SPEC, SAMPLE, budget="60GB", hardware=HW, pins={"micro_batch_size": 2},
+                       forbid={"checkpointing": ["selective"]}, use_cache=False)
+    assert plan.fits and plan.strategy.micro_batch_size == 2 and plan.strategy.grad_accum_steps == 4
+    plan = memopt.plan(SPEC, SAMPLE, budget="60GB", hardware=HW, pins={"checkpointing": "full"}, use_cache=False)
+    assert plan.strategy.checkpointing.mode == "full"
+
+
+def test_a_tighter_budget_is_never_faster(prof):
+    times = []
+    for gb in (80, 3, 1.6, 1.3):
+        plan = memopt.plan(SPEC, SAMPLE, budget=f"{gb}GB", hardware=HW, profile=prof)
+        if plan.fits:
+            times.append(plan.step_time_s)
+            assert plan.total_bytes + plan.margin_bytes <= plan.budget_bytes
+    assert len(times) >= 2
+    assert times == sorted(times)
+
+
+def test_infeasible_budget_says_what_would_fit(prof):
+    plan = memopt.plan(SPEC, SAMPLE, budget="1.06GB", hardware=HW, profile=prof)
+    assert not plan.fits
+    msg = plan.infeasible["message"]
+    assert "needs" in msg and "with every allowed technique" in msg
+
+
+def test_plan_round_trips(tmp_path, prof):
+    plan = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW, profile=prof)
+    path = plan.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert again.strategy == plan.strategy
+    assert again.to_dict() == plan.to_dict()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 99}')
+    with pytest.raises(ValueError, match="schema version"):
+        Plan.load(bad)
+
+
+def test_policy_reports_every_problem_at_once():
+    with pytest.raises(ValueError) as err:
+        Policy.build(fidelity="warp", pins={"precision": "fp8", "foo": 1, "micro_batch_size": 0},
+                     forbid={"optimizer": ["adamw9bit"]})
+    text = str(err.value)
+    for part in ("warp", "fp8", "'foo'", "micro_batch_size", "adamw9bit"):
+        assert part in text
+
+
+def test_contradictory_pins():
+    with pytest.raises(ValueError, match="loss scaling|loss_scaling"):
+        Policy.build(fidelity="mixed", pins={"precision": "fp16_autocast"}, forbid={"loss_scaling": ["grad_scaler"]})
+    with pytest.raises(ValueError, match="both pinned and forbidden"):
+        Policy.build(pins={"optimizer": "sgd"}, forbid={"optimizer": ["sgd"]})
+    with pytest.raises(ValueError, match="8bit_optimizer"):
+        Policy.build(pins={"optimizer": "adamw8bit"})  # the default fidelity does not allow 8-bit states
+
+
+def test_budget_below_the_cuda_context():
+    with pytest.raises(ValueError, match="CUDA runtime"):
+        memopt.plan(SPEC, SAMPLE, budget="500MB", hardware=HW, use_cache=False)
+
+
+def test_plan_module_is_callable_after_importing_every_submodule():
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(memopt.__path__, "memopt."):
+        if info.name.endswith("__main__"):
+            continue
+        importlib.import_module(info.name)
+    assert callable(memopt.plan) and callable(memopt.profile) and callable(memopt.estimate)
+    assert dataclasses.is_dataclass(memopt.Plan)

@@ -1,0 +1,120 @@
+"""The CPU emulation of CUDA's memory semantics: autocast policy, dropout, attention kernels."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memopt.profile.attention_kernels import AttentionPolicy, UnsupportedAttention, choose_backend
+from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
+from memopt.profile.tracker import MemoryTracker
+
+H90 = KernelPolicy(attention=AttentionPolicy(sm=90))
+H90_CUDNN = KernelPolicy(attention=AttentionPolicy(sm=90, prefer_cudnn=True))
+
+
+def test_cuda_autocast_policy_replaces_cpus():
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 8, requires_grad=True)
+    with cuda_semantics(H90), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x @ w
+        assert y.dtype == torch.bfloat16  # lower-precision list
+        assert y.pow(2).dtype == torch.float32  # CUDA: fp32 list (CPU would keep bf16)
+        assert y.sum().dtype == torch.float32  # fp32_set_opt_dtype
+        assert y.mean().dtype == torch.bfloat16  # in no list
+        assert F.cross_entropy(y, torch.zeros(4, dtype=torch.long)).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ w).pow(2).dtype == torch.bfloat16  # CPU's own policy is back
+
+
+def test_dropout_keeps_a_one_byte_mask():
+    x = torch.randn(1024, 1024, requires_grad=True)
+    with cuda_semantics(H90):
+        with MemoryTracker("cpu") as t:
+            y = F.dropout(x, 0.1, training=True)
+            saved = t.current_bytes - y.untyped_storage().nbytes()
+    assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+    assert saved == 1024 * 1024  # bool mask, not a float noise tensor
+    with MemoryTracker("cpu") as t:
+        y = F.dropout(x, 0.1, training=True)
+        assert t.current_bytes - y.untyped_storage().nbytes() == 4 * 1024 * 1024  # CPU path, for contrast
+
+
+def _qkv(b, h, hk, length, d, dtype):
+    q = torch.randn(b, length, h, d, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, length, hk, d, dtype=dtype).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, length, hk, d, dtype=dtype).transpose(1, 2).requires_grad_()
+    return q, k, v
+
+
+def test_backend_selection_follows_cuda_rules():
+    with FakeTensorMode():
+        q, k, v = _qkv(2, 8, 8, 128, 64, torch.bfloat16)
+        assert choose_backend(q, k, v, None, 0.0, True, False, H90.attention) == "flash"
+        assert choose_backend(q, k, v, None, 0.0, True, False, H90_CUDNN.attention) == "cudnn"
+        mask = torch.zeros(2, 8, 128, 128, dtype=torch.bfloat16)
+        assert choose_backend(q, k, v, mask, 0.0, False, False, H90.attention) == "efficient"
+        assert choose_backend(q, k, v, mask.requires_grad_(), 0.0, False, False, H90.attention) == "math"
+        q32, k32, v32 = _qkv(2, 8, 8, 128, 64, torch.float32)
+        assert choose_backend(q32, k32, v32, None, 0.0, True, False, H90.attention) == "efficient"
+        qg, kg, vg = _qkv(2, 8, 2, 128, 64, torch.float32)  # fp32 grouped-query: only math
+        assert choose_backend(qg, kg, vg, None, 0.0, True, True, H90.attention) == "math"
+        sm75 = AttentionPolicy(sm=75)
+        assert choose_backend(q, k, v, None, 0.0, True, False, sm75) != "flash"
+    from memopt.techniques.attention import apply_attention_backend
+
+    undo = apply_attention_backend(torch.nn.Linear(1, 1), "flash")
+    try:
+        with FakeTensorMode():
+            q, k, v = _qkv(1, 2, 2, 16, 64, torch.float32)  # flash cannot take fp32, nothing else is enabled
+            with pytest.raises(UnsupportedAttention):
+                choose_backend(q, k, v, None, 0.0, True, False, H90.attention)
+    finally:
+        undo()
+
+
+@pytest.mark.parametrize("policy", [H90, H90_CUDNN])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_emulated_attention_computes_the_right_values(policy, gqa):
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, 32, 16, torch.bfloat16)
+    ref_q, ref_k, ref_v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with cuda_semantics(policy):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    out.float().square().sum().backward()
+    rk, rv = ref_k, ref_v
+    if gqa:
+        rk, rv = ref_k.repeat_interleave(2, dim=1), ref_v.repeat_interleave(2, dim=1)
+    ref = F.scaled_dot_product_attention(ref_q, rk, rv, is_causal=True)
+    ref.square().sum().backward()
+    assert torch.allclose(out.float(), ref, atol=3e-2, rtol=3e-2)
+    for got, want in ((q.grad, ref_q.grad), (k.grad, ref_k.grad), (v.grad, ref_v.grad)):
+        assert torch.allclose(got.float(), want, atol=5e-2, rtol=5e-2)
+
+
+def test_flash_attention_bytes_match_the_h200_measurement():
+    """benchmarks/probe: causal bf16 (2, 16, 2048, 128) on flash kept 17,040,384 B after forward and peaked
+    84,148,224 B in backward (above the state after forward, incl. grad_out)."""
+    with FakeTensorMode(), cuda_semantics(H90):
+        q, k, v = _qkv(2, 16, 16, 2048, 128, torch.bfloat16)
+        with MemoryTracker("cpu") as t:
+            for x in (q, k, v):
+                t.track(x)
+            base = t.current_bytes
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert t.current_bytes - base == 17_040_384
+            g = torch.randn_like(out)
+            t.track(g)
+            t.reset_peak()
+            start = t.current_bytes
+            out.backward(g)
+            assert t.peak_bytes - start == 84_148_224
+
+
+def test_nothing_leaks_into_the_process():
+    available = torch.cuda.is_available()
+    with cuda_semantics(H90):
+        pass
+    assert torch.cuda.is_available() == available
+    x = torch.randn(64, 64, requires_grad=True)
+    assert type(F.dropout(x, 0.5, True).grad_fn).__name__ == "MulBackward0"  # CPU dropout is back

@@ -1,0 +1,31 @@
+import pytest
+
+from memopt.units import GiB, format_bytes, parse_budget, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("40GB", 40 * 10**9), ("40GiB", 40 * 2**30), ("40G", 40 * 2**30), ("1.5GiB", int(1.5 * 2**30)),
+     ("512MiB", 512 * 2**20), ("512MB", 512 * 10**6), (12345, 12345), ("12345", 12345), (" 8 gib ", 8 * 2**30)],
+)
+def test_budget_grammar(text, expected):
+    assert parse_budget(text) == expected
+
+
+def test_percent_of_device():
+    assert parse_budget("80%", device_total_bytes=100 * GiB) == 80 * GiB
+    with pytest.raises(ValueError, match="hardware"):
+        parse_budget("80%")
+
+
+@pytest.mark.parametrize("bad", ["40 gigs", "forty GB", "-5GB", "", "0", "150%", True])
+def test_bad_budgets_name_the_grammar(bad):
+    with pytest.raises(ValueError) as err:
+        parse_budget(bad, device_total_bytes=GiB)
+    assert "40GB" in str(err.value) or "percentage" in str(err.value) or "zero" in str(err.value)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * GiB) == "3.00 GiB"
+    assert format_bytes(500) == "500 B"
+    assert parse_bytes("2KiB") == 2048
