@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["set_expandable_segments", "cap_allocator", "outside_allocator_bytes"]
+__all__ = ["cap_allocator", "outside_allocator_bytes", "set_expandable_segments"]
 
 
 def set_expandable_segments(enabled: bool) -> bool:

@@ -31,7 +31,7 @@ from memopt.plan.schema import Plan
 from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes, parse_budget
 
-__all__ = ["wrap", "Wrapped"]
+__all__ = ["Wrapped", "wrap"]
 
 _ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
 

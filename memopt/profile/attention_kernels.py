@@ -149,7 +149,7 @@ def _math_reference(q, k, v, mask, is_causal, scale):
     return out.to(q.dtype), lse
 
 
-def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):  # noqa: ANN001, ANN202
+def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):
     """Attention gradients by the closed form (autograd is off inside a custom op's kernel). With grouped
     query heads the key/value gradients are per query head; callers sum them into the kv heads."""
     if k.shape[1] != q.shape[1]:
@@ -240,7 +240,7 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, roun
 
 
 def _flash_setup(ctx, inputs, output) -> None:
-    q, k, v, dropout_p, is_causal, scale = inputs
+    q, k, v, _dropout_p, is_causal, scale = inputs
     out, lse, seed, offset = output
     ctx.mark_non_differentiable(lse, seed, offset)
     ctx.set_materialize_grads(False)  # as for native ops: no zero gradients for outputs nobody used
@@ -250,7 +250,7 @@ def _flash_setup(ctx, inputs, output) -> None:
 
 
 def _flash_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
-    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    q, k, v, out, lse, _seed, _offset = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.round_q, ctx.round_d,
                             ctx.dq_accum)
     return dq, dk, dv, None, None, None
@@ -309,7 +309,7 @@ def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):
 
 
 def _eff_setup(ctx, inputs, output) -> None:
-    q, k, v, bias, dropout_p, is_causal, scale, lse_pad = inputs
+    q, k, v, bias, _dropout_p, is_causal, scale, _lse_pad = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
@@ -378,7 +378,7 @@ def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):
 
 
 def _cudnn_setup(ctx, inputs, output) -> None:
-    q, k, v, bias, dropout_p, is_causal, scale = inputs
+    q, k, v, bias, _dropout_p, is_causal, scale = inputs
     out, stats, seed, offset = output
     ctx.mark_non_differentiable(stats, seed, offset)
     ctx.set_materialize_grads(False)
@@ -387,7 +387,7 @@ def _cudnn_setup(ctx, inputs, output) -> None:
 
 
 def _cudnn_backward(ctx, grad_out, grad_stats, grad_seed, grad_offset):
-    q, k, v, bias, out, stats, seed, offset = ctx.saved_tensors
+    q, k, v, bias, out, stats, _seed, _offset = ctx.saved_tensors
     dq, dk, dv = _cudnn_bwd(grad_out, q, k, v, bias, out, stats, ctx.is_causal, ctx.scale)
     return dq, dk, dv, None, None, None, None
 

@@ -37,10 +37,14 @@ same lifetimes. Mirrored code (bitsandbytes 0.50.2):
   attribute (so saved-tensor hooks, i.e. activation offload, never see it).
   backward (inherited unchanged): ``CB.to(A.dtype, copy=True).mul_(SCB.unsqueeze(1).mul(1/127))``, matmul.
 
-Where no stand-in op of bitsandbytes' own allocates correctly, the stand-ins call bitsandbytes' registered
-fake kernels (``dequantize_4bit``, ``dequantize_blockwise``, ``int8_vectorwise_quant``,
-``int8_linear_matmul``, ``int8_mm_dequant``): their outputs are exact, and a trace's cost recorder sees them
-as memory-bound ops moving exactly their inputs and outputs.
+Where a bitsandbytes op allocates nothing but its output on CUDA (``dequantize_4bit``, ``dequantize_blockwise``,
+``int8_vectorwise_quant``, ``int8_linear_matmul``, ``int8_mm_dequant`` asked for fp16), the stand-ins call it
+and bitsandbytes' registered fake kernel answers: exact, and a trace's cost recorder sees a memory-bound op
+moving exactly its inputs and outputs (the int8 GEMM's FLOPs are not counted as matmul FLOPs).
+
+The stand-in classes subclass bitsandbytes' modules, so they are created on first access
+(``from memopt.profile.quant_stand_ins import FakeLinear4bit``), and only bitsandbytes' presence is needed.
+Which GPU the 4-bit GEMM dispatch assumes is :func:`target_gpu` (default: an H200).
 
 For peft, the stand-ins are ``bnb.nn.Linear4bit`` / ``Linear8bitLt`` subclasses (so peft wraps them in its
 bitsandbytes LoRA layers, the code a real QLoRA run executes) and expose ``W_q`` and ``dequantize()`` (the
@@ -63,6 +67,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from memopt.profile.tracker import allocator_size, report_scratch
 
 __all__ = [
     "BNB_NESTED_BLOCKSIZE",
@@ -290,8 +296,20 @@ def _outside_fake_mode() -> Iterator[None]:
 # 4-bit
 # --------------------------------------------------------------------------------------------------------
 
+def _under_selective_checkpointing() -> bool:
+    from torch.utils import checkpoint
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    kinds = tuple(getattr(checkpoint, n) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+                  if hasattr(checkpoint, n))
+    return bool(kinds) and any(isinstance(m, kinds) for m in _get_current_dispatch_mode_stack())
+
+
 def _gemm_4bit_cuda(A: torch.Tensor, B: torch.Tensor, quant_state: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """``bitsandbytes::gemm_4bit`` as its CUDA kernel allocates (``backends/cuda/ops.py``)."""
+    """``bitsandbytes::gemm_4bit`` as its CUDA kernel allocates (``backends/cuda/ops.py``).
+
+    Written out op by op (dequantize, then F.linear), so the trace sees the temporaries and counts the GEMM's
+    FLOPs; under selective activation checkpointing, as one op (see below)."""
     shape_b = list(quant_state.shape)
     K = A.shape[-1]
     M = A.numel() // K if K else 0
@@ -299,6 +317,25 @@ def _gemm_4bit_cuda(A: torch.Tensor, B: torch.Tensor, quant_state: Any, bias: to
     target = _target()
     fused = gemm_4bit_uses_fused_kernel(M, N, K, A.dtype, quant_state.blocksize, major=target.major,
                                         minor=target.minor, num_sms=target.num_sms)
+    if _under_selective_checkpointing():
+        # Selective checkpointing decides per op: the real run shows it one op, bitsandbytes::gemm_4bit (whose
+        # output it recomputes), never the matmul inside. So the stand-in calls that op (bitsandbytes' fake kernel:
+        # the output) and reports the kernel's temporaries to the tracker while the output is alive.
+        if fused:
+            A = A.contiguous()
+        out = torch.ops.bitsandbytes.gemm_4bit.default(
+            A, B, shape_b, quant_state.state2.absmax if quant_state.nested else quant_state.absmax,
+            quant_state.blocksize, quant_state.quant_type, bias=bias,
+            absmax_8bit=quant_state.absmax if quant_state.nested else None,
+            absmax_code=quant_state.state2.code if quant_state.nested else None,
+            absmax_offset=quant_state.offset if quant_state.nested else None)
+        if not fused:
+            blocks = quant_state.absmax.numel()
+            scratch = allocator_size(N * K * A.element_size())
+            if quant_state.nested:
+                scratch += 2 * allocator_size(blocks * 4)
+            report_scratch(scratch, "gemm_4bit.dequantized_weight")
+        return out
     if fused:
         # _gemm_4bit_kernel_impl: A.contiguous(), one output tensor. The GEMM is written as F.linear over a
         # zero-stride view (2 bytes of the packed weight, no allocation) so the trace counts its FLOPs.

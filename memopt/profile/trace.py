@@ -27,8 +27,8 @@ from memopt.apply.prepare import prepare
 from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
-from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
+from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
@@ -321,7 +321,7 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
         one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn)
     except (UnsupportedAttentionError, TraceAlignmentError):
         raise
-    except Exception:  # noqa: BLE001 - e.g. BatchNorm refuses a batch of one: fit sizes 2 and 3 instead
+    except Exception:
         two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
         three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
         segments, exact = _align(two, three)

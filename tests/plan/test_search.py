@@ -97,7 +97,7 @@ def test_policy_reports_every_problem_at_once():
 
 
 def test_contradictory_pins():
-    with pytest.raises(ValueError, match="loss scaling|loss_scaling"):
+    with pytest.raises(ValueError, match=r"loss scaling|loss_scaling"):
         Policy.build(fidelity="mixed", pins={"precision": "fp16_autocast"}, forbid={"loss_scaling": ["grad_scaler"]})
     with pytest.raises(ValueError, match="both pinned and forbidden"):
         Policy.build(pins={"optimizer": "sgd"}, forbid={"optimizer": ["sgd"]})

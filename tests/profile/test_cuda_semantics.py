@@ -29,10 +29,9 @@ def test_cuda_autocast_policy_replaces_cpus():
 
 def test_dropout_keeps_a_one_byte_mask():
     x = torch.randn(1024, 1024, requires_grad=True)
-    with cuda_semantics(H90):
-        with MemoryTracker("cpu") as t:
-            y = F.dropout(x, 0.1, training=True)
-            saved = t.current_bytes - y.untyped_storage().nbytes()
+    with cuda_semantics(H90), MemoryTracker("cpu") as t:
+        y = F.dropout(x, 0.1, training=True)
+        saved = t.current_bytes - y.untyped_storage().nbytes()
     assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
     assert saved == 1024 * 1024  # bool mask, not a float noise tensor
     with MemoryTracker("cpu") as t:

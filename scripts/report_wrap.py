@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Report the GPU session's wrap and speed rows (written by scripts/gpu_session.py).
+
+    python scripts/report_wrap.py RUN_DIR --out benchmarks/wrap/wrap_h200
+
+wrap: for each architecture x budget, the CPU-made plan applied by memopt.wrap under the hard cap:
+plan_fits, fits_under_cap, predicted vs measured peaks, step time, throughput, the share of the budget used.
+speed: the plan against the hand-tuned grid and the Hugging Face Trainer baseline at the same budget and
+global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+GiB = 2**30
+
+
+def _load(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    run = Path(args.run_dir)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    wrap = _load(run / "wrap.jsonl")
+    speed = _load(run / "speed.jsonl")
+    lines = ["## memopt.wrap under the hard cap (H200, plans made on a CPU)", "",
+             "| case | plan | plan fits | trained under cap | alloc meas/pred GiB | err | reserved meas/pred GiB | "
+             "total / budget | step s meas/pred | throughput |", "|---|---|---|---|---|---|---|---|---|---|"]
+    alloc_err, step_err, ooms, used = [], [], 0, []
+    for r in wrap:
+        label = r.get("label", r.get("row", {}).get("id"))
+        if not r.get("plan_fits", True) or r.get("skipped"):
+            lines.append(f"| {label} | {r.get('strategy', '')} | no | - | - | - | - | - | - | - |")
+            continue
+        if not r.get("ok"):
+            lines.append(f"| {label} | failed: {r.get('error', '')[:80]} | | | | | | | | |")
+            continue
+        if not r.get("fits_under_cap"):
+            ooms += 1
+            lines.append(f"| {label} | {r['strategy']} | yes | **OOM** | | | | | | |")
+            continue
+        ea = (r["predicted_peak_allocated_bytes"] - r["measured_peak_allocated_bytes"]) / r["measured_peak_allocated_bytes"]
+        es = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        share = r["measured_total_bytes"] / r["budget_bytes"]
+        alloc_err.append(abs(ea))
+        step_err.append(abs(es))
+        used.append(share)
+        tput = r.get("tokens_per_s") or r.get("samples_per_s")
+        unit = "tok/s" if "tokens_per_s" in r else "samples/s"
+        lines.append(
+            f"| {label} | {r['strategy']} | yes | yes | {r['measured_peak_allocated_bytes'] / GiB:.2f} / "
+            f"{r['predicted_peak_allocated_bytes'] / GiB:.2f} | {100 * ea:+.2f}% | "
+            f"{r['measured_peak_reserved_bytes'] / GiB:.2f} / {r['predicted_peak_reserved_bytes'] / GiB:.2f} | "
+            f"{100 * share:.0f}% | {r['measured_step_s']:.3f} / {r['predicted_step_s']:.3f} | {tput:,.0f} {unit} |")
+    summary = {"rows_trained": len(alloc_err), "ooms_among_fitting_plans": ooms,
+               "allocated_median_abs_error": statistics.median(alloc_err) if alloc_err else None,
+               "allocated_max_abs_error": max(alloc_err) if alloc_err else None,
+               "step_time_median_abs_error": statistics.median(step_err) if step_err else None,
+               "budget_share_min": min(used) if used else None}
+    lines += ["", f"Summary: {json.dumps(summary)}", ""]
+    if speed:
+        lines += ["## Speed at the same budget and global batch", "", "| configuration | trained | step s | throughput |",
+                  "|---|---|---|---|"]
+        best_grid, trainer, plan = None, None, None
+        for r in speed:
+            label = r.get("label", "")
+            ok = r.get("ok") and r.get("fits_under_cap", r.get("ok"))
+            if r.get("oom") or r.get("fits_under_cap") is False:
+                ok = False
+            tput = r.get("tokens_per_s") or (r.get("row", {}).get("batch_size", 0) * (r.get("row", {}).get("seq_len") or 1)
+                                             / r["measured_step_s"] if r.get("measured_step_s") else 0)
+            lines.append(f"| {label} | {'yes' if ok else 'no (OOM)' if r.get('oom') or r.get('fits_under_cap') is False else 'error'} | "
+                         f"{r.get('measured_step_s', 0):.3f} | {tput:,.0f} |")
+            if not ok:
+                continue
+            if "/grid/" in label and (best_grid is None or r["measured_step_s"] < best_grid["measured_step_s"]):
+                best_grid = r
+            if "/trainer/" in label:
+                trainer = r
+            if label.endswith("/plan"):
+                plan = r
+        if plan:
+            comp = {"plan_step_s": plan["measured_step_s"]}
+            if best_grid:
+                comp["best_grid"] = best_grid["label"]
+                comp["plan_vs_best_grid"] = best_grid["measured_step_s"] / plan["measured_step_s"]
+            if trainer:
+                comp["trainer"] = trainer["label"]
+                comp["plan_vs_trainer"] = trainer["measured_step_s"] / plan["measured_step_s"]
+            summary["speed"] = comp
+            lines += ["", f"Speed: {json.dumps(comp)}"]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "wrap": wrap, "speed": speed}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
