@@ -24,17 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() must not start CUDA before fork
-import torch  # noqa: E402
+import torch
 
 
-def _fork(fn, *args):  # noqa: ANN001, ANN202
+def _fork(fn, *args):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
             out = fn(*args)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             import traceback
 
             out = {"error": repr(exc), "traceback": traceback.format_exc()[-3000:]}
@@ -99,7 +99,7 @@ def sdpa_facts() -> dict:
     names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient",
              SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.MATH: "math"}
     for name, b, h, hk, length, d, dtype, mask_kind, p, causal in shapes:
-        def make():  # noqa: ANN202
+        def make():
             q = torch.randn(b, length, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
             k = torch.randn(b, length, hk, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
             v = torch.randn(b, length, hk, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
@@ -113,7 +113,7 @@ def sdpa_facts() -> dict:
         gqa = h != hk
         try:
             choice = int(torch._fused_sdp_choice(q, k, v, mask, p, causal, enable_gqa=gqa))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             choice = repr(exc)
         res["choices"].append({"case": name, "choice": choice})
         for backend, bname in names.items():
@@ -139,7 +139,7 @@ def sdpa_facts() -> dict:
                     del out, g
                     entry["after_bwd"] = torch.cuda.memory_allocated() - base
                     entry["qkv_grad_bytes"] = sum(t.grad.untyped_storage().nbytes() for t in (q, k, v))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 entry["error"] = repr(exc)[:300]
             res["backends"].append(entry)
             del q, k, v, mask
@@ -166,7 +166,7 @@ def op_log(model_name: str, sample: dict, overrides: dict, strategy: dict) -> di
     prepared.step.on_phase = lambda name: phase.__setitem__(0, name)
 
     class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             a0 = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             out = func(*args, **(kwargs or {}))

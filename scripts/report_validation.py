@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memopt.validation.predict import estimate_row  # noqa: E402
-from memopt.validation.rows import Row  # noqa: E402
+from memopt.validation.predict import estimate_row
+from memopt.validation.rows import Row
 
 GiB = 2**30
 
@@ -30,12 +30,15 @@ def main() -> int:
     parser.add_argument("raw", nargs="+", help="JSON-lines files written by scripts/validate_gpu.py")
     parser.add_argument("--out", required=True, help="output path without extension")
     parser.add_argument("--superseded", action="append", default=[], help="ROW_ID=reason")
+    parser.add_argument("--concurrent", action="append", default=[],
+                        help="a raw file whose rows shared the GPU with others: memory is valid, step times are not")
     args = parser.parse_args()
     superseded = dict(s.split("=", 1) for s in args.superseded)
     measured: dict[str, dict] = {}
-    for path in args.raw:
+    for path in [*args.raw, *args.concurrent]:
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
+            r["timing_valid"] = path not in args.concurrent
             measured[r["row"]["id"]] = r  # a later file's measurement of the same row replaces the earlier
     rows = []
     for rid, r in measured.items():
@@ -54,6 +57,7 @@ def main() -> int:
         entry["reserved_error"] = (pred["predicted_peak_reserved_bytes"] - r["measured_peak_reserved_bytes"]) \
             / r["measured_peak_reserved_bytes"]
         entry["step_time_error"] = (pred["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        entry["timing_valid"] = r["timing_valid"]
         if rid in superseded:
             entry["superseded"] = superseded[rid]
         rows.append(entry)
@@ -66,7 +70,8 @@ def main() -> int:
         "allocated_max_abs_error": max(abs(e["allocated_error"]) for e in counted),
         "reserved_median_abs_error": statistics.median(abs(e["reserved_error"]) for e in counted),
         "reserved_max_abs_error": max(abs(e["reserved_error"]) for e in counted),
-        "step_time_median_abs_error": statistics.median(abs(e["step_time_error"]) for e in counted),
+        "step_time_median_abs_error": statistics.median(abs(e["step_time_error"]) for e in counted
+                                                        if e["timing_valid"]),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,12 +87,15 @@ def main() -> int:
             f"| {e['id']}{mark} | {e['measured_peak_allocated_bytes'] / GiB:.3f} | "
             f"{e['predicted_peak_allocated_bytes'] / GiB:.3f} | {100 * e['allocated_error']:+.2f}% | "
             f"{e['measured_peak_reserved_bytes'] / GiB:.3f} | {e['predicted_peak_reserved_bytes'] / GiB:.3f} | "
-            f"{100 * e['reserved_error']:+.2f}% | {e['measured_step_s']:.3f} | {e['predicted_step_s']:.3f} |")
+            f"{100 * e['reserved_error']:+.2f}% | {e['measured_step_s']:.3f}{'' if e['timing_valid'] else '*'} | "
+            f"{e['predicted_step_s']:.3f} |")
     summary = (f"\n\n{stats['rows']} rows: allocated peak median |error| {100 * stats['allocated_median_abs_error']:.3f}%, "
                f"max {100 * stats['allocated_max_abs_error']:.2f}%; reserved median "
                f"{100 * stats['reserved_median_abs_error']:.2f}%, max {100 * stats['reserved_max_abs_error']:.2f}%; "
                f"step time median {100 * stats['step_time_median_abs_error']:.1f}%\n")
     notes = "".join(f"\n- {rid}: {why}" for rid, why in superseded.items())
+    summary += ("\n\\* measured with other rows sharing the GPU: memory figures are per process and valid, step times "
+                "are not (left out of the step-time statistics)\n")
     out.with_suffix(".md").write_text("\n".join(lines) + summary + (f"\nSuperseded rows:{notes}\n" if notes else ""))
     try:
         import matplotlib

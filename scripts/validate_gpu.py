@@ -20,12 +20,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() must not start CUDA before fork
-import torch  # noqa: E402  (imported before forking, never initialized here)
-import transformers  # noqa: E402, F401
+import torch
+import transformers  # noqa: F401
 
-from memopt.validation.matrices import matrix  # noqa: E402
-from memopt.validation.measure import measure_row  # noqa: E402
-from memopt.validation.rows import Row  # noqa: E402
+from memopt.validation.matrices import matrix
+from memopt.validation.measure import measure_row
+from memopt.validation.rows import Row
 
 
 def run_forked(row: Row, timeout_s: float) -> dict:
@@ -35,7 +35,7 @@ def run_forked(row: Row, timeout_s: float) -> dict:
         os.close(read_fd)
         try:
             result = measure_row(row)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             result = {"row": row.to_dict(), "ok": False, "error": repr(exc)}
         with os.fdopen(write_fd, "w") as f:
             f.write(json.dumps(result))

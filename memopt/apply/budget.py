@@ -39,10 +39,34 @@ def set_expandable_segments(enabled: bool) -> bool:
     return False
 
 
+def process_device_bytes(device: int | None = None) -> int | None:
+    """Device memory held by this process alone (NVML's per-process figure), or None when NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device() if device is None else device
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - no NVML, or PIDs in another namespace: the caller falls back
+        return None
+    return None
+
+
 def outside_allocator_bytes(device: int | None = None) -> int:
-    """Device memory this process uses outside PyTorch's allocator right now."""
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
+    """Device memory this process uses outside PyTorch's allocator right now.
+
+    Other processes on the same GPU are not counted (NVML's per-process figure); without NVML the
+    device-wide figure is used, which counts them too (measured on an H200: three capped processes on one
+    GPU each saw the others' memory as their own and capped themselves 10 GiB too low).
+    """
+    own = process_device_bytes(device)
+    if own is None:
+        free, total = torch.cuda.mem_get_info(device)
+        own = total - free
+    return max(0, own - torch.cuda.memory_reserved(device))
 
 
 def cap_allocator(budget_bytes: int, outside_bytes: int, device: int | None = None) -> float:

@@ -187,15 +187,17 @@ def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt:
                 acc[k] += v
     opt_terms = segment_terms(opt.cost, opt.cost, 1, hw)
     fwd_s, bwd_s, opt_s = terms_time(fwd, tm), terms_time(bwd, tm), terms_time(opt_terms, tm)
-    terms = {k: (fwd[k] + bwd[k]) * m + opt_terms[k] for k in fwd}
+    pass_terms = {k: fwd[k] + bwd[k] for k in fwd}
+    # a pass cannot run faster than the host issues its kernels (small micro-batches are dispatch-bound)
+    pass_s = max(fwd_s + bwd_s, pass_terms["launches"] * tm.dispatch_s)
     detail: dict[str, Any] = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s,
-                              "time_terms": terms}
-    compute = (fwd_s + bwd_s) * m + opt_s
+                              "time_terms": {"pass": pass_terms, "optimizer": opt_terms, "micro_batches": m}}
+    compute = pass_s * m + opt_s
     if strategy.activation_offload:
         # device-to-host copies overlap the forward pass; host-to-device copies happen as backward unpacks
         moved = _offloaded_bytes(profile, traces, layout, b)
         copy_s = moved / (hw.host_link_bandwidth * tm.offload_efficiency)
-        compute = (max(fwd_s, copy_s) + bwd_s + copy_s) * m + opt_s
+        compute = max(max(fwd_s, copy_s) + bwd_s + copy_s, pass_s) * m + opt_s
         detail.update({"offloaded_bytes": moved * m, "offload_copy_s": 2 * copy_s * m})
     return compute, detail
 

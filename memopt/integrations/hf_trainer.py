@@ -19,7 +19,7 @@ import torch
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 
-__all__ = ["wrap_trainer", "trainer_arguments", "MemoptCallback", "TRAINER_OPTIM"]
+__all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
 
 TRAINER_OPTIM = {"adamw_fused": "adamw_torch_fused", "adamw_foreach": "adamw_torch", "adamw": "adamw_torch",
                  "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit", "sgd": "sgd"}

@@ -40,6 +40,8 @@ from memopt.profile.tracker import allocator_size
 __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
 
 SCHEMA_VERSION = 1
+# bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
+TRACE_REVISION = 2
 
 
 def cache_dir() -> Path:
@@ -244,7 +246,7 @@ def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
     for name, module in model.named_modules():
         h.update(f"{name}:{type(module).__qualname__};".encode())
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    h.update(f"{torch.__version__}:{SCHEMA_VERSION}".encode())
+    h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
     return h.hexdigest()[:24]
 
 

@@ -12,6 +12,7 @@ import time
 import traceback
 from typing import Any
 
+from memopt.apply.budget import process_device_bytes
 from memopt.validation.rows import Row
 
 __all__ = ["measure_row", "set_allocator_env"]
@@ -24,23 +25,6 @@ def set_allocator_env(expandable: bool) -> None:
     if expandable:
         conf.append("expandable_segments:True")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf)
-
-
-def process_device_bytes() -> int | None:
-    """Device memory this process holds (NVML's per-process figure), or None when NVML cannot tell."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        import torch
-
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory:
-                return int(proc.usedGpuMemory)
-    except Exception:  # noqa: BLE001 - NVML missing or PIDs namespaced away: the caller falls back
-        return None
-    return None
 
 
 def measure_row(row: Row) -> dict[str, Any]:

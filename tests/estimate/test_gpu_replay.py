@@ -20,7 +20,10 @@ REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "validation" / "es
 ROWS = [r for r in json.loads(REPORT.read_text())["rows"] if r.get("ok") and "superseded" not in r] \
     if REPORT.exists() else []
 MAX_ERROR = 0.03
-KNOWN_GAPS: dict[str, float] = {}  # row id -> the |error| it must not exceed
+# row id -> the |error| it must not exceed. T5 with full checkpointing: the trace misses bytes that grow with
+# batch x sequence^2 during the encoder's recomputation (the math attention that T5's learned position bias
+# forces); benchmarks/probe/ops_t5_full_ac.json.gz holds the GPU's op log for the diagnosis.
+KNOWN_GAPS: dict[str, float] = {"t5_base/full_ac": 0.07}
 
 
 @pytest.mark.slow

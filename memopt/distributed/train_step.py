@@ -1,0 +1,175 @@
+"""``step(batch)`` under data parallelism: FSDP2, DDP and DeepSpeed, with exact token-weighted accumulation.
+
+Each rank calls ``step`` with its own share of the global batch (``shard_batch``). Before the first
+micro-batch the ranks sum their loss-token counts (one small all-reduce), so micro-batch ``i`` of rank
+``r`` with ``n_i`` tokens contributes ``loss_i * n_i / N`` to the gradient, ``N`` being the count of the
+whole global batch. The engines average gradients over the ``W`` data-parallel ranks, so the loss that
+goes backward is ``loss_i * n_i * W / N``: the reduced gradient is then exactly the gradient of the
+global batch's mean loss, whatever the ranks' token counts — as ``memopt.apply.train_step.TrainStep`` on
+one GPU. The returned loss is the global batch's mean (a second small all-reduce).
+
+FSDP2 reduce-scatters each micro-batch's gradients (the sharded gradients accumulate; keeping unsharded
+gradients across micro-batches would cost a full unit's gradients per block). DDP skips the all-reduce
+on all but the last micro-batch (``no_sync``).
+
+DeepSpeed: its engine owns accumulation. ``engine.backward(loss, scale_wrt_gas=False)`` takes the same
+``loss_i * n_i * W / N`` (DeepSpeed's own ``1 / gradient_accumulation_steps`` scaling is turned off) and
+``engine.step()`` runs after every micro-batch (it updates at the accumulation boundary). What the
+engine decides and memopt cannot: the number of micro-batches per step is fixed in its config
+(``gradient_accumulation_steps``, checked here); with bf16 at ZeRO-2/3 the gradients accumulate across
+micro-batches in bf16 (memopt's single-GPU ``bf16_autocast`` accumulates in fp32); clipping
+(``gradient_clipping``), the fp16 loss scale (which may skip steps) and the LR scheduler are the
+engine's; the model runs in the engine's 16-bit weights, without autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memopt.apply.train_step import TrainStep, _to, count_loss_items, split_batch
+
+__all__ = ["DistributedTrainStep", "shard_batch"]
+
+
+def shard_batch(batch: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s contiguous share of a global batch (samples along dim 0, divisible by ``world_size``)."""
+    sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
+    if len(sizes) != 1:
+        raise ValueError(f"batch entries disagree on the batch size: {sorted(sizes)}")
+    total = sizes.pop()
+    if total % world_size:
+        raise ValueError(f"the global batch of {total} samples does not split evenly over {world_size} ranks")
+    per = total // world_size
+    lo = rank * per
+    return {k: (v[lo:lo + per] if isinstance(v, (torch.Tensor, list, tuple)) else v) for k, v in batch.items()}
+
+
+@dataclass
+class DistributedTrainStep(TrainStep):
+    """``TrainStep`` for a model under FSDP2 / DDP, or a DeepSpeed engine (``engine``).
+
+    ``group``: the data-parallel process group (default: the world); ``world_size``: its size (read from
+    the group when 0). ``samples_seen`` counts the global batch's samples over all steps (the data position a
+    checkpoint keeps).
+    """
+
+    engine: Any = None
+    group: Any = None
+    world_size: int = 0
+    samples_seen: int = 0
+    kind: str = "fsdp2"  # "fsdp2", "ddp" or "deepspeed"
+    engine_precision: bool = True  # the engine casts (FSDP2 MixedPrecisionPolicy): no autocast around forward
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        if self.engine is not None:
+            self.kind = "deepspeed"
+        if not self.world_size:
+            self.world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    @contextlib.contextmanager
+    def _forward_ctx(self) -> Iterator[None]:
+        if self.engine_precision:
+            yield
+        else:
+            with super()._forward_ctx():
+                yield
+
+    def _device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        p = next(self.model.parameters(), None)
+        if p is not None and p.device.type != "meta":
+            return torch.device("cpu") if p.device.type == "cpu" else p.device
+        return torch.device("cpu")
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def _comm_device(self) -> torch.device:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def step(self, batch: dict[str, Any]) -> float:
+        """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
+        micro = split_batch(batch, self.strategy.micro_batch_size)
+        counts = [count_loss_items(mb) for mb in micro]
+        samples = len(next(v for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))))
+        total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
+        if total_items == 0:
+            raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
+        w = self.world_size
+        if self.kind == "deepspeed":
+            local = self._deepspeed_step(micro, counts, total_items)
+        else:
+            local = self._local_step(micro, counts, total_items)
+        (mean,) = self._all_reduce([local])
+        self.samples_seen += int(total_samples)
+        _ = w
+        return mean
+
+    def _local_step(self, micro: list[dict[str, Any]], counts: list[int], total_items: float) -> float:
+        w = self.world_size
+        local = 0.0
+        self.last_micro_losses = []
+        last = len(micro) - 1
+        for i, (mb, n) in enumerate(zip(micro, counts)):
+            sync: Any = contextlib.nullcontext()
+            if self.kind == "ddp" and i < last and hasattr(self.model, "no_sync"):
+                sync = self.model.no_sync()
+            with sync:
+                self._phase(f"forward[{i}]")
+                loss = self.loss(_to(mb, self.device))
+                self._phase(f"backward[{i}]")
+                self.backward(loss * (n * w / total_items))
+            value = float(loss.detach())
+            self.last_micro_losses.append(value)
+            local += value * n / total_items
+            del loss
+        self.optimizer_step()
+        return local
+
+    def _deepspeed_step(self, micro: list[dict[str, Any]], counts: list[int], total_items: float) -> float:
+        engine = self.engine
+        gas = engine.gradient_accumulation_steps()
+        if len(micro) != gas:
+            raise ValueError(f"the DeepSpeed engine accumulates {gas} micro-batches per step (its config's "
+                             f"gradient_accumulation_steps) but this batch splits into {len(micro)}; pass "
+                             f"{gas * self.strategy.micro_batch_size} samples per rank")
+        w = self.world_size
+        local = 0.0
+        self.last_micro_losses = []
+        device = engine.device if hasattr(engine, "device") else self.device
+        for i, (mb, n) in enumerate(zip(micro, counts)):
+            self._phase(f"forward[{i}]")
+            out = engine(**_to(mb, device))
+            loss = (self.loss_fn or _default_loss)(out, mb)
+            self._phase(f"backward[{i}]")
+            engine.backward(loss * (n * w / total_items), scale_wrt_gas=False)
+            engine.step()
+            value = float(loss.detach().float())
+            self.last_micro_losses.append(value)
+            local += value * n / total_items
+            del loss, out
+        self.steps_done += 1
+        return local
+
+
+def _default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
+    from memopt.apply.train_step import default_loss
+
+    return default_loss(output, batch)

@@ -1,0 +1,265 @@
+"""Process bodies for the gloo tests (imported by spawned processes: keep importable and light)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memopt.strategy import Strategy
+
+VOCAB, DIM, BLOCKS, SEQ, GLOBAL_BATCH = 64, 32, 3, 8, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a stack of MLP blocks, a head; returns {"loss": mean CE over labels != -100}."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = DIM, n: int = BLOCKS) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.head(h)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                          ignore_index=-100)
+        return out
+
+
+def tiny_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def unit_sizes(model: TinyLM) -> tuple[list[int], int]:
+    units = [sum(p.numel() for p in b.parameters()) for b in model.layers]
+    root = sum(p.numel() for p in model.parameters()) - sum(units)
+    return units, root
+
+
+def global_batch(position: int, size: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
+    """Samples ``position .. position + size`` of an endless deterministic data set; labels are masked
+    unevenly so that ranks and micro-batches carry different token counts."""
+    ids, labels = [], []
+    for i in range(position, position + size):
+        g = torch.Generator().manual_seed(1000 + i)
+        x = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        y = torch.roll(x, -1)
+        y[: i % 5] = -100
+        ids.append(x)
+        labels.append(y)
+    return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
+
+
+def reference_losses(steps: int, micro_batch: int = 2, lr: float = 1e-2) -> list[float]:
+    """The single-process trajectory: memopt's TrainStep on one device over the whole global batch."""
+    from memopt.apply.train_step import TrainStep
+
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    strategy = Strategy(precision="fp32", micro_batch_size=micro_batch, grad_accum_steps=GLOBAL_BATCH // micro_batch)
+    step = TrainStep(model=model, optimizer=opt, strategy=strategy, device_type="cpu")
+    return [step.step(global_batch(s * GLOBAL_BATCH)) for s in range(steps)]
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
+               model: nn.Module | None = None) -> Any:
+    from memopt.distributed.sharding import ShardingSetting, apply_fsdp2
+    from memopt.distributed.train_step import DistributedTrainStep
+
+    model = model if model is not None else tiny_model()
+    setting = ShardingSetting(engine="fsdp2", world_size=world, offload_optimizer="cpu" if offload else "none",
+                              offload_params="cpu" if offload else "none", pin_memory=False)
+    undo = apply_fsdp2(model, setting, None, [list(model.layers)], device_type="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    per_rank = GLOBAL_BATCH // world
+    strategy = Strategy(precision="fp32", micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
+    step = DistributedTrainStep(model=model, optimizer=opt, strategy=strategy, device_type="cpu")
+    return model, opt, step, undo
+
+
+def fsdp_trajectory(rank: int, world: int, port: int, out: str, steps: int, offload: bool) -> None:
+    """Train ``steps`` steps with FSDP2 on ``world`` gloo ranks; rank 0 writes losses and (offload) traffic."""
+    import torch.distributed as dist
+
+    from memopt.distributed.train_step import shard_batch
+
+    _init(rank, world, port)
+    try:
+        model, opt, step, undo = _fsdp_step(rank, world, offload=offload)
+        counter = _TrafficCounter() if offload else None
+        losses, traffic = [], []
+        for s in range(steps):
+            batch = shard_batch(global_batch(s * GLOBAL_BATCH), rank, world)
+            if counter is not None:
+                counter.reset()
+                with counter:
+                    losses.append(step.step(batch))
+                traffic.append(dict(counter.bytes))
+            else:
+                losses.append(step.step(batch))
+        devices = sorted({str(p.to_local().device) for p in model.parameters()})
+        local_param_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        opt_bytes = sum(_local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+        opt_devices = sorted({str(_local(t).device) for st in opt.state.values() for t in st.values()
+                              if isinstance(t, torch.Tensor)})
+        undo()
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        is_plain = all(type(p) is nn.Parameter for p in model.parameters()) and type(model) is TinyLM
+        if rank == 0:
+            result = {"losses": losses, "traffic": traffic, "devices": devices, "local_param_bytes": local_param_bytes,
+                      "opt_bytes": opt_bytes, "opt_devices": opt_devices, "undo_plain": is_plain,
+                      "micro_batches": step.strategy.grad_accum_steps, "samples_seen": step.samples_seen}
+            Path(out).write_text(json.dumps(result))
+            torch.save(full, out + ".params.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _TrafficCounter:
+    """Counts the bytes FSDP2 moves between host and device at its offload copy points.
+
+    FSDP2 calls ``Tensor.to(device)`` on a parameter shard before its all-gather (``_fsdp_param.py``) and
+    ``Tensor.to("cpu")`` on a gradient shard after its reduce-scatter (``_fsdp_collectives.py``). On a GPU
+    those are the PCIe copies; on the CPU they return the same tensor, so the calls are counted instead.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = {"h2d_bytes": 0, "d2h_bytes": 0}
+        self._orig = torch.Tensor.to
+
+    def reset(self) -> None:
+        self.bytes = {"h2d_bytes": 0, "d2h_bytes": 0}
+
+    def __enter__(self) -> _TrafficCounter:
+        counter, orig = self, self._orig
+
+        def to(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.endswith(("_fsdp_param.py", "_fsdp_collectives.py")):
+                key = "h2d_bytes" if caller.endswith("_fsdp_param.py") else "d2h_bytes"
+                counter.bytes[key] += t.numel() * t.element_size()
+            return orig(t, *args, **kwargs)
+
+        torch.Tensor.to = to  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.to = self._orig  # type: ignore[method-assign]
+
+
+def fsdp_checkpoint(rank: int, world: int, port: int, out: str, ckpt: str, steps: int) -> None:
+    """Train ``steps`` steps at ``world`` ranks, save, train one more step and write its loss."""
+    import torch.distributed as dist
+
+    from memopt.distributed.checkpoint import save_checkpoint
+    from memopt.distributed.train_step import shard_batch
+
+    _init(rank, world, port)
+    try:
+        model, opt, step, _ = _fsdp_step(rank, world)
+        for _ in range(steps):
+            step.step(shard_batch(global_batch(step.samples_seen), rank, world))
+        save_checkpoint(ckpt, model, opt, step)
+        next_loss = step.step(shard_batch(global_batch(step.samples_seen), rank, world))
+        if rank == 0:
+            Path(out).write_text(json.dumps({"next_loss": next_loss, "steps_done": step.steps_done,
+                                             "samples_seen": step.samples_seen}))
+    finally:
+        dist.destroy_process_group()
+
+
+class BigBlocks(nn.Module):
+    """A model of ``n`` square linear layers (for the sharded-loading memory test)."""
+
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(n)])
+        self.register_buffer("scale", torch.ones(d), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.scale
+
+
+def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d: int, n: int) -> None:
+    """Fill a meta model's FSDP2 shards from ``path``; record RSS growth and check the shard values."""
+    import resource
+
+    import psutil
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from memopt.distributed.checkpoint import load_sharded
+
+    _init(rank, world, port)
+    try:
+        proc = psutil.Process()
+        with torch.device("meta"):
+            model = BigBlocks(d, n)
+        model.scale = torch.full((d,), 2.0)  # a real buffer, as accelerate's init_empty_weights keeps them
+        import gc
+        import importlib
+
+        # imported before the baseline: their code is not the model
+        for name in ("torch.distributed.fsdp", "torch.distributed.tensor", "memopt.distributed.sharding"):
+            importlib.import_module(name)
+
+        gc.collect()
+        rss_before = proc.memory_info().rss
+        max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        load_sharded(model, [path], {"engine": "fsdp2", "world_size": world})
+        gc.collect()
+        rss_after = proc.memory_info().rss
+        max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ok = True
+        with safe_open(path, framework="pt") as f:
+            for name, p in model.named_parameters():
+                local = p.to_local()
+                rows = local.shape[0]
+                expect = f.get_slice(name)[rank * rows:(rank + 1) * rows]
+                ok = ok and torch.equal(local, expect)
+        local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        buffer_kept = bool(torch.equal(model.scale, torch.full((d,), 2.0)))
+        Path(f"{out}.{rank}").write_text(json.dumps({
+            "rss_growth": rss_after - rss_before, "peak_growth": max(0, max_after - max(max_before, rss_before)),
+            "max_after_minus_rss_before": max_after - rss_before, "values_ok": ok, "local_bytes": local_bytes,
+            "buffer_kept": buffer_kept}))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,122 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 (and CPU offload) train in one process on the CPU; config and exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memopt.distributed.sharding import (
+    ShardingSetting,
+    deepspeed_config,
+    export_accelerate_config,
+    export_deepspeed_json,
+)
+from memopt.strategy import Strategy
+
+from . import _workers as w
+
+HERE = Path(__file__).parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, configs: list[dict]) -> dict:
+    out = tmp_path / "ds.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE.parents[1])}
+    proc = subprocess.run([sys.executable, str(HERE / "_ds_worker.py"), str(out), str(_port()), json.dumps(configs)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_zero2_zero3_train_on_cpu(tmp_path):
+    pytest.importorskip("deepspeed")
+    got = _run(tmp_path, [{"name": "zero2", "stage": 2}, {"name": "zero3", "stage": 3},
+                          {"name": "zero2_offload", "stage": 2, "offload_optimizer": "cpu"}])
+    ref = w.reference_losses(3)
+    for name in ("zero2", "zero3", "zero2_offload"):
+        # fp32, one rank, a torch AdamW: the first steps agree to 1e-5; DeepSpeed's flat fp32 partitions drift
+        # by ~2e-4 relative by the third step (measured for ZeRO-2; not root-caused)
+        assert got[name]["losses"][:2] == pytest.approx(ref[:2], rel=1e-5), name
+        assert got[name]["losses"] == pytest.approx(ref, rel=1e-3), name
+    assert got["zero2"]["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert got["zero3"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+
+
+def _cpu_adam_built() -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return (Path(_get_build_directory("cpu_adam", False)) / "cpu_adam.so").exists()
+    except Exception:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_zero3_offload_with_cpu_adam(tmp_path):
+    """ZeRO-3 with parameters and optimizer on the CPU and DeepSpeed's CPUAdam (its JIT build takes ~10 min on
+    2 cores: the test runs where it was built before)."""
+    pytest.importorskip("deepspeed")
+    if not _cpu_adam_built():
+        pytest.skip("DeepSpeed's cpu_adam extension is not built here (python -c 'from deepspeed.ops.op_builder.cpu "
+                    "import CPUAdamBuilder; CPUAdamBuilder().load()' builds it in ~10 minutes)")
+    got = _run(tmp_path, [{"name": "z3off", "stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
+                           "pin_memory": False, "optimizer": "deepspeed"}])
+    assert got["z3off"]["inner"] == "DeepSpeedCPUAdam"
+    ref = w.reference_losses(3)
+    assert got["z3off"]["losses"][0] == pytest.approx(ref[0], rel=1e-5)
+    assert got["z3off"]["losses"] == pytest.approx(ref, rel=1e-3)  # CPUAdam's own arithmetic
+
+
+def test_deepspeed_config_blocks():
+    s = ShardingSetting(engine="deepspeed", stage=3, world_size=16, nodes=2, offload_optimizer="nvme",
+                        offload_params="nvme", nvme_path="/local_nvme", bucket_bytes=100 * 10**6)
+    cfg = deepspeed_config(s, precision="bf16_autocast", micro_batch=2, grad_accum=8)
+    assert cfg["bf16"] == {"enabled": True}
+    assert cfg["train_batch_size"] == 2 * 8 * 16
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["reduce_bucket_size"] == 50_000_000
+    assert z["offload_param"]["device"] == "nvme" and z["offload_param"]["nvme_path"] == "/local_nvme"
+    assert z["offload_optimizer"]["device"] == "nvme" and z["offload_optimizer"]["pin_memory"]
+    assert cfg["aio"]["block_size"] == 1_048_576
+    fp16 = deepspeed_config(ShardingSetting(engine="deepspeed", stage=2, world_size=8, offload_optimizer="cpu"),
+                            precision="fp16_autocast")
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0
+    assert fp16["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_exports_write_configs_accelerate_reads(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    fsdp = Strategy(precision="bf16_autocast", micro_batch_size=1, grad_accum_steps=4,
+                    extras=(("sharding", ShardingSetting(engine="fsdp2", world_size=16, nodes=2,
+                                                         offload_optimizer="cpu", offload_params="cpu")),))
+    path = tmp_path / "fsdp.yaml"
+    export_accelerate_config(fsdp, path, block_class="LlamaDecoderLayer")
+    cfg = load_config_from_file(str(path))
+    assert cfg.distributed_type == "FSDP" and cfg.num_processes == 16 and cfg.num_machines == 2
+    assert cfg.fsdp_config["fsdp_version"] == 2 and cfg.fsdp_config["fsdp_offload_params"] is True
+    assert str(cfg.mixed_precision).endswith("bf16")
+
+    ds = Strategy.from_dict({**fsdp.to_dict(), "extras": {"sharding": {"engine": "deepspeed", "stage": 3,
+                                                                         "world_size": 8}}})
+    ypath = tmp_path / "ds.yaml"
+    export_accelerate_config(ds, ypath)
+    dcfg = load_config_from_file(str(ypath))
+    assert dcfg.distributed_type == "DEEPSPEED"
+    js = json.loads(Path(dcfg.deepspeed_config["deepspeed_config_file"]).read_text())
+    assert js["zero_optimization"]["stage"] == 3 and js["gradient_accumulation_steps"] == 4
+    assert export_deepspeed_json(ds, tmp_path / "x.json")["train_micro_batch_size_per_gpu"] == 1
