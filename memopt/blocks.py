@@ -1,6 +1,7 @@
 """Finding a model's repeated blocks: the natural units of checkpointing, offload and sharding.
 
-A *stack* is an ``nn.ModuleList`` (or ``nn.Sequential``) of two or more children of one class, e.g. ``model.model.layers`` of a Llama or ``encoder.layer`` of BERT.
+A *stack* is an ``nn.ModuleList`` (or ``nn.Sequential``) of two or more children of one class, e.g.
+``model.model.layers`` of a Llama or ``encoder.layer`` of BERT.
 Stacks nested inside another stack's blocks are not reported.
 """
 

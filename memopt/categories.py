@@ -14,7 +14,8 @@ class MemoryCategory(str, Enum):
     GRADIENTS = "gradients"  # .grad of trainable parameters (live at the peak)
     OPTIMIZER_STATES = "optimizer_states"  # Adam moments, master weights, step counters, 8-bit blocks
     ACTIVATIONS = "activations"  # tensors saved for backward, inputs, outputs and logits alive at the peak
-    TEMPORARIES = "temporaries"  # everything else alive at the peak: transient buffers, workspaces, grads of activations
+    # everything else alive at the peak: transient buffers, workspaces, grads of activations
+    TEMPORARIES = "temporaries"
     ALLOCATOR_OVERHEAD = "allocator_overhead"  # reserved minus allocated: caching allocator rounding and fragmentation
     RUNTIME = "runtime"  # outside PyTorch's allocator: CUDA context, cuBLAS/cuDNN handles, NCCL, paged memory
 

@@ -97,7 +97,8 @@ def load_hardware(name: str | HardwareSpec | dict[str, Any]) -> HardwareSpec:
         return _from_dict(name)
     path = configs_dir() / "hardware" / f"{name}.yaml"
     if not path.exists():
-        raise ValueError(f"unknown hardware {name!r}; shipped specs: {', '.join(hardware_names())} (or 'auto' to detect)")
+        raise ValueError(f"unknown hardware {name!r}; shipped specs: {', '.join(hardware_names())} "
+                         "(or 'auto' to detect)")
     with path.open() as f:
         data = yaml.safe_load(f)
     data.setdefault("name", name)

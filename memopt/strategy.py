@@ -92,7 +92,8 @@ class Strategy:
         return cls(**data)
 
     def label(self) -> str:
-        parts = [self.precision, f"ac={self.checkpointing.label()}", f"mb={self.micro_batch_size}x{self.grad_accum_steps}",
+        parts = [self.precision, f"ac={self.checkpointing.label()}",
+                 f"mb={self.micro_batch_size}x{self.grad_accum_steps}",
                  self.optimizer]
         if self.activation_offload:
             parts.append("act-offload")

@@ -79,7 +79,7 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
         raise ValueError(f"{what} {text!r} is a percentage, which needs the device's total memory; {_GRAMMAR_HELP}")
     if unit not in _UNITS:
         raise ValueError(f"unknown unit {match.group(2)!r} in {what} {text!r}: {_GRAMMAR_HELP}")
-    return int(round(number * _UNITS[unit]))
+    return round(number * _UNITS[unit])
 
 
 def parse_budget(text: str | int | float, *, device_total_bytes: int | None = None) -> int:

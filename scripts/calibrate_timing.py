@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import memopt  # noqa: E402
-from memopt.estimate.timing import TimingModel, terms_time  # noqa: E402
-from memopt.models import with_overrides  # noqa: E402
-from memopt.validation.rows import Row  # noqa: E402
+import memopt
+from memopt.estimate.timing import TimingModel, terms_time
+from memopt.models import with_overrides
+from memopt.validation.rows import Row
 
 
 def main() -> int:

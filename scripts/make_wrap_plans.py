@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import memopt  # noqa: E402
-from memopt.validation.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name  # noqa: E402
+import memopt
+from memopt.validation.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name
 
 OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "wrap" / "plans"
 

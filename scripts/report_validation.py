@@ -61,7 +61,8 @@ def main() -> int:
         if rid in superseded:
             entry["superseded"] = superseded[rid]
         rows.append(entry)
-        print(f"{rid:40s} alloc {100 * entry['allocated_error']:+7.3f}%  reserved {100 * entry['reserved_error']:+7.3f}%"
+        print(f"{rid:40s} alloc {100 * entry['allocated_error']:+7.3f}%  "
+              f"reserved {100 * entry['reserved_error']:+7.3f}%"
               f"  step {100 * entry['step_time_error']:+6.1f}%", flush=True)
     counted = [e for e in rows if e.get("ok") and "superseded" not in e]
     stats = {
@@ -89,7 +90,8 @@ def main() -> int:
             f"{e['measured_peak_reserved_bytes'] / GiB:.3f} | {e['predicted_peak_reserved_bytes'] / GiB:.3f} | "
             f"{100 * e['reserved_error']:+.2f}% | {e['measured_step_s']:.3f}{'' if e['timing_valid'] else '*'} | "
             f"{e['predicted_step_s']:.3f} |")
-    summary = (f"\n\n{stats['rows']} rows: allocated peak median |error| {100 * stats['allocated_median_abs_error']:.3f}%, "
+    summary = (f"\n\n{stats['rows']} rows: allocated peak median |error| "
+               f"{100 * stats['allocated_median_abs_error']:.3f}%, "
                f"max {100 * stats['allocated_max_abs_error']:.2f}%; reserved median "
                f"{100 * stats['reserved_median_abs_error']:.2f}%, max {100 * stats['reserved_max_abs_error']:.2f}%; "
                f"step time median {100 * stats['step_time_median_abs_error']:.1f}%\n")

@@ -49,7 +49,8 @@ def main() -> int:
             ooms += 1
             lines.append(f"| {label} | {r['strategy']} | yes | **OOM** | | | | | | |")
             continue
-        ea = (r["predicted_peak_allocated_bytes"] - r["measured_peak_allocated_bytes"]) / r["measured_peak_allocated_bytes"]
+        measured = r["measured_peak_allocated_bytes"]
+        ea = (r["predicted_peak_allocated_bytes"] - measured) / measured
         es = (r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
         share = r["measured_total_bytes"] / r["budget_bytes"]
         alloc_err.append(abs(ea))
@@ -69,18 +70,19 @@ def main() -> int:
                "budget_share_min": min(used) if used else None}
     lines += ["", f"Summary: {json.dumps(summary)}", ""]
     if speed:
-        lines += ["## Speed at the same budget and global batch", "", "| configuration | trained | step s | throughput |",
+        lines += ["## Speed at the same budget and global batch", "",
+                  "| configuration | trained | step s | throughput |",
                   "|---|---|---|---|"]
         best_grid, trainer, plan = None, None, None
         for r in speed:
             label = r.get("label", "")
-            ok = r.get("ok") and r.get("fits_under_cap", r.get("ok"))
-            if r.get("oom") or r.get("fits_under_cap") is False:
-                ok = False
-            tput = r.get("tokens_per_s") or (r.get("row", {}).get("batch_size", 0) * (r.get("row", {}).get("seq_len") or 1)
-                                             / r["measured_step_s"] if r.get("measured_step_s") else 0)
-            lines.append(f"| {label} | {'yes' if ok else 'no (OOM)' if r.get('oom') or r.get('fits_under_cap') is False else 'error'} | "
-                         f"{r.get('measured_step_s', 0):.3f} | {tput:,.0f} |")
+            oom = bool(r.get("oom")) or r.get("fits_under_cap") is False
+            ok = r.get("ok") and r.get("fits_under_cap", r.get("ok")) and not oom
+            row = r.get("row", {})
+            tokens = row.get("batch_size", 0) * (row.get("seq_len") or 1)
+            tput = r.get("tokens_per_s") or (tokens / r["measured_step_s"] if r.get("measured_step_s") else 0)
+            trained = "yes" if ok else "no (OOM)" if oom else "error"
+            lines.append(f"| {label} | {trained} | {r.get('measured_step_s', 0):.3f} | {tput:,.0f} |")
             if not ok:
                 continue
             if "/grid/" in label and (best_grid is None or r["measured_step_s"] < best_grid["measured_step_s"]):

@@ -50,7 +50,7 @@ def process_device_bytes(device: int | None = None) -> int | None:
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory:
                 return int(proc.usedGpuMemory)
-    except Exception:  # noqa: BLE001 - no NVML, or PIDs in another namespace: the caller falls back
+    except Exception:
         return None
     return None
 

@@ -1,6 +1,7 @@
 """``memopt.wrap(model, budget="40GB")``: plan (or take a saved plan), apply it for real, train under it.
 
-    >>> wrapped = memopt.wrap(model, budget="40GB", sample={"batch_size": 8, "seq_len": 4096}, optimizer="adamw", lr=1e-4)
+    >>> wrapped = memopt.wrap(model, budget="40GB", sample={"batch_size": 8, "seq_len": 4096},
+    ...                       optimizer="adamw", lr=1e-4)
     >>> for batch in loader:                 # the global batch; memopt splits it into the plan's micro-batches
     ...     loss = wrapped.step(batch)
 
@@ -76,7 +77,8 @@ class Wrapped:
     def __init__(self, model: nn.Module, *, budget: Any, sample: Any, plan: Plan | None, optimizer: Any,
                  optimizer_kwargs: dict[str, Any], loss_fn: Any, lr_scheduler: Any, max_grad_norm: float | None,
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
-                 device: Any, enforce_budget: bool, use_cache: bool) -> None:
+                 device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
+                 run_dir: str | os.PathLike[str] | None = None) -> None:
         _check_model(model)
         self._user_model = model
         self._budget = budget
@@ -90,6 +92,10 @@ class Wrapped:
         self._enforce_budget = enforce_budget
         self._use_cache = use_cache
         self._prepared: Prepared | None = None
+        self._guard_enabled = guard
+        self._run_dir = run_dir
+        self._profile: Any = None
+        self.guard: Any = None
         self.plan: Plan | None = plan
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
@@ -104,12 +110,17 @@ class Wrapped:
     def _make_plan(self, sample: Any) -> Plan:
         if self._budget is None:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
+        from memopt.profile.api import profile_model
+
         pins, user_opt = _optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
-        plan = make_plan(self._user_model, sample, budget=self._budget, hardware=self._hardware,
+        hw = resolve_hardware(self._hardware)
+        self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
+                                      use_cache=self._use_cache)
+        plan = make_plan(self._user_model, sample, budget=self._budget, hardware=hw,
                          policy=self._policy_args["policy"], fidelity=self._policy_args["fidelity"],
                          pins=merged_pins or None, forbid=self._policy_args["forbid"], optimizer=user_opt,
-                         loss_fn=self._loss_fn, use_cache=self._use_cache)
+                         loss_fn=self._loss_fn, profile=self._profile)
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
         return plan
@@ -128,10 +139,22 @@ class Wrapped:
                 self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
         user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
             self._optimizer_arg, str) else None
-        self._prepared = prepare(model, strategy, device_type=self.device.type, device=self.device,
-                                 optimizer=user_opt, optimizer_kwargs=self._optimizer_kwargs, loss_fn=self._loss_fn,
-                                 max_grad_norm=self._max_grad_norm, lr_scheduler=self._lr_scheduler_factory,
-                                 move_to=self.device)
+        prepare_kwargs = {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
+                          "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
+                          "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
+                          "move_to": self.device}
+        self._prepared = prepare(model, strategy, **prepare_kwargs)
+        if self._guard_enabled:
+            self._install_guard(plan, prepare_kwargs)
+
+    def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
+        """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
+        from memopt.guard.recovery import PlanEscalator, PreparedReplanner, step_down
+        from memopt.guard.runtime import RuntimeGuard
+
+        escalate = PlanEscalator(self._profile) if self._profile is not None else step_down
+        replanner = PreparedReplanner(self._prepared, dict(prepare_kwargs), escalate)
+        self.guard = RuntimeGuard(self._prepared.step, plan, run_dir=self._run_dir, replanner=replanner)
 
     # -- the training API ------------------------------------------------------------------------
     @property
@@ -158,7 +181,13 @@ class Wrapped:
         if self._prepared is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
-        loss = self._prepared.step.step(batch)
+        if self.guard is not None:
+            loss = self.guard.step(batch)
+            if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
+                self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
+                self.plan = self.guard.plan
+        else:
+            loss = self._prepared.step.step(batch)
         self.steps_done += 1
         self.items_seen += count_loss_items(batch)
         return loss
@@ -179,8 +208,18 @@ class Wrapped:
         self._require_prepared()
         self._prepared.step.optimizer_step()
 
+    def progress(self) -> str:
+        """A short memory line for a progress bar (allocated / budget, the prediction beside it)."""
+        return self.guard.progress() if self.guard is not None else self.describe()
+
+    def close(self) -> None:
+        """Flush telemetry and store the measured peaks as a calibration for later plans."""
+        if self.guard is not None:
+            self.guard.close()
+
     def unwrap(self) -> nn.Module:
         """Remove every technique and return the user's module (weights keep their trained values)."""
+        self.close()
         if self._prepared is not None:
             self._prepared.undo()
             self._prepared = None
@@ -232,11 +271,12 @@ class Wrapped:
 def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = None,
          plan: Plan | str | os.PathLike[str] | None = None, optimizer: str | Callable[..., Any] | None = "adamw",
          lr: float | None = None, weight_decay: float | None = None, betas: tuple[float, float] | None = None,
-         optimizer_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None,
+         optimizer_kwargs: dict[str, Any] | None = None,
+         loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None,
          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
          hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
-         use_cache: bool = True) -> Any:
+         use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None) -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
@@ -244,7 +284,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     with ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss
     is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
     budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
-    without one, name the GPU to plan for.
+    without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written to ``run_dir``),
+    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``).
     """
     kwargs = dict(optimizer_kwargs or {})
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
@@ -267,4 +308,4 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     return Wrapped(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
-                   enforce_budget=enforce_budget, use_cache=use_cache)
+                   enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir)

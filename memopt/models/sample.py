@@ -248,9 +248,9 @@ class SampleSpec:
 
         ``sample`` may be:
 
-        * ``None``: the spec's ``defaults``;
+        * ``None``: the spec's ``sample`` (its typical training sample);
         * a dict of shapes, e.g. ``{"batch_size": 8, "seq_len": 4096}`` (keys: ``batch_size``, ``seq_len``,
-          ``image_size``, ``decoder_seq_len``, ``variable_length``); missing keys come from the spec's defaults;
+          ``image_size``, ``decoder_seq_len``, ``variable_length``); missing keys come from the spec's ``sample``;
         * a batch: a dict of tensors (``input_ids``, ``labels``, ``attention_mask``, ``pixel_values``,
           ``decoder_input_ids``, ... real or fake tensors; only shapes are read), where a value may also be a list
           of 1-D sequences of different lengths (``variable_length=True``; the longest is planned for);
@@ -267,9 +267,9 @@ class SampleSpec:
         elif sample is None:
             if model is None:
                 raise ValueError(
-                    "no sample given: pass a dict of shapes, a batch, or a model spec to take defaults from"
+                    "no sample given: pass a dict of shapes, a batch, or a model spec to take its typical sample from"
                 )
-            shapes = dict(model.defaults)
+            shapes = dict(model.sample)
         elif isinstance(sample, Mapping):
             batch_like = [k for k, v in sample.items() if _shape_of(v) is not None or _is_sequence(v)]
             if batch_like and len(batch_like) < len(sample):
@@ -281,7 +281,7 @@ class SampleSpec:
             if batch_like:
                 shapes, problems = _shapes_from_batch(sample, model)
             else:
-                shapes = {**(model.defaults if model is not None else {}), **sample}
+                shapes = {**(model.sample if model is not None else {}), **sample}
         elif _shape_of(sample) is not None:
             ndim = len(_shape_of(sample) or ())
             key = "pixel_values" if ndim == 4 else "input_ids"

@@ -10,7 +10,7 @@ YAML schema (exactly these top-level keys)::
     family: causal_lm                 # causal_lm | masked_lm | seq2seq_lm | image_classification
     architecture: LlamaForCausalLM    # a transformers class name
     hf_config: {model_type: llama, hidden_size: 4096, ...}   # kwargs of AutoConfig.for_model
-    defaults: {batch_size: 1, seq_len: 4096}                 # a typical training sample
+    sample: {batch_size: 1, seq_len: 4096}                   # a typical training sample
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ __all__ = ["FAMILIES", "SAMPLE_KEYS", "ModelSpec", "load_model_spec", "model_nam
 #: Model families memopt knows how to feed (see :func:`memopt.models.sample.make_batch`).
 FAMILIES: tuple[str, ...] = ("causal_lm", "masked_lm", "seq2seq_lm", "image_classification")
 
-#: Keys of a sample-shape dict (``defaults:`` in a model YAML, or a ``SampleSpec.parse`` dict).
+#: Keys of a sample-shape dict (``sample:`` in a model YAML, or a ``SampleSpec.parse`` dict).
 SAMPLE_KEYS: tuple[str, ...] = ("batch_size", "seq_len", "image_size", "decoder_seq_len", "variable_length")
 
-_SPEC_KEYS: tuple[str, ...] = ("name", "family", "architecture", "hf_config", "defaults")
+_SPEC_KEYS: tuple[str, ...] = ("name", "family", "architecture", "hf_config", "sample")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """One model architecture: which transformers class, its config kwargs, and a typical training sample.
 
-    ``hf_config`` and ``defaults`` are plain dicts; treat them as read-only (use ``overrides=`` of
+    ``hf_config`` and ``sample`` are plain dicts; treat them as read-only (use ``overrides=`` of
     :func:`~memopt.models.build.hf_config` / :func:`~memopt.models.build.build_model` to change a model).
     """
 
@@ -48,7 +48,7 @@ class ModelSpec:
     family: str
     architecture: str
     hf_config: dict[str, Any] = field(hash=False)
-    defaults: dict[str, Any] = field(default_factory=dict, hash=False)
+    sample: dict[str, Any] = field(default_factory=dict, hash=False)
     path: Path | None = field(default=None, compare=False)
 
     @property
@@ -105,16 +105,16 @@ def _from_dict(data: dict[str, Any], *, path: Path | None = None) -> ModelSpec:
             problems.append(f"hf_config must be a mapping, got {type(hf).__name__}")
         elif not isinstance(hf.get("model_type"), str):
             problems.append("hf_config must contain model_type (a transformers model type such as 'llama')")
-    defaults = data.get("defaults") or {}
-    if not isinstance(defaults, dict):
-        problems.append(f"defaults must be a mapping of sample shapes, got {type(defaults).__name__}")
-        defaults = {}
-    bad_defaults = sorted(set(defaults) - set(SAMPLE_KEYS))
-    if bad_defaults:
-        problems.append(f"unknown defaults keys {bad_defaults} (valid keys: {list(SAMPLE_KEYS)})")
-    for key, value in defaults.items():
+    sample = data.get("sample") or {}
+    if not isinstance(sample, dict):
+        problems.append(f"sample must be a mapping of sample shapes, got {type(sample).__name__}")
+        sample = {}
+    bad_sample = sorted(set(sample) - set(SAMPLE_KEYS))
+    if bad_sample:
+        problems.append(f"unknown sample keys {bad_sample} (valid keys: {list(SAMPLE_KEYS)})")
+    for key, value in sample.items():
         if key in SAMPLE_KEYS and key != "variable_length" and value is not None and not _is_pos_int(value):
-            problems.append(f"defaults.{key} must be a positive int, got {value!r}")
+            problems.append(f"sample.{key} must be a positive int, got {value!r}")
     if problems:
         label = data.get("name", "<unnamed>")
         raise ValueError(f"invalid model spec {label!r}{where}: " + "; ".join(problems))
@@ -123,7 +123,7 @@ def _from_dict(data: dict[str, Any], *, path: Path | None = None) -> ModelSpec:
         family=data["family"],
         architecture=data["architecture"],
         hf_config=dict(hf),
-        defaults=dict(defaults),
+        sample=dict(sample),
         path=path,
     )
 

@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["main", "train"]
 
 
-def _batches(spec: Any, sample: Any, seed: int, start: int):  # noqa: ANN202
+def _batches(spec: Any, sample: Any, seed: int, start: int):
     import torch
 
     from memopt.models import make_batch

@@ -11,7 +11,8 @@ SAMPLE = {"batch_size": 8, "seq_len": 64}
 
 
 def _batch(seed=0):
-    return make_batch("tiny_llama", SampleSpec.parse(SAMPLE, "tiny_llama"), generator=torch.Generator().manual_seed(seed))
+    return make_batch("tiny_llama", SampleSpec.parse(SAMPLE, "tiny_llama"),
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def test_wrap_plans_applies_and_trains():

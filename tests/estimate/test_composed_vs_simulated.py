@@ -46,7 +46,8 @@ def _compare(model_name: str, overrides: dict, sample: dict, strategy: Strategy,
 FAST = {"bf16", "full_ac", "half_ac", "adamw8bit", "offload", "mb1"}
 
 
-@pytest.mark.parametrize("config", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CONFIGS)])
+@pytest.mark.parametrize("config", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow)
+                                    for c in sorted(CONFIGS)])
 def test_composed_matches_simulation_tiny_llama(config):
     est, sim_alloc, _ = _compare("tiny_llama", {"num_hidden_layers": 7}, {"batch_size": 4, "seq_len": 64},
                                             CONFIGS[config])

@@ -65,7 +65,7 @@ def test_shipped_spec_loads_and_builds_small_on_meta(name):
     assert spec.name == name and spec.path is not None and spec.path.name == f"{name}.yaml"
     raw = spec.path.read_text()
     assert raw.lstrip().startswith("#"), "each shipped model YAML starts with a provenance comment"
-    assert set(yaml.safe_load(raw)) == {"name", "family", "architecture", "hf_config", "defaults"}
+    assert set(yaml.safe_load(raw)) == {"name", "family", "architecture", "hf_config", "sample"}
     model = build_model(spec, overrides={"num_hidden_layers": 2})
     assert type(model).__name__ == spec.architecture
     assert model.training
@@ -153,10 +153,10 @@ def test_make_batch_contents():
     assert token_count(img) == token_count(img, "tiny_vit") == 5
 
 
-def test_sample_parse_shapes_and_defaults():
+def test_sample_parse_shapes_and_model_sample():
     spec = load_model_spec("t5_base")
     assert SampleSpec.parse(None, spec) == SampleSpec(batch_size=8, seq_len=512, decoder_seq_len=128)
-    # missing keys come from the spec's defaults
+    # missing keys come from the spec's sample
     assert SampleSpec.parse({"batch_size": 2}, "llama3_8b") == SampleSpec(batch_size=2, seq_len=4096)
     sample = SampleSpec.parse({"batch_size": 2, "seq_len": 64})
     assert sample.tokens_per_sample == 64 and sample.decoder_len == 64 and not sample.variable_length

@@ -1,0 +1,162 @@
+"""The dry run: ``python -m memopt.plan [overrides]`` (also installed as ``memopt-plan``).
+
+Plans the fastest strategy that fits a memory budget, on the CPU, and prints why::
+
+    python -m memopt.plan                                      # the bundled default (configs/plan.yaml)
+    python -m memopt.plan model=llama3_8b budget=40GB training.batch_size=8 training.seq_len=4096 \\
+        hardware=h100_80gb policy=8bit
+    python -m memopt.plan output=json save_plan=plan.json      # machine form: the plan as JSON, nothing else
+    python -m memopt.plan -m budget=16GB,24GB,40GB,80GB        # one plan per budget (Hydra multirun)
+    python -m memopt.plan --config-dir recipes --config-name llama3_8b_full_ft_h100
+
+Exit status: 0 a plan fits; 3 nothing fits the budget (the report says what would); 2 bad input (every
+problem is listed, with what would be valid); 1 an internal error. A multirun exits with the worst of its
+jobs (2 over 3 over 0). In a multirun each job saves its plan as ``multirun/<date>/<time>/<job>/plan.json``
+(a relative ``save_plan`` is placed in the job's folder too), and ``output=json`` prints one JSON object
+per line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from memopt.config.store import register
+from memopt.resources import configs_dir
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_OK", "main", "run"]
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+
+register()
+_CODES: list[int] = []  # the exit code of each job of this invocation (multirun jobs run in this process)
+
+
+def _job_context() -> tuple[bool, Path | None, str]:
+    """(multirun?, the job's output folder, a label naming the job's overrides)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False, None, ""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return False, None, ""
+    overrides = " ".join(hc.overrides.task)
+    return True, Path(hc.runtime.output_dir), f"job {hc.job.num}: {overrides}".strip()
+
+
+def _save_path(save_plan: str | None, multirun: bool, job_dir: Path | None) -> Path | None:
+    if not multirun or job_dir is None:
+        return Path(save_plan) if save_plan else None
+    if save_plan is None:
+        return job_dir / "plan.json"
+    path = Path(save_plan)
+    return path if path.is_absolute() else job_dir / path
+
+
+def run(cfg: Any) -> int:
+    """Plan one composed config and print the report; returns the exit status. Bad input -> 2, no fit -> 3."""
+    from memopt.cli_render import make_console, render_errors, render_plan
+    from memopt.config.validate import ConfigError, resolve
+
+    multirun, job_dir, label = _job_context()
+    out, err = make_console(), make_console(stderr=True)
+    title = f"invalid input ({label})" if label else "invalid input"
+    try:
+        request = resolve(cfg)
+    except ConfigError as exc:
+        render_errors(exc.problems, console=err, title=title)
+        return EXIT_BAD_INPUT
+    try:
+        plan = request.plan()
+    except ValueError as exc:
+        render_errors([str(exc)], console=err, title=title)
+        return EXIT_BAD_INPUT
+    path = _save_path(request.save_plan, multirun, job_dir)
+    if path is not None:
+        plan.save(path)
+    if request.output == "json":
+        sys.stdout.write(json.dumps(plan.to_dict(), indent=None if multirun else 2, default=str) + "\n")
+        sys.stdout.flush()
+        if not plan.fits:
+            message = (plan.infeasible or {}).get("message", "no strategy fits the budget")
+            err.print(f"memopt.plan: does not fit: {message}", soft_wrap=True, highlight=False)
+    else:
+        if multirun:
+            out.rule(label)
+        render_plan(plan, hardware=request.hardware, budget_text=request.budget, console=out)
+        if path is not None:
+            out.print(f"plan saved to {path}", soft_wrap=True)
+    return EXIT_OK if plan.fits else EXIT_INFEASIBLE
+
+
+@hydra.main(config_path=str(configs_dir()), config_name="plan", version_base=None)
+def _hydra_job(cfg: DictConfig) -> int:
+    code = run(cfg)
+    _CODES.append(code)
+    return code
+
+
+def _argv_parts(argv: list[str]) -> tuple[list[str], str, str | None]:
+    """(overrides, config name, extra config dir) as Hydra reads them from the command line."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return [], "plan", None
+    return list(args.overrides or []), args.config_name or "plan", args.config_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the dry run as Hydra does from ``sys.argv`` (or ``argv``); returns the exit status."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from memopt.cli_render import render_errors
+    from memopt.config.errors import diagnose, explain_hydra_error
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # config warnings are noise in a report
+    except Exception:
+        pass
+    _CODES.clear()
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us instead of Hydra's printer
+    try:
+        _hydra_job()
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        overrides, config_name, config_dir = _argv_parts(sys.argv[1:])
+        try:
+            problems = diagnose(overrides, config_name=config_name, config_dir=config_dir)
+        except Exception:
+            problems = []
+        render_errors(problems or explain_hydra_error(exc, primary_dirs=[configs_dir()]))
+        return EXIT_BAD_INPUT
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    if EXIT_BAD_INPUT in _CODES:
+        return EXIT_BAD_INPUT
+    if EXIT_INFEASIBLE in _CODES:
+        return EXIT_INFEASIBLE
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
