@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """One GPU session, most important first, each row in a fresh forked process:
 
-  wrap     memopt.wrap with the CPU-made plans of benchmarks/wrap/plans, under the hard cap (3 at a time)
+  wrap     memopt.wrap with the CPU-made plans of benchmarks/wrap/plans, under the hard cap (one at a time
+           unless --wrap-width says otherwise: concurrent rows share the GPU and their timings are invalid)
   estimator  rows that re-measure changed techniques and models no one tuned for (3 at a time)
-  speed    llama32_1b at 40 GiB: hand-tuned grid, the plan, and the Hugging Face Trainer baseline (one at a time)
+  quant    QLoRA (NF4 base + LoRA + paged 8-bit AdamW) and LoRA (bf16 base) rows on two architectures
+  speed    --speed-cases (default llama32_1b:40GiB): hand-tuned grid, the plan, and the Hugging Face Trainer
+           baseline at the same budget and global batch (one at a time)
   oplog    per-op allocator log of T5 with full checkpointing (diagnosis)
 
-    python scripts/gpu_session.py --out DIR [--deadline 480] [--parts wrap,estimator,speed,oplog]
+    python scripts/gpu_session.py --out DIR [--deadline 480] [--parts wrap,estimator,quant,speed,oplog]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import transformers  # noqa: F401
 
 from memopt.strategy import Checkpointing, Strategy
+from memopt.units import parse_bytes
 from memopt.validation.measure import measure_row, measure_trainer, measure_wrap
 from memopt.validation.rows import Row
 from memopt.validation.wrap_cases import BUDGETS, CASES, plan_name
@@ -138,6 +142,28 @@ def estimator_jobs() -> list[tuple]:
     return [(r.id, measure_row, (r,)) for r in rows]
 
 
+def quant_rows() -> list[Row]:
+    """QLoRA and LoRA on two architectures (issue: quantization and adapters); predicted on the CPU afterwards
+    by ``scripts/report_quant.py``."""
+    from memopt.techniques.adapters import AdapterSetting
+    from memopt.techniques.quantization import qlora, with_extra
+
+    rows = []
+    for model, sample in (("llama32_1b", {"batch_size": 8, "seq_len": 2048}),
+                          ("qwen25_0_5b", {"batch_size": 8, "seq_len": 2048})):
+        base = Strategy(precision="bf16_autocast", micro_batch_size=4, grad_accum_steps=2)
+        lora = with_extra(base.replace(precision="bf16_pure", optimizer="adamw_fused"), "adapters",
+                          AdapterSetting(kind="lora", r=16, alpha=32))
+        for name, s in (("qlora_nf4_r16", qlora(base)), ("lora_bf16_r16", lora),
+                        ("qlora_nf4_r16_full_ac", qlora(base.replace(checkpointing=Checkpointing(mode="full"))))):
+            rows.append(Row(id=f"quant/{model}/{name}", model=model, steps=5, strategy=s, tags=("quant",), **sample))
+    return rows
+
+
+def quant_jobs() -> list[tuple]:
+    return [(r.id, measure_row, (r,)) for r in quant_rows()]
+
+
 def speed_jobs(model: str, sample: dict, budget: str, budget_bytes: int) -> list[tuple]:
     jobs = []
     path = ROOT / "benchmarks" / "wrap" / "plans" / f"{plan_name(model, budget)}.json"
@@ -146,16 +172,16 @@ def speed_jobs(model: str, sample: dict, budget: str, budget_bytes: int) -> list
     g = sample["batch_size"]
     for ac in ("none", "full"):
         for exp in (True, False):
-            for mb in (1, 2, 4, 8):
-                if g % mb:
+            for mb in (1, 2, 4, 8, 16, 32, 64):
+                if g % mb or mb > g or (g >= 32 and mb < 4):  # micro-batches below 4 of a 32+ batch: dominated
                     continue
                 s = BF16.replace(micro_batch_size=mb, grad_accum_steps=g // mb, expandable_segments=exp,
                                  checkpointing=Checkpointing(mode=ac))
                 r = Row(id=f"speed/{model}_{budget}/grid/ac={ac}/exp={int(exp)}/mb={mb}", model=model, steps=5,
                         cap_bytes=budget_bytes - RUNTIME, strategy=s, tags=("grid",), **sample)
                 jobs.append((r.id, measure_row, (r,)))
-    for b in (8, 4, 2, 1):
-        if g % b:
+    for b in (64, 32, 16, 8, 4, 2, 1):
+        if g % b or b > g:
             continue
         r = Row(id=f"speed/{model}_{budget}/trainer/pd={b}", model=model, steps=5, tags=("trainer",), **sample)
         jobs.append((r.id, measure_trainer, (r, b, g // b, budget_bytes - RUNTIME)))
@@ -176,7 +202,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds: start nothing new after this")
-    parser.add_argument("--parts", default="wrap,estimator,speed,oplog")
+    parser.add_argument("--parts", default="wrap,estimator,quant,speed,oplog")
+    parser.add_argument("--wrap-width", type=int, default=1, help="wrap rows at a time (>1 invalidates timings)")
+    parser.add_argument("--speed-cases", default="llama32_1b:40GiB",
+                        help="MODEL:BUDGET,... among the wrap cases (global batch from memopt.validation.wrap_cases)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_session.py needs a CUDA GPU")
@@ -186,23 +215,28 @@ def main() -> int:
     deadline = START + args.deadline
     parts = args.parts.split(",")
     if "wrap" in parts:
-        run_pool(wrap_jobs(), 3, out / "wrap.jsonl", deadline)
+        run_pool(wrap_jobs(), args.wrap_width, out / "wrap.jsonl", deadline)
+    if "quant" in parts:
+        run_pool(quant_jobs(), 1, out / "quant.jsonl", deadline)
     if "estimator" in parts:
         run_pool(estimator_jobs(), 3, out / "estimator_run2.jsonl", deadline)
     if "speed" in parts:
-        budget_bytes = 40 * 2**30
-        jobs = speed_jobs("llama32_1b", {"batch_size": 8, "seq_len": 2048}, "40GiB", budget_bytes)
-        # one at a time (timings); skip larger micro-batches of a series once one ran out of memory
-        failed: set[str] = set()
-        for label, fn, fargs in jobs:
-            series = label.rsplit("/mb=", 1)[0] if "/grid/" in label else None
-            if series in failed or time.time() > deadline:
-                continue
-            res = run_pool([(label, fn, fargs)], 1, out / "speed.jsonl", deadline)
-            if series and (not res or res[0].get("oom") or not res[0].get("ok")):
-                failed.add(series)
-            if "/trainer/" in label and res and res[0].get("fits_under_cap"):
-                break  # the largest per-device batch that fits has been found
+        for case in args.speed_cases.split(","):
+            model, budget = case.split(":")
+            sample = dict(CASES)[model]
+            budget_bytes = parse_bytes(budget)
+            jobs = speed_jobs(model, sample, budget, budget_bytes)
+            # one at a time (timings); skip larger micro-batches of a series once one ran out of memory
+            failed: set[str] = set()
+            for label, fn, fargs in jobs:
+                series = label.rsplit("/mb=", 1)[0] if "/grid/" in label else None
+                if series in failed or time.time() > deadline:
+                    continue
+                res = run_pool([(label, fn, fargs)], 1, out / "speed.jsonl", deadline)
+                if series and (not res or res[0].get("oom") or not res[0].get("ok")):
+                    failed.add(series)
+                if "/trainer/" in label and res and res[0].get("fits_under_cap"):
+                    break  # the largest per-device batch that fits has been found
     if "oplog" in parts and time.time() < deadline:
         res = run_pool(oplog_job(), 1, out / "oplog_raw.jsonl", deadline, timeout=120)
         if res:

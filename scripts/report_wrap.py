@@ -23,6 +23,56 @@ def _load(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _micro_batch(r: dict) -> int | None:
+    if "per_device_batch" in r:
+        return r["per_device_batch"]
+    strategy = (r.get("row") or {}).get("strategy") or {}
+    if isinstance(r.get("strategy"), str) and "mb=" in r["strategy"]:  # a plan's label: "... mb=8x1 ..."
+        return int(r["strategy"].split("mb=", 1)[1].split("x", 1)[0])
+    return strategy.get("micro_batch_size")
+
+
+def _speed_case(case: str, rows: list[dict], lines: list[str]) -> dict | None:
+    """One speed case: the table, and the plan against the best grid row and the Trainer baseline."""
+    lines += [f"## Speed: {case}, same budget and global batch, one run at a time", "",
+              "| configuration | trained | step s | throughput |", "|---|---|---|---|"]
+    best_grid, trainer, plan, largest = None, None, None, 0
+    for r in rows:
+        label = r.get("label", "")
+        oom = bool(r.get("oom")) or r.get("fits_under_cap") is False
+        ok = r.get("ok") and r.get("fits_under_cap", r.get("ok")) and not oom
+        row = r.get("row", {})
+        tokens = row.get("batch_size", 0) * (row.get("seq_len") or 1)
+        tput = r.get("tokens_per_s") or (tokens / r["measured_step_s"] if r.get("measured_step_s") else 0)
+        trained = "yes" if ok else "no (OOM)" if oom else "error"
+        lines.append(f"| {label} | {trained} | {r.get('measured_step_s', 0):.3f} | {tput:,.0f} |")
+        if not ok:
+            continue
+        if "/grid/" in label or label.endswith("/plan"):
+            largest = max(largest, _micro_batch(r) or 0)
+        if "/grid/" in label and (best_grid is None or r["measured_step_s"] < best_grid["measured_step_s"]):
+            best_grid = r
+        if "/trainer/" in label:
+            trainer = r
+        if label.endswith("/plan"):
+            plan = r
+    if not plan:
+        return None
+    comp: dict = {"plan_step_s": plan["measured_step_s"], "plan_strategy": plan.get("strategy")}
+    if best_grid:
+        comp["best_grid"] = best_grid["label"]
+        comp["plan_vs_best_grid"] = best_grid["measured_step_s"] / plan["measured_step_s"]
+        comp["largest_micro_batch_trained"] = largest  # grid rows and the plan
+    if trainer:
+        comp["trainer"] = trainer["label"]
+        comp["plan_vs_trainer"] = trainer["measured_step_s"] / plan["measured_step_s"]
+        comp["trainer_per_device_batch"] = trainer.get("per_device_batch")
+        if largest and trainer.get("per_device_batch"):
+            comp["largest_micro_batch_vs_trainer"] = largest / trainer["per_device_batch"]
+    lines += ["", f"Speed: {json.dumps(comp)}", ""]
+    return comp
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -32,7 +82,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     wrap = _load(run / "wrap.jsonl")
-    speed = _load(run / "speed.jsonl")
+    speed = [r for p in sorted(run.glob("speed*.jsonl")) for r in _load(p)]
     lines = ["## memopt.wrap under the hard cap (H200, plans made on a CPU)", "",
              "| case | plan | plan fits | trained under cap | alloc meas/pred GiB | err | reserved meas/pred GiB | "
              "total / budget | step s meas/pred | throughput |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -69,38 +119,14 @@ def main() -> int:
                "step_time_median_abs_error": statistics.median(step_err) if step_err else None,
                "budget_share_min": min(used) if used else None}
     lines += ["", f"Summary: {json.dumps(summary)}", ""]
-    if speed:
-        lines += ["## Speed at the same budget and global batch", "",
-                  "| configuration | trained | step s | throughput |",
-                  "|---|---|---|---|"]
-        best_grid, trainer, plan = None, None, None
-        for r in speed:
-            label = r.get("label", "")
-            oom = bool(r.get("oom")) or r.get("fits_under_cap") is False
-            ok = r.get("ok") and r.get("fits_under_cap", r.get("ok")) and not oom
-            row = r.get("row", {})
-            tokens = row.get("batch_size", 0) * (row.get("seq_len") or 1)
-            tput = r.get("tokens_per_s") or (tokens / r["measured_step_s"] if r.get("measured_step_s") else 0)
-            trained = "yes" if ok else "no (OOM)" if oom else "error"
-            lines.append(f"| {label} | {trained} | {r.get('measured_step_s', 0):.3f} | {tput:,.0f} |")
-            if not ok:
-                continue
-            if "/grid/" in label and (best_grid is None or r["measured_step_s"] < best_grid["measured_step_s"]):
-                best_grid = r
-            if "/trainer/" in label:
-                trainer = r
-            if label.endswith("/plan"):
-                plan = r
-        if plan:
-            comp = {"plan_step_s": plan["measured_step_s"]}
-            if best_grid:
-                comp["best_grid"] = best_grid["label"]
-                comp["plan_vs_best_grid"] = best_grid["measured_step_s"] / plan["measured_step_s"]
-            if trainer:
-                comp["trainer"] = trainer["label"]
-                comp["plan_vs_trainer"] = trainer["measured_step_s"] / plan["measured_step_s"]
-            summary["speed"] = comp
-            lines += ["", f"Speed: {json.dumps(comp)}"]
+    cases: dict[str, list[dict]] = {}
+    for r in speed:
+        cases.setdefault(r.get("label", "").split("/")[1], []).append(r)
+    summary["speed"] = {}
+    for case, rows in cases.items():
+        comp = _speed_case(case, rows, lines)
+        if comp:
+            summary["speed"][case] = comp
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "wrap": wrap, "speed": speed}, indent=1))
     print("\n".join(lines))
