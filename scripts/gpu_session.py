@@ -7,6 +7,11 @@
   quant    QLoRA (NF4 base + LoRA + paged 8-bit AdamW) and LoRA (bf16 base) rows on two architectures
   speed    --speed-cases (default llama32_1b:40GiB): hand-tuned grid, the plan, and the Hugging Face Trainer
            baseline at the same budget and global batch (one at a time)
+  autotune what memopt.wrap(autotune=True) picks for --speed-cases among the candidates made on the CPU
+           (scripts/make_wrap_plans.py --autotune), then 5 steps with it (one at a time)
+  speed2   one run, interleaved twice, 10 steps each: wrap with autotune, the best hand-tuned grid row and the
+           largest Trainer baseline that trained (found by "speed" in session 3), for --speed-cases; timings
+           from separate runs differed by 10-20% for the same configuration, so these are compared in one run
   oplog    per-op allocator log of T5 with full checkpointing (diagnosis)
 
     python scripts/gpu_session.py --out DIR [--deadline 480] [--parts wrap,estimator,quant,speed,oplog]
@@ -30,7 +35,7 @@ import transformers  # noqa: F401
 
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import parse_bytes
-from memopt.validation.measure import measure_row, measure_trainer, measure_wrap
+from memopt.validation.measure import measure_autotune, measure_row, measure_trainer, measure_wrap
 from memopt.validation.rows import Row
 from memopt.validation.wrap_cases import BUDGETS, CASES, plan_name
 
@@ -188,6 +193,33 @@ def speed_jobs(model: str, sample: dict, budget: str, budget_bytes: int) -> list
     return jobs
 
 
+# the best grid row and the Trainer's largest per-device batch that trained, from benchmarks/wrap (session 3)
+SPEED2_REFERENCE = {
+    "llama32_1b:40GiB": (BF16.replace(micro_batch_size=2, grad_accum_steps=4, expandable_segments=False), 4),
+    "bert_large:24GiB": (BF16.replace(micro_batch_size=16, grad_accum_steps=2, expandable_segments=True), 32),
+}
+
+
+def speed2_jobs(case: str, rounds: int = 2, steps: int = 10) -> list[tuple]:
+    model, budget = case.split(":")
+    sample = dict(CASES)[model]
+    budget_bytes = parse_bytes(budget)
+    grid, per_device = SPEED2_REFERENCE[case]
+    folder = ROOT / "benchmarks" / "wrap" / "plans" / "autotune" / plan_name(model, budget)
+    paths = [str(p) for p in sorted(folder.glob("*.json"))]
+    g = sample["batch_size"]
+    jobs = []
+    for k in range(rounds):
+        tag = f"speed2/{model}_{budget}"
+        tuned = Row(id=f"{tag}/plan+autotune/r{k}", model=model, steps=steps, **sample)
+        best = Row(id=f"{tag}/grid_best/r{k}", model=model, steps=steps, cap_bytes=budget_bytes - RUNTIME,
+                   strategy=grid, tags=("grid",), **sample)
+        trainer = Row(id=f"{tag}/trainer/pd={per_device}/r{k}", model=model, steps=steps, tags=("trainer",), **sample)
+        jobs += [(tuned.id, measure_autotune, (tuned, paths)), (best.id, measure_row, (best,)),
+                 (trainer.id, measure_trainer, (trainer, per_device, g // per_device, budget_bytes - RUNTIME))]
+    return jobs
+
+
 def oplog_job() -> list[tuple]:
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_probe
@@ -237,6 +269,17 @@ def main() -> int:
                     failed.add(series)
                 if "/trainer/" in label and res and res[0].get("fits_under_cap"):
                     break  # the largest per-device batch that fits has been found
+    if "autotune" in parts:
+        for case in args.speed_cases.split(","):
+            model, budget = case.split(":")
+            folder = ROOT / "benchmarks" / "wrap" / "plans" / "autotune" / plan_name(model, budget)
+            paths = [str(p) for p in sorted(folder.glob("*.json"))]
+            row = Row(id=f"speed/{model}_{budget}/plan+autotune", model=model, steps=5, **dict(CASES)[model])
+            run_pool([(row.id, measure_autotune, (row, paths))], 1, out / "speed_autotune.jsonl", deadline,
+                     timeout=180)
+    if "speed2" in parts:
+        for case in args.speed_cases.split(","):
+            run_pool(speed2_jobs(case), 1, out / "speed2.jsonl", deadline, timeout=180)
     if "oplog" in parts and time.time() < deadline:
         res = run_pool(oplog_job(), 1, out / "oplog_raw.jsonl", deadline, timeout=120)
         if res:

@@ -78,7 +78,7 @@ class Wrapped:
                  optimizer_kwargs: dict[str, Any], loss_fn: Any, lr_scheduler: Any, max_grad_norm: float | None,
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
-                 run_dir: str | os.PathLike[str] | None = None) -> None:
+                 run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None) -> None:
         _check_model(model)
         self._user_model = model
         self._budget = budget
@@ -101,6 +101,13 @@ class Wrapped:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.steps_done = 0
         self.items_seen = 0
+        # measured choice among the planner's best candidates (memopt.apply.autotune): by default on a GPU when
+        # wrap makes the plan itself; never for a saved plan, which is applied unchanged
+        self._autotune = (self.device.type == "cuda") if autotune is None else bool(autotune)
+        if plan is not None and autotune:
+            raise ValueError("autotune=True re-plans, but a saved plan= is applied unchanged: pass one or the other")
+        self._autotune_pending = False
+        self._plan_pins: dict[str, Any] | None = None
         if plan is None and sample is not None:
             self.plan = self._make_plan(sample)
         if self.plan is not None:
@@ -117,12 +124,15 @@ class Wrapped:
         hw = resolve_hardware(self._hardware)
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
-        plan = make_plan(self._user_model, sample, budget=self._budget, hardware=hw,
-                         policy=self._policy_args["policy"], fidelity=self._policy_args["fidelity"],
-                         pins=merged_pins or None, forbid=self._policy_args["forbid"], optimizer=user_opt,
-                         loss_fn=self._loss_fn, profile=self._profile)
+        self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
+            self._user_model, sample, budget=self._budget, hardware=hw, policy=self._policy_args["policy"],
+            fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
+            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile)
+        self._plan_pins = merged_pins
+        plan = self._replan(merged_pins)
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+        self._autotune_pending = self._autotune
         return plan
 
     def _apply(self, plan: Plan) -> None:
@@ -137,15 +147,44 @@ class Wrapped:
             if self._enforce_budget:
                 outside = max(outside_allocator_bytes(self.device.index), int(plan.prediction.get("runtime_bytes", 0)))
                 self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
-        user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
-            self._optimizer_arg, str) else None
-        prepare_kwargs = {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
-                          "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
-                          "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
-                          "move_to": self.device}
+        prepare_kwargs = self._prepare_kwargs()
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
             self._install_guard(plan, prepare_kwargs)
+
+    def _prepare_kwargs(self) -> dict[str, Any]:
+        user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
+            self._optimizer_arg, str) else None
+        return {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
+                "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
+                "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
+                "move_to": self.device}
+
+    def _run_autotune(self, batch: dict[str, Any]) -> None:
+        """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
+        keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
+        from memopt.apply.autotune import autotune, candidate_pins, describe
+
+        self._autotune_pending = False
+        chosen = self.plan
+        candidates = [chosen]
+        for pins in candidate_pins(chosen, self._plan_pins):
+            try:
+                candidates.append(self._replan(pins))
+            except ValueError:
+                continue  # a mode the policy forbids
+        if len({c.strategy.label() for c in candidates if c.fits}) < 2:
+            return
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        self._prepared.undo()
+        self._prepared = None
+        best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
+        best.notes.append(describe(trials, best))
+        self.autotune_trials = [t.to_dict() for t in trials]
+        self.plan = best
+        self._apply(best)
 
     def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
         """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
@@ -181,6 +220,8 @@ class Wrapped:
         if self._prepared is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
+        if self._autotune_pending:
+            self._run_autotune(batch)
         if self.guard is not None:
             loss = self.guard.step(batch)
             if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
@@ -276,7 +317,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
          hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
-         use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None) -> Any:
+         use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None,
+         autotune: bool | None = None) -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
@@ -285,7 +327,10 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
     budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
     without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written to ``run_dir``),
-    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``).
+    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``). ``autotune``
+    (default: on a GPU when wrap makes the plan) measures the planner's choice against the fastest plan of
+    each checkpointing mode on the first batch and keeps the fastest (``memopt.apply.autotune``); a saved
+    ``plan=`` is applied unchanged.
     """
     kwargs = dict(optimizer_kwargs or {})
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
@@ -308,4 +353,5 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     return Wrapped(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
-                   enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir)
+                   enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
+                   autotune=autotune)

@@ -4,7 +4,8 @@
   ``MemorySource`` readings it uses (``memopt.guard.memory``);
 * ``memopt.guard.leaks``: ``LeakDetector`` (sustained growth at the same point of the step, with its cause);
 * ``memopt.guard.recovery``: ``OOMGuard`` (free, re-plan, re-apply, retry the same batch; atomic optimizer
-  step; ranks retry together) and the escalations ``PlanEscalator``/``step_down``;
+  step; ranks retry together; an OOM that a leak explains stops with ``MemoptLeakError`` instead of
+  re-planning) and the escalations ``PlanEscalator``/``step_down``;
 * ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner;
 * ``memopt.guard.runtime``: ``RuntimeGuard``, all of the above around a train step (for ``memopt.wrap``);
 * ``memopt.guard.report``: ``python -m memopt.report RUN_DIR``.
@@ -21,6 +22,7 @@ from memopt.guard.memory import (
 )
 from memopt.guard.recovery import (
     EscalationFailed,
+    MemoptLeakError,
     MemoptOOMError,
     OOMGuard,
     OOMMeasurement,
@@ -41,6 +43,7 @@ __all__ = [
     "EscalationFailed",
     "LeakDetector",
     "LeakReport",
+    "MemoptLeakError",
     "MemoptOOMError",
     "MemoryLeakWarning",
     "MemorySample",

@@ -7,6 +7,11 @@ running, as a real allocation failure would (the error comes from inside the op,
 in the phase has happened: activations saved, gradients accumulated, states partly updated). Backward ops
 run under the mode too (autograd carries dispatch modes into its threads).
 
+``MemoryCap`` is a memory limit on any device, the CPU included: after each op it reads a ``MemorySource``
+(``TrackedMemorySource`` counts the real bytes of live tensors) and raises ``torch.OutOfMemoryError`` when the
+op took allocated memory above the cap, as a GPU's allocator would (its output is dropped with the error).
+A leak then runs out of memory after as many steps as it would on a GPU.
+
 ``occupy(nbytes)`` holds device memory until released, to provoke a real OOM on a GPU.
 """
 
@@ -19,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FaultInjector", "occupy"]
+__all__ = ["FaultInjector", "MemoryCap", "occupy"]
 
 
 class FaultInjector(TorchDispatchMode):
@@ -66,6 +71,45 @@ class FaultInjector(TorchDispatchMode):
                     f"{self.current}, attempt {self.attempt}, op {func})")
             self.ops_in_phase += 1
         return func(*args, **(kwargs or {}))
+
+
+class MemoryCap(TorchDispatchMode):
+    """Raise an OOM from the op that takes ``source.allocated_bytes()`` above ``cap_bytes``. ``phases``: only
+    in these phases of the train step (base names such as "forward"; ``on_phase`` must receive the phases),
+    None for everywhere. ``fired`` lists (phase, op, allocated bytes) of every error raised."""
+
+    def __init__(self, source: Any, cap_bytes: int, *, phases: tuple[str, ...] | None = None,
+                 enabled: bool = True) -> None:
+        super().__init__()
+        if cap_bytes <= 0:
+            raise ValueError(f"MemoryCap needs a positive cap in bytes, got {cap_bytes}")
+        self.source = source
+        self.cap_bytes = int(cap_bytes)
+        self.phases = phases
+        self.enabled = enabled
+        self.current = ""
+        self.fired: list[tuple[str, str, int]] = []
+
+    def on_phase(self, name: str) -> None:
+        self.current = name
+
+    def _armed(self) -> bool:
+        return self.enabled and (self.phases is None or self.current.split("[")[0] in self.phases)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if not self._armed():
+            return func(*args, **(kwargs or {}))
+        before = self.source.allocated_bytes()
+        out = func(*args, **(kwargs or {}))
+        after = self.source.allocated_bytes()
+        if after > self.cap_bytes and after > before:
+            del out
+            self.fired.append((self.current, str(func), after))
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {after - before} bytes. (memopt MemoryCap: "
+                f"{after} bytes allocated against a cap of {self.cap_bytes} in {self.current or 'no phase'}, "
+                f"op {func})")
+        return out
 
 
 @contextlib.contextmanager

@@ -22,6 +22,23 @@ told apart by evidence observed over the same window (see ``memopt.guard.census`
 * without the census (hooks unavailable), growth of about a whole forward's saved activations: a kept graph;
 * growth of about the model's outputs per step: outputs/logits appended to a list;
 * parameters, gradients or optimizer states that grow: those categories.
+
+At an out-of-memory error (``diagnose_oom``)
+--------------------------------------------
+A leak fast enough to fill the budget before the 5-step window (an evaluation pass without ``no_grad`` that
+keeps 1 GiB a step) ends in an OOM first. ``OOMGuard`` then asks ``diagnose_oom`` before it re-plans, since a
+smaller plan cannot help a leak (the leak fills any plan). Its rule (``fast_growth``), on the start-of-step
+series from the second step on (the first step creates the optimizer states and gradients once: its growth
+is left out):
+
+1. the last ``min_steps`` (default 2) step-to-step changes all grew by at least ``threshold_bytes``,
+2. steadily: the smallest of them is at least a third of the largest,
+3. to a new high: above every earlier reading by at least half of that growth (memory that varies with the
+   inputs goes up and down around a level), and
+4. the growth explains the failure: it is at least what the failed step lacked (the allocation it tried, or
+   its measured need beyond the budget), so a plan that is simply too big is still re-planned.
+
+The diagnosis carries the same cause classification and fix as a report from the window rule.
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ from typing import Any
 from memopt.categories import MemoryCategory
 from memopt.units import MiB, format_bytes
 
-__all__ = ["LeakDetector", "LeakReport", "MemoryLeakWarning", "sustained_growth"]
+__all__ = ["LeakDetector", "LeakReport", "MemoryLeakWarning", "fast_growth", "sustained_growth"]
 
 log = logging.getLogger(__name__)
 Cat = MemoryCategory
@@ -59,10 +76,15 @@ class LeakReport:
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def fix(self) -> str:
+        """What usually causes this kind of leak and how to fix it."""
+        return _FIXES[self.cause]
+
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "point": self.point, "growth_bytes_per_step": self.growth_bytes_per_step,
                 "window": self.window, "category": str(self.category), "cause": self.cause, "message": self.message,
-                "evidence": self.evidence}
+                "fix": self.fix, "evidence": self.evidence}
 
 
 def sustained_growth(values: list[int], window: int, threshold: int) -> float | None:
@@ -84,6 +106,31 @@ def sustained_growth(values: list[int], window: int, threshold: int) -> float | 
     if w[-1] - max(before) < window * threshold / 2:
         return None
     return rate
+
+
+def fast_growth(values: list[int], min_steps: int, threshold: int, *,
+                steady_ratio: float = 1 / 3) -> tuple[float, int] | None:
+    """(growth per step, steps) of the steady growth that ends ``values``, by ``diagnose_oom``'s rule, or None.
+
+    The run is the longest tail of changes that all grew by at least ``threshold`` with the smallest at least
+    ``steady_ratio`` of the largest; it must span ``min_steps`` changes and end at a new high (above every
+    reading before it by at least half its growth).
+    """
+    if min_steps < 1 or threshold <= 0 or len(values) < min_steps + 1:
+        return None
+    deltas = [b - a for a, b in itertools.pairwise(values)]
+    n = 0
+    while n < len(deltas) and deltas[-(n + 1)] >= threshold:
+        n += 1
+    while n >= min_steps and min(deltas[-n:]) < steady_ratio * max(deltas[-n:]):
+        n -= 1  # the oldest change of the run is out of line with the rest: drop it
+    if n < min_steps:
+        return None
+    growth = values[-1] - values[-(n + 1)]
+    before = values[:-(n + 1)]
+    if before and values[-1] - max(before) < growth / 2:
+        return None
+    return growth / n, n
 
 
 _FIXES = {
@@ -162,15 +209,40 @@ class LeakDetector:
         self._emit(self.report)
         return self.report
 
+    def diagnose_oom(self, shortfall_bytes: int = 0, *, point: str = "step_start", skip_steps: int = 1,
+                     min_steps: int = 2) -> LeakReport | None:
+        """At an out-of-memory error: a ``LeakReport`` when memory at ``point`` grew fast and steadily enough
+        over the steps before it to be the likely cause (see the module docstring), else None.
+
+        ``shortfall_bytes``: what the failed step lacked (the allocation that failed, or its need beyond the
+        budget); growth smaller than that cannot explain the failure. Readings of the first ``skip_steps``
+        steps are left out (the first step creates the optimizer states). Records nothing and warns nothing:
+        the caller reports the result.
+        """
+        series = [e for e in self.series.get(point, []) if e[0] >= skip_steps]
+        values = [v for _, v, _ in series]
+        found = fast_growth(values, min_steps, self.threshold_bytes)
+        if found is None:
+            return None
+        rate, n = found
+        if rate * n < shortfall_bytes:
+            return None
+        return self._classify(series[-1][0], point, rate, series[-(n + 1):])
+
     # -- telling causes apart ------------------------------------------------------------------------
     def _classify(self, step: int, point: str, rate: float, window: list[tuple[int, int, dict]]) -> LeakReport:
         last = window[-1][2]
         n = len(window) - 1
 
         def growth(key: str) -> float | None:
-            """The median step's growth of an evidence figure (one-off jumps do not count)."""
-            vals = [e.get(key) for _, _, e in window]
-            if any(v is None for v in vals):
+            """The median step's growth of an evidence figure (one-off jumps do not count), over the window's
+            trailing steps that carry it (the graph census is switched on when growth starts)."""
+            vals: list[Any] = []
+            for _, _, e in reversed(window):
+                if e.get(key) is None:
+                    break
+                vals.insert(0, e[key])
+            if len(vals) < 2:
                 return None
             return statistics.median(b - a for a, b in itertools.pairwise(vals))
 

@@ -17,6 +17,27 @@ raised inside it:
 After ``max_escalations`` re-plans in a run (default 3), or when no smaller plan exists, it stops with
 ``MemoptOOMError``, whose ``report`` lists every failure and re-plan.
 
+A leak is not a plan problem
+----------------------------
+Before re-planning (item 4 above) the guard asks ``leak_check(measured)`` (``RuntimeGuard`` passes its leak detector's
+``diagnose_oom``, see ``memopt.guard.leaks``) whether memory grew steadily over the previous steps by more
+than the step lacked. If so, re-planning cannot help (a leak fills any plan; it would only shrink the
+micro-batch until ``max_escalations`` runs out), so the guard stops at once with ``MemoptLeakError`` (a
+``MemoptOOMError``): its message gives the growth per step, over how many steps, the cause and the fix, and
+``report.leak`` holds the diagnosis; a "leak" event is recorded. The user's state is intact: the failed
+step was freed and rolled back (steps 1-3 above), the plan and the prepared model are unchanged, and the
+step counter still counts the completed steps only, so after freeing what leaks the same batch can be
+retried. Under ``torch.distributed`` rank 0's diagnosis is broadcast, so every rank stops alike.
+
+Predictions of re-planned plans
+-------------------------------
+``PlanEscalator`` re-plans on the profile: the new plan carries the planner's fresh prediction for the new
+strategy. ``step_down`` (no profile) changes the strategy without re-estimating it: its plan keeps the
+failing plan's figures and marks them (``prediction["estimated_for"]``, the strategy they were made for).
+For such a plan ``prediction_is_current`` is False; "replan" events then say ``prediction_recomputed:
+false`` with ``predicted_total_bytes: null`` (the stale figure is kept as ``stale_predicted_total_bytes``),
+and telemetry and calibration do not compare measurements against it.
+
 Atomicity of the optimizer step
 -------------------------------
 Forward and backward change nothing but gradients, which are discarded. The optimizer step changes
@@ -59,7 +80,11 @@ through ``OOMGuard.run`` (the guard only needs a ``Steppable``: ``step(batch)``,
 and optionally ``on_phase``; this ``step`` leaves the optimizer step to the Trainer, so a retry never needs
 a rollback). ``Replanner.apply`` then changes the adapter's micro-batch (or re-prepares the model), and a
 ``TrainerCallback`` drives ``Telemetry.begin_step``/``end_step`` from ``on_step_begin``/``on_step_end``. An
-OOM inside the Trainer's own optimizer step stays outside the retry loop.
+OOM inside the Trainer's own optimizer step stays outside the retry loop. (Not implemented yet. A callback
+alone cannot do it: with the Trainer's own gradient accumulation, an OOM in micro-batch j > 0 leaves the
+gradients of micro-batches 0..j-1 mixed with part of j's, and the earlier micro-batches are no longer at
+hand, so the step can be neither rolled back nor retried; hence the accumulation has to move inside
+``training_step`` as above.)
 """
 
 from __future__ import annotations
@@ -78,6 +103,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memopt.guard.leaks import LeakReport
 from memopt.guard.memory import MemorySource, state_bytes
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
@@ -87,6 +113,7 @@ from memopt.units import format_bytes
 __all__ = [
     "EscalationFailed",
     "FunctionReplanner",
+    "MemoptLeakError",
     "MemoptOOMError",
     "OOMGuard",
     "OOMMeasurement",
@@ -99,6 +126,7 @@ __all__ = [
     "escalation_policy",
     "is_oom",
     "parse_oom_message",
+    "prediction_is_current",
     "reprepare",
     "step_down",
 ]
@@ -233,6 +261,14 @@ class OOMMeasurement:
             return None
         return needed / predicted
 
+    @property
+    def shortfall_bytes(self) -> int:
+        """What the failed step lacked, at least: the allocation that failed, or its need beyond the budget."""
+        over = 0
+        if self.needed_bytes is not None and self.budget_bytes is not None:
+            over = self.needed_bytes - self.budget_bytes
+        return max(self.requested_bytes or 0, over, 0)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["needed_bytes"] = self.needed_bytes
@@ -247,9 +283,11 @@ class RecoveryReport:
     failures: list[OOMMeasurement] = field(default_factory=list)
     replans: list[dict[str, Any]] = field(default_factory=list)
     final: str = ""
+    leak: dict[str, Any] | None = None  # the leak diagnosed at an OOM (LeakReport.to_dict()), if any
 
     def to_dict(self) -> dict[str, Any]:
-        return {"failures": [f.to_dict() for f in self.failures], "replans": self.replans, "final": self.final}
+        return {"failures": [f.to_dict() for f in self.failures], "replans": self.replans, "final": self.final,
+                "leak": self.leak}
 
     def summary(self, *, include_final: bool = True) -> str:
         lines = [self.final] if self.final and include_final else []
@@ -268,6 +306,28 @@ class MemoptOOMError(RuntimeError):
     def __init__(self, message: str, report: RecoveryReport) -> None:
         super().__init__(message + ("\n" + report.summary(include_final=False) if report.failures else ""))
         self.report = report
+
+
+class MemoptLeakError(MemoptOOMError):
+    """Out of memory because memory leaks, not because of the plan: no re-plan was tried. ``leak`` is the
+    diagnosis (``LeakReport.to_dict()``: growth per step, steps, cause, fix); ``report`` as for the base."""
+
+    def __init__(self, message: str, report: RecoveryReport) -> None:
+        super().__init__(message, report)
+        self.leak = report.leak
+
+
+def leak_message(leak: dict[str, Any], failure: OOMMeasurement) -> str:
+    """The sentence a ``MemoptLeakError`` starts with."""
+    rate, n = leak["growth_bytes_per_step"], leak["window"]
+    return (f"out of memory at step {failure.step}, most likely from a memory leak rather than from the plan: "
+            f"likely leak: {format_bytes(rate)}/step over {n} steps (allocated memory at "
+            f"{str(leak['point']).replace('_', ' ')}), cause {leak['cause']} ({leak['category']}): "
+            f"{leak['fix']}. memopt did not re-plan: a smaller plan cannot hold a leak, it would only postpone the "
+            f"next out-of-memory error. The failed step was undone (parameters, optimizer state and step count are "
+            f"those after {failure.step} completed step(s)); free what is kept and call step(batch) again with the "
+            "same batch. To re-plan anyway: RuntimeGuard(diagnose_leaks=False) (under memopt.wrap: "
+            "wrapped.guard.oom.leak_check = None)")
 
 
 class _PeerFailure(Exception):
@@ -354,7 +414,8 @@ class PlanEscalator:
 def step_down(plan: Plan, measured: OOMMeasurement | None = None, attempt: int = 1) -> Plan:
     """Escalation without a profile, exact techniques only, one notch per call: halve the micro-batch
     (a divisor of the global batch, accumulation makes up the rest), then checkpoint every block, then
-    offload activations. The returned plan keeps the old prediction (it is not re-estimated)."""
+    offload activations. Without a profile nothing is re-estimated: the returned plan keeps the old figures,
+    marked as made for another strategy (``prediction["estimated_for"]``; see ``prediction_is_current``)."""
     s = plan.strategy
     pins = plan.policy.get("pins", {})
     forbid = {k: tuple(v) for k, v in plan.policy.get("forbid", {}).items()}
@@ -372,8 +433,27 @@ def step_down(plan: Plan, measured: OOMMeasurement | None = None, attempt: int =
         new, how = s.replace(activation_offload=True), "activation offload"
     if new is None:
         raise EscalationFailed(f"nothing left to step down from [{s.label()}] with exact techniques")
-    notes = [*plan.notes, f"stepped down after an out-of-memory error (escalation {attempt}): {how}"]
-    return dataclasses.replace(plan, strategy=new, notes=notes)
+    notes = [*plan.notes, f"stepped down after an out-of-memory error (escalation {attempt}): {how}; the "
+             "prediction was not recomputed (no profile)"]
+    prediction = {**plan.prediction, "estimated_for": plan.prediction.get("estimated_for") or s.label()}
+    return dataclasses.replace(plan, strategy=new, notes=notes, prediction=prediction)
+
+
+def prediction_is_current(plan: Plan) -> bool:
+    """Whether ``plan.prediction`` was estimated for ``plan.strategy`` (False after ``step_down``)."""
+    made_for = plan.prediction.get("estimated_for")
+    return made_for is None or made_for == plan.strategy.label()
+
+
+def replan_prediction(plan: Plan) -> dict[str, Any]:
+    """The prediction fields of a "replan" event: the new total, or plainly that it was not recomputed."""
+    if prediction_is_current(plan):
+        return {"predicted_total_bytes": plan.total_bytes, "prediction_recomputed": True}
+    made_for = plan.prediction["estimated_for"]
+    return {"predicted_total_bytes": None, "prediction_recomputed": False,
+            "stale_predicted_total_bytes": plan.total_bytes,
+            "prediction_note": f"not recomputed: step_down changed the strategy without a profile to re-estimate "
+                               f"it; the plan's figures are the prediction for [{made_for}]"}
 
 
 # -- re-applying a strategy --------------------------------------------------------------------------
@@ -657,7 +737,9 @@ class OOMGuard:
     memory snapshots go; ``transaction``: "auto" | "always" | "never" (pre-step copies, see above);
     ``process_group``: the group whose ranks retry together (the default group when torch.distributed is
     initialised with more than one rank); ``on_event(kind, data)``: "oom" and "replan" as they happen;
-    ``on_retry(batch)``: called before each retry (telemetry restarts its per-attempt figures).
+    ``on_retry(batch)``: called before each retry (telemetry restarts its per-attempt figures);
+    ``leak_check(measured)``: a ``LeakReport`` when the OOM is a leak's (then ``MemoptLeakError``, no re-plan;
+    see "A leak is not a plan problem" above), else None.
     """
 
     def __init__(self, step: Steppable, plan: Plan, *, replanner: Replanner | None = None,
@@ -666,8 +748,10 @@ class OOMGuard:
                  process_group: Any = None, restore_rng: bool = True,
                  is_oom: Callable[[BaseException], bool] = is_oom,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 on_retry: Callable[[Any], None] | None = None, empty_cache: bool = True) -> None:
+                 on_retry: Callable[[Any], None] | None = None, empty_cache: bool = True,
+                 leak_check: Callable[[OOMMeasurement], LeakReport | None] | None = None) -> None:
         self.plan = plan
+        self.leak_check = leak_check
         if replanner is None:
             replanner = FunctionReplanner(escalate or step_down, apply or switch_micro_batch(step))
         self.replanner = replanner
@@ -792,14 +876,13 @@ class OOMGuard:
             if can_restore:
                 self.transaction.rollback(location)
             self._event("oom", failure.to_dict())
+            leak = self._diagnose_leak(failure)
             blocked = [r for r, row in enumerate(rows) if not row[2]]
             if blocked:
-                self.report.final = (
-                    f"the optimizer step may have been partly applied on rank(s) {blocked} when memory ran out "
-                    f"({failure.location}), and no pre-step copy was kept, so the step cannot be retried safely. "
-                    "Use transaction='always' (pre-step copies of parameters and optimizer states in pinned "
-                    "CPU memory) or a plan with more headroom in the optimizer step")
-                raise MemoptOOMError(self.report.final, self.report)
+                self._stop_blocked(blocked, failure, leak)
+            if leak is not None:
+                self.report.final = leak_message(leak, failure)
+                raise MemoptLeakError(self.report.final, self.report)
             if self.escalations >= self.max_escalations:
                 self.report.final = (f"still out of memory after {self.escalations} re-plan(s) "
                                      f"(max_escalations={self.max_escalations}); stopping")
@@ -810,7 +893,7 @@ class OOMGuard:
             self._swap(self.replanner.apply(new_plan.strategy))
             self.plan = new_plan
             replan = {"attempt": self.escalations, "step": self.steps, "from": old.strategy.label(),
-                      "to": new_plan.strategy.label(), "predicted_total_bytes": new_plan.total_bytes}
+                      "to": new_plan.strategy.label(), **replan_prediction(new_plan)}
             self.report.replans.append(replan)
             self._event("replan", {**replan, "plan": new_plan})
             if rng is not None:
@@ -831,6 +914,40 @@ class OOMGuard:
             # A1 already told everyone; only this rank's own row differs from what A1 carried
             return [row if i == self.rank else r for i, r in enumerate(a1)]
         return self._agree(row)  # A2: after the optimizer step
+
+    def _stop_blocked(self, blocked: list[int], failure: OOMMeasurement, leak: dict[str, Any] | None) -> None:
+        self.report.final = (
+            f"the optimizer step may have been partly applied on rank(s) {blocked} when memory ran out "
+            f"({failure.location}), and no pre-step copy was kept, so the step cannot be retried safely. "
+            "Use transaction='always' (pre-step copies of parameters and optimizer states in pinned "
+            "CPU memory) or a plan with more headroom in the optimizer step")
+        if leak is not None:
+            self.report.final += (f". Memory also leaks: likely leak: {format_bytes(leak['growth_bytes_per_step'])}"
+                                  f"/step over {leak['window']} steps, cause {leak['cause']}: {leak['fix']}")
+            raise MemoptLeakError(self.report.final, self.report)
+        raise MemoptOOMError(self.report.final, self.report)
+
+    def _diagnose_leak(self, failure: OOMMeasurement) -> dict[str, Any] | None:
+        """Rank 0's answer to ``leak_check`` (shared with every rank), recorded in the report and as an event."""
+        if self.leak_check is None:
+            return None
+        leak = None
+        if self.rank == 0:
+            try:
+                found = self.leak_check(failure)
+                leak = found.to_dict() if found is not None else None
+            except Exception:  # a diagnosis must never hide the OOM
+                log.exception("could not check the memory history for a leak")
+        if self.distributed:
+            payload = [leak]
+            device = self._device()
+            torch.distributed.broadcast_object_list(payload, src=0, group=self.pg,
+                                                    device=device if device.type == "cuda" else None)
+            leak = payload[0]
+        if leak is not None:
+            self.report.leak = leak
+            self._event("leak", {**leak, "at_oom": True, "oom_step": failure.step, "oom_attempt": failure.attempt})
+        return leak
 
     def _share_error(self) -> None:
         if not self.distributed:
@@ -953,6 +1070,10 @@ class OOMGuard:
 
 
 def _prediction(plan: Plan) -> dict[str, Any]:
+    """The failing plan's prediction for an OOM record; empty when it was not made for the running strategy
+    (after ``step_down``): a stale figure would make the measured/predicted ratio meaningless."""
+    if not prediction_is_current(plan):
+        return {"not_recomputed_for": plan.strategy.label(), "estimated_for": plan.prediction.get("estimated_for")}
     p = plan.prediction
     return {"peak_allocated_bytes": p.get("peak_allocated_bytes"), "peak_reserved_bytes": p.get("peak_reserved_bytes"),
             "runtime_bytes": p.get("runtime_bytes"), "total_bytes": p.get("total_bytes"),

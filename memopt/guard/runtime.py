@@ -26,9 +26,18 @@ from typing import Any
 import torch
 
 from memopt.guard.calibration import record_calibration, record_from_telemetry
-from memopt.guard.leaks import LeakDetector
+from memopt.guard.leaks import LeakDetector, LeakReport
 from memopt.guard.memory import MemorySource, default_memory_source
-from memopt.guard.recovery import ApplyFn, EscalateFn, MemoptOOMError, OOMGuard, Replanner, Steppable
+from memopt.guard.recovery import (
+    ApplyFn,
+    EscalateFn,
+    MemoptOOMError,
+    OOMGuard,
+    OOMMeasurement,
+    Replanner,
+    Steppable,
+    prediction_is_current,
+)
 from memopt.guard.telemetry import Telemetry
 from memopt.plan.schema import Plan
 from memopt.units import MiB
@@ -41,8 +50,11 @@ class RuntimeGuard:
 
     ``memory``: a ``MemorySource`` (CUDA counters by default when a GPU is present; none on a CPU, where
     telemetry records time and loss only). ``leaks``: a ``LeakDetector``, or True for one with
-    ``leak_threshold_bytes``/``leak_window``. The recovery arguments are ``OOMGuard``'s. ``calibrate``:
-    store measured peaks for the planner when the run closes (GPU runs only).
+    ``leak_threshold_bytes``/``leak_window``. The recovery arguments are ``OOMGuard``'s. ``diagnose_leaks``
+    (with a leak detector): at an OOM, first ask the detector whether memory has been leaking
+    (``LeakDetector.diagnose_oom``); if so, stop with ``MemoptLeakError`` and a "leak" event instead of
+    re-planning (``memopt.guard.recovery``, "A leak is not a plan problem"). ``calibrate``: store measured
+    peaks for the planner when the run closes (GPU runs only).
     """
 
     def __init__(self, step: Steppable, plan: Plan, *, run_dir: str | os.PathLike[str] | None = None,
@@ -50,7 +62,8 @@ class RuntimeGuard:
                  escalate: EscalateFn | None = None, apply: ApplyFn | None = None, max_escalations: int = 3,
                  transaction: str = "auto", leaks: LeakDetector | bool = True, leak_threshold_bytes: int = 32 * MiB,
                  leak_window: int = 5, census: bool = True, record_modules: bool = False, calibrate: bool = True,
-                 calibration_dir: str | os.PathLike[str] | None = None, process_group: Any = None) -> None:
+                 calibration_dir: str | os.PathLike[str] | None = None, process_group: Any = None,
+                 diagnose_leaks: bool = True) -> None:
         self.memory = memory if memory is not None else default_memory_source()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank = torch.distributed.get_rank(process_group) if (
@@ -66,7 +79,8 @@ class RuntimeGuard:
             self.oom = OOMGuard(step, plan, replanner=replanner, escalate=escalate, apply=apply,
                                 max_escalations=max_escalations, transaction=transaction, memory=self.memory,
                                 run_dir=self.run_dir, process_group=process_group, on_event=self._on_event,
-                                on_retry=self.telemetry.retry)
+                                on_retry=self.telemetry.retry,
+                                leak_check=self._leak_check if diagnose_leaks and self.telemetry.leaks else None)
             self.oom.phase_listeners.append(self.telemetry.on_phase)
             self.telemetry.bind(step)
         else:
@@ -106,10 +120,21 @@ class RuntimeGuard:
     def progress(self) -> str:
         return self.telemetry.progress()
 
+    def _leak_check(self, failure: OOMMeasurement) -> LeakReport | None:
+        detector = self.telemetry.leaks
+        if detector is None:
+            return None
+        report = detector.diagnose_oom(failure.shortfall_bytes)
+        if report is not None and detector.report is None:
+            detector.report = report  # reported (as the OOM's cause): the window rule stays quiet
+        return report
+
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "oom":
             self.telemetry.event("oom", **data)
             self._calibrate_oom(data)
+        elif kind == "leak":
+            self.telemetry.event("leak", **data)
         elif kind == "replan":
             plan = data["plan"]
             self.telemetry.bind(self.oom.step)
@@ -122,7 +147,7 @@ class RuntimeGuard:
         key = (plan.model or {}).get("profile_key") if plan is not None else None
         needed = data.get("needed_bytes")
         if not (self.calibrate and key and needed and self.memory is not None and self.memory.kind == "cuda"
-                and self.rank == 0 and data.get("phase") != "peer"):
+                and self.rank == 0 and data.get("phase") != "peer" and prediction_is_current(plan)):
             return
         outside = max((data.get("device_used_bytes") or 0) - (data.get("reserved_bytes") or 0), 0)
         record_calibration(key, plan.hardware, data["strategy"], predicted=plan.prediction,

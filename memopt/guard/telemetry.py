@@ -18,7 +18,8 @@ outside_allocator_bytes             device used - reserved: CUDA context, handle
 measured_total_bytes                peak reserved + outside the allocator: comparable to the plan's total
 predicted_peak_allocated_bytes,     the plan's prediction (null without a plan)
 predicted_peak_reserved_bytes,
-predicted_total_bytes, budget_bytes
+predicted_total_bytes, budget_bytes   null too after a re-plan that did not re-estimate (``step_down``
+                                    without a profile); ``prediction_recomputed`` is then false
 points_bytes                        allocated at named points: step_start, optimizer (before the optimizer
                                     step), step_end; the batch's own bytes are not counted
 categories_bytes                    parameters and optimizer states (end of step), gradients (before the
@@ -34,6 +35,7 @@ and each re-plan to ``RUN_DIR/plans/plan_<n>.json``. ``progress()`` is a short s
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -55,6 +57,7 @@ from memopt.guard.memory import (
     default_memory_source,
     state_bytes,
 )
+from memopt.guard.recovery import prediction_is_current, replan_prediction
 from memopt.plan.schema import Plan
 from memopt.units import GiB, MiB
 
@@ -129,7 +132,7 @@ class Telemetry:
 
     def __init__(self, memory: MemorySource | None = None, *, plan: Plan | None = None,
                  run_dir: str | os.PathLike[str] | None = None, leaks: LeakDetector | bool = True,
-                 leak_threshold_bytes: int = 32 * MiB, leak_window: int = 5, census: bool = True,
+                 leak_threshold_bytes: int = 32 * MiB, leak_window: int = 5, census: bool | str = "auto",
                  record_categories: bool = True, record_outputs: bool = True, record_modules: bool = False,
                  model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, rank: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -144,7 +147,11 @@ class Telemetry:
         self.model = model
         self.optimizer = optimizer
         device_type = self.memory.device_type if self.memory is not None else "cpu"
+        # the graph census costs a Python call per saved tensor (~15-45 us: ~12% of a small model's step on an
+        # H200), so by default ("auto") it runs only while memory is growing from step to step
         self.census = GraphCensus(device_type) if census and self.memory is not None else None
+        self._census_auto = census == "auto"
+        self._threshold = int(leak_threshold_bytes) if not isinstance(leaks, LeakDetector) else leaks.threshold_bytes
         if leaks is True and self.memory is not None:
             leaks = LeakDetector(threshold_bytes=leak_threshold_bytes, window=leak_window)
         self.leaks: LeakDetector | None = leaks if isinstance(leaks, LeakDetector) else None
@@ -229,7 +236,7 @@ class Telemetry:
         if self._started:
             return
         self._started = True
-        if self.census is not None:
+        if self.census is not None and not self._census_auto:
             self.census.install()
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +252,7 @@ class Telemetry:
             path = plan.save(self.run_dir / "plans" / f"plan_{self._plan_count}.json")
         self.event("replan", strategy=plan.strategy.label(), reason=reason,
                    plan_file=str(path.relative_to(self.run_dir)) if path is not None else None,
-                   predicted_total_bytes=plan.total_bytes)
+                   **replan_prediction(plan))
         return path
 
     # -- the step ----------------------------------------------------------------------------------
@@ -332,6 +339,7 @@ class Telemetry:
             if "optimizer" in self._points:
                 self.leaks.observe(self.step_index, "optimizer", self._points["optimizer"], evidence)
             self.leaks.observe(self.step_index, "step_end", self._points["step_end"], evidence)
+        self._toggle_census()
         self.step_index += 1
         self._t0 = None
         return rec
@@ -353,6 +361,10 @@ class Telemetry:
         if p is None:
             return {"predicted_peak_allocated_bytes": None, "predicted_peak_reserved_bytes": None,
                     "predicted_total_bytes": None, "budget_bytes": None}
+        if not prediction_is_current(p):  # made for another strategy: nothing to compare with
+            return {"predicted_peak_allocated_bytes": None, "predicted_peak_reserved_bytes": None,
+                    "predicted_total_bytes": None, "predicted_step_time_s": None, "budget_bytes": p.budget_bytes,
+                    "prediction_recomputed": False}
         return {"predicted_peak_allocated_bytes": p.peak_allocated_bytes,
                 "predicted_peak_reserved_bytes": p.peak_reserved_bytes, "predicted_total_bytes": p.total_bytes,
                 "predicted_step_time_s": p.step_time_s, "budget_bytes": p.budget_bytes}
@@ -377,13 +389,27 @@ class Telemetry:
             ev["output_bytes"] = self._output_bytes
         return ev
 
+    def _toggle_census(self) -> None:
+        """``census="auto"``: on after a step (not the first: optimizer states and gradients appear then)
+        whose end grew by the leak threshold, off again after two steps without such growth."""
+        if not self._census_auto or self.census is None or self.leaks is None:
+            return
+        ends = [v for _, v, _ in self.leaks.series.get("step_end", [])]
+        deltas = [b - a for a, b in itertools.pairwise(ends)][1:]
+        if not deltas:
+            return
+        if deltas[-1] >= self._threshold and not self.census.active:
+            self.census.install()
+        elif self.census.active and len(deltas) >= 2 and max(deltas[-2:]) < self._threshold:
+            self.census.remove()
+
     def _live_tensors(self) -> list[dict[str, Any]]:
         exclude = [x for x in (self.model, self.optimizer) if x is not None]
         return live_tensor_census(self.memory.device_type, exclude=exclude)
 
     def _update_measured(self, rec: dict[str, Any]) -> None:
-        if self.plan is None or rec.get("peak_allocated_bytes") is None:
-            return
+        if self.plan is None or rec.get("peak_allocated_bytes") is None or rec.get("prediction_recomputed") is False:
+            return  # calibration compares with a prediction made for this strategy only
         label = self.plan.strategy.label()
         m = self.measured.setdefault(label, {"steps": 0, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
                                              "measured_total_bytes": 0, "prediction": self.plan.prediction,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
@@ -14,7 +16,7 @@ from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.attention import flash_attn_available
-from memopt.techniques.optimizers import bnb_available
+from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
 from memopt.units import format_bytes, parse_budget
 
@@ -46,17 +48,17 @@ def resolve_policy(policy: Policy | dict[str, Any] | None, **overrides: Any) -> 
     return Policy.build(**data)
 
 
-def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy, user_optimizer: bool) -> SearchContext:
-    vocab = None
-    config = getattr(profile._model, "config", None)
-    if config is not None:
-        vocab = getattr(config, "vocab_size", None)
+def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,
+             user_optimizer: bool) -> SearchContext:
+    vocab = profile.vocab_size
+    if vocab is None:  # a profile saved before the vocabulary was recorded: ask its model, if one is at hand
+        vocab = getattr(getattr(profile._model, "config", None), "vocab_size", None)
     # PyTorch's own choice ("auto") is searched; a named backend only when pinned: on the GPUs modelled the
     # other kernels allocate at least as much and run no faster than the one SDPA picks
     backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
     return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
                          supports_bf16=hw.supports_bf16, causal_lm=profile.family == "causal_lm", vocab_size=vocab,
-                         bnb_available=bnb_available(), flash_attn_available=flash_attn_available(),
+                         bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch)
 
@@ -112,7 +114,7 @@ def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tup
               "micro_batch_size", "expandable_segments"]
     for f in fields:
         mine = getattr(chosen, f)
-        others = [e for e in evaluated if getattr(e.strategy, f) != mine and e.estimate is not None]
+        others = [e for e in evaluated if getattr(e.strategy, f) != mine and (e.estimate is not None or e.floor_only)]
         if not others:
             continue
         reasons = []
@@ -151,23 +153,70 @@ def _key(value: Any) -> str:
     return value.label() if isinstance(value, Checkpointing) else str(value)
 
 
-def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int) -> Evaluated | None:
-    """The smallest total the policy can reach (the most memory-saving value of every technique)."""
+class _Estimates:
+    """Estimates of one profile and hardware by strategy, quick (allocated bytes) and exact (allocator simulated):
+    the infeasibility report asks for the same candidates under several policies, and the search has estimated
+    some of them already. An estimate does not depend on the budget; ``fits`` is decided per call."""
+
+    def __init__(self, prof: Profile, hw: HardwareSpec, seed: Sequence[Evaluated] = ()) -> None:
+        self.prof, self.hw = prof, hw
+        self.quick: dict[Strategy, Estimate | None] = {}
+        self.exact: dict[Strategy, Evaluated] = {}
+        for ev in seed:  # the allocated peak and runtime of an exact estimate are those of the quick one
+            if ev.estimate is not None:
+                self.quick[ev.strategy] = ev.estimate
+                if ev.estimate.reserved_exact:
+                    self.exact[ev.strategy] = ev
+
+    def allocated_total(self, s: Strategy) -> int | None:
+        """Allocated peak plus runtime bytes (a lower bound of the exact total), None if it cannot be estimated."""
+        if s not in self.quick:
+            try:
+                self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
+            except ValueError:
+                self.quick[s] = None
+        q = self.quick[s]
+        return None if q is None else q.peak_allocated_bytes + q.runtime_bytes
+
+    def evaluate(self, s: Strategy, budget: int, margin: int) -> Evaluated:
+        ev = self.exact.get(s)
+        if ev is None:
+            ev = self.exact[s] = evaluate(self.prof, s, self.hw, budget, margin)
+        if ev.estimate is None:
+            return ev
+        fits = ev.total_bytes + margin <= budget
+        return Evaluated(s, ev.estimate, fits, ev.total_bytes, "" if fits else "reserved bytes exceed the budget")
+
+
+def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int,
+                   estimates: _Estimates | None = None) -> Evaluated | None:
+    """The smallest total the policy can reach (the most memory-saving value of every technique).
+
+    Of the candidates considered, the one with the smallest exact total wins (the first in candidate order on a
+    tie). Their allocated totals are lower bounds of the exact ones, so candidates are simulated in the order of
+    those bounds and the rest are skipped once a bound cannot beat the best found."""
     cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol)
     if not cands:
         return None
-    best: Evaluated | None = None
+    est = estimates if estimates is not None else _Estimates(prof, hw)
+    margin = pol.margin(budget)
+
     # memory-saving extremes only: full checkpointing (if any), smallest micro-batch, offload and chunking on
     def rank(s: Strategy) -> tuple:
         return (s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None, not s.activation_offload,
                 -s.chunked_ce, s.optimizer not in ("adamw8bit", "paged_adamw8bit"), not s.expandable_segments)
 
     cands.sort(key=rank)
-    head = [c for c in cands if rank(c) == rank(cands[0])]
-    for s in head[:8]:
-        ev = evaluate(prof, s, hw, budget, pol.margin(budget))
-        if ev.estimate is not None and (best is None or ev.total_bytes < best.total_bytes):
-            best = ev
+    head = [c for c in cands if rank(c) == rank(cands[0])][:8]
+    bounds = sorted((b, i) for i, s in enumerate(head) if (b := est.allocated_total(s)) is not None)
+    best: Evaluated | None = None
+    best_i = -1
+    for lower, i in bounds:
+        if best is not None and (lower, i) > (best.total_bytes, best_i):
+            break  # this and every later bound can only tie later in order or lose
+        ev = est.evaluate(head[i], budget, margin)
+        if ev.estimate is not None and (best is None or (ev.total_bytes, i) < (best.total_bytes, best_i)):
+            best, best_i = ev, i
     return best
 
 
@@ -182,7 +231,7 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
     global_batch = int(prof.sample["batch_size"])
     if result.best is not None:
         best = result.best
-        rejected, savings = _rejections(best, result.evaluated, budget)
+        rejected, savings = _rejections(best, result.evaluated + result.floored, budget)
         feasible = [e for e in result.feasible if e is not best]
         return Plan(fits=True, strategy=best.strategy, budget_bytes=budget, margin_bytes=margin,
                     prediction=best.estimate.to_dict(), model=model, hardware=hw.name, policy=pol.to_dict(),
@@ -190,13 +239,14 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
                     savings=savings, search=search_info, notes=notes)
     # nothing fits: report the smallest reachable footprint and what to allow to go lower
     ctx = _context(prof, hw, global_batch, pol, False)
-    smallest = _min_footprint(prof, hw, pol, ctx, budget)
+    estimates = _Estimates(prof, hw, result.evaluated)
+    smallest = _min_footprint(prof, hw, pol, ctx, budget, estimates)
     relax = []
     for allowance in ALLOWANCES:
         if allowance in pol.allow:
             continue
         relaxed = pol.relaxed(allowance)
-        ev = _min_footprint(prof, hw, relaxed, ctx, budget)
+        ev = _min_footprint(prof, hw, relaxed, ctx, budget, estimates)
         if ev is not None and smallest is not None and ev.total_bytes < smallest.total_bytes:
             relax.append({"allow": allowance, "reaches_bytes": ev.total_bytes, "fits": ev.fits})
     reach = smallest.total_bytes if smallest is not None else None

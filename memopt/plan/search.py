@@ -9,7 +9,8 @@ Candidates are evaluated in that order, so nothing is traced that cannot win:
   optimistic time (provably: its real time can only be higher);
 * a candidate is *pruned as too big* when one that needs no more memory in every respect (same
   precision and optimizer, no larger micro-batch, at least as much checkpointing, offload and chunking)
-  already exceeded the budget in allocated bytes;
+  already exceeded the budget in allocated bytes, or when its weights alone (plus what the CUDA runtime
+  holds) exceed it: a floor of its allocated peak that needs no trace (``weights_floor``);
 * otherwise it is estimated exactly; the caching allocator is simulated only when its allocated bytes
   fit and it would enter the top ``runners_up + 1`` by time.
 """
@@ -30,7 +31,7 @@ from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
-__all__ = ["Evaluated", "SearchResult", "candidates", "evaluate", "search"]
+__all__ = ["WEIGHTS_FLOOR_REASON", "Evaluated", "SearchResult", "candidates", "evaluate", "search", "weights_floor"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -42,6 +43,7 @@ class Evaluated:
     fits: bool | None  # None: allocated bytes fit but the allocator was not simulated (not a contender)
     total_bytes: int
     reason: str = ""
+    floor_only: bool = False  # total_bytes is only a lower bound (pruned by weights_floor, never estimated)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class SearchResult:
     pruned_too_big: int
     seconds: float
     feasible: list[Evaluated] = field(default_factory=list)
+    floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by weights_floor (not estimated)
 
 
 def candidates(ctx: SearchContext, policy: Policy) -> list[Strategy]:
@@ -162,6 +165,32 @@ def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str
     return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
 
 
+# -- memory floor ------------------------------------------------------------------------------------
+WEIGHTS_FLOOR_REASON = "weights alone exceed the budget"
+
+
+def weights_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> int:
+    """A lower bound of ``s``'s allocated peak plus runtime bytes that needs no trace: its parameters and buffers
+    in the strategy's weight dtype plus the CUDA runtime (and offload's host-side overhead).
+
+    Sound: ``estimate_strategy`` starts the allocated peak at its static bytes, which hold exactly these
+    parameter and buffer bytes (plus inputs and master weights, >= 0), and its runtime bytes add optimizer host
+    state (>= 0) to the same terms."""
+    from memopt.estimate.estimator import _OFFLOAD_RUNTIME_BYTES
+    from memopt.techniques.precision import weight_dtype
+
+    key = (s.precision, s.activation_offload)
+    if cache is not None and key in cache:
+        return cache[key]
+    wd = weight_dtype(s.precision)
+    floor = profile.param_bytes(wd) + profile.buffer_bytes(wd) + hw.runtime_overhead_bytes
+    if s.activation_offload:
+        floor += _OFFLOAD_RUNTIME_BYTES
+    if cache is not None:
+        cache[key] = floor
+    return floor
+
+
 # -- memory dominance ----------------------------------------------------------------------------
 def _ac_level(c: Checkpointing, total: int) -> int:
     if c.mode == "none":
@@ -179,7 +208,8 @@ def _no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
     ma, mb = a.checkpointing.mode, b.checkpointing.mode
     if ma != mb and "none" not in (ma, mb):
         return False  # full and selective checkpointing are not ordered
-    chunk_ok = a.chunked_ce == b.chunked_ce or (a.chunked_ce > 0 and b.chunked_ce == 0) or a.chunked_ce > b.chunked_ce > 0
+    chunk_ok = (a.chunked_ce == b.chunked_ce or (a.chunked_ce > 0 and b.chunked_ce == 0)
+                or a.chunked_ce > b.chunked_ce > 0)
     return (a.micro_batch_size <= b.micro_batch_size and chunk_ok and a.activation_offload >= b.activation_offload
             and _ac_level(a.checkpointing, total) >= _ac_level(b.checkpointing, total))
 
@@ -209,6 +239,8 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
     evaluated: list[Evaluated] = []
     top: list[Evaluated] = []  # fitting, by time
     too_big: list[Strategy] = []
+    floored: list[Evaluated] = []
+    floors: dict = {}
     pruned_slower = pruned_big = 0
     for n, (bound, i) in enumerate(bounds):
         if len(top) > runners_up and bound > rank(top[runners_up]):
@@ -217,6 +249,12 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
         s = cands[i]
         if any(_no_bigger(t, s, total_blocks) for t in too_big):
             pruned_big += 1
+            continue
+        floor = weights_floor(profile, s, hw, floors)
+        if floor + margin > budget_bytes:  # its allocated bytes would exceed the budget: nothing to trace
+            pruned_big += 1
+            too_big.append(s)
+            floored.append(Evaluated(s, None, False, floor, WEIGHTS_FLOOR_REASON, floor_only=True))
             continue
         ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
         evaluated.append(ev)
@@ -227,7 +265,7 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
             top.sort(key=rank)
     return SearchResult(best=top[0] if top else None, evaluated=evaluated, num_candidates=len(cands),
                         pruned_slower=pruned_slower, pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
-                        feasible=top)
+                        feasible=top, floored=floored)
 
 
 def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,

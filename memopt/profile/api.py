@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.cuda_semantics import kernel_policy_for
-from memopt.profile.profile import Profile, cache_dir, static_facts, structure_key
+from memopt.profile.profile import Profile, cache_dir, spec_key, static_facts, structure_key
 from memopt.profile.trace import BatchFactory, VariantKey
 
 __all__ = ["default_variant", "profile_model", "resolve_model"]
@@ -69,7 +71,8 @@ _SAMPLE_FIELD = "defaults" if "defaults" in {f for f in __import__("memopt.model
 
 
 def _is_shapes(sample: Any) -> bool:
-    return sample is None or (isinstance(sample, dict) and all(not isinstance(v, torch.Tensor) for v in sample.values()))
+    return sample is None or (isinstance(sample, dict)
+                              and all(not isinstance(v, torch.Tensor) for v in sample.values()))
 
 
 def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
@@ -93,7 +96,8 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
     if not isinstance(sample, dict) or not sample:
         raise ValueError(
             "a custom nn.Module needs sample=<a batch>: a dict of tensors shaped like one global batch "
-            "(its first dimension is the batch), e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
+            "(its first dimension is the batch), e.g. "
+            "{'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
         )
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     batch_size = None
@@ -128,32 +132,98 @@ def default_variant(hardware: HardwareSpec) -> VariantKey:
     return VariantKey(precision="amp" if hardware.supports_bf16 else "fp32", checkpointing="none")
 
 
+def _shipped_spec(model: Any) -> Any:
+    """The model spec when ``model`` names one (a shipped name, a YAML path, a spec dict or ``ModelSpec``), else
+    None (a module or a Hydra ``_target_`` node: those are keyed on the built module's structure)."""
+    from memopt.models import ModelSpec, load_model_spec
+
+    if isinstance(model, (ModelSpec, str)) or (isinstance(model, dict) and "_target_" not in model):
+        return load_model_spec(model)
+    return None
+
+
+def _lazy_builder(spec: Any) -> Callable[[], nn.Module]:
+    """Builds the spec's model on meta the first time it is called (tracing needs it; a cached profile does not)."""
+    from memopt.models import build_model
+
+    built: list[nn.Module] = []
+
+    def build() -> nn.Module:
+        if not built:
+            built.append(build_model(spec, device="meta"))
+        return built[0]
+
+    return build
+
+
+def _spec_batch_factory(spec: Any, sample: Any, config: Callable[[], Any]
+                        ) -> tuple[BatchFactory, dict[str, Any], int | None]:
+    """As :func:`_batch_factory_for` for a model spec, without building the model (``config`` is called when
+    a batch is made)."""
+    from memopt.models import SampleSpec, make_batch
+
+    parsed = SampleSpec.parse(sample, spec)
+
+    def factory(b: int, device: str) -> dict[str, Any]:
+        return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device, config=config())
+
+    return factory, parsed.to_dict(), parsed.seq_len if spec.is_token_model else None
+
+
+def _load_cached(path: Path) -> Profile | None:
+    try:
+        return Profile.load(path)
+    except (ValueError, KeyError, OSError):
+        return None  # a stale or damaged cache entry is traced again
+
+
+def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict: dict[str, Any],
+                 tokens: int | None, hw: HardwareSpec, policy_key: str) -> Profile:
+    facts = static_facts(module)
+    prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
+                   family=spec.family if spec is not None else None, sample=sample_dict,
+                   tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy_key,
+                   torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module), **facts)
+    for stack in prof.stacks:
+        if not stack["uniform_tail"]:
+            prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
+    return prof
+
+
+def _vocab_size(module: nn.Module) -> int | None:
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec = "h100_80gb",
                   loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
                   variants: list[VariantKey] | None = None) -> Profile:
-    """Profile ``model`` for ``sample`` on ``hardware`` (see :class:`Profile`); the first variant is traced now."""
+    """Profile ``model`` for ``sample`` on ``hardware`` (see :class:`Profile`); the first variant is traced now.
+
+    A model spec (shipped name, YAML, dict) is keyed on the spec itself: a cached profile is found without
+    building the model, which is built (on meta) only when a trace is missing.
+    """
     hw = load_hardware(hardware)
     policy = kernel_policy_for(hw)
-    module, spec, name = resolve_model(model)
-    factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
-    key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key})
+    spec = _shipped_spec(model)
+    source: nn.Module | Callable[[], nn.Module]
+    if spec is not None:
+        build = _lazy_builder(spec)
+        name = spec.name
+        factory, sample_dict, tokens = _spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
+        key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key})
+        source = build
+    else:
+        module, spec, name = resolve_model(model)
+        factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
+        key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key})
+        source = module
     path = cache_dir() / "profiles" / f"{key}.json"
-    prof: Profile | None = None
-    if use_cache and path.exists():
-        try:
-            prof = Profile.load(path)
-        except (ValueError, KeyError, OSError):
-            prof = None  # a stale or damaged cache entry is traced again
+    prof = _load_cached(path) if use_cache and path.exists() else None
     if prof is None:
-        facts = static_facts(module)
-        prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
-                       family=spec.family if spec is not None else None, sample=sample_dict,
-                       tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy.cache_key,
-                       torch_version=torch.__version__, moe=_moe_facts(module), **facts)
-        for stack in prof.stacks:
-            if not stack["uniform_tail"]:
-                prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
-    prof.attach(module, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
+        module = source if isinstance(source, nn.Module) else source()
+        prof = _new_profile(module, spec, name, key, sample_dict, tokens, hw, policy.cache_key)
+    prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()
     batch = int(sample_dict.get("batch_size", 1))

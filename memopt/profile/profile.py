@@ -10,6 +10,7 @@ demand when the model is at hand.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,7 +42,8 @@ __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
 
 SCHEMA_VERSION = 1
 # bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
-TRACE_REVISION = 2
+# 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
+TRACE_REVISION = 3
 
 
 def cache_dir() -> Path:
@@ -75,8 +77,10 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     trace_s: float = 0.0
+    vocab_size: int | None = None  # the model config's, when it has one (the planner's chunked-loss options)
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
+    _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
     _batch_factory: BatchFactory | None = field(default=None, repr=False, compare=False)
     _policy: KernelPolicy | None = field(default=None, repr=False, compare=False)
     _loss_fn: Any = field(default=None, repr=False, compare=False)
@@ -109,7 +113,15 @@ class Profile:
 
     # -- traces ----------------------------------------------------------------------------------
     def can_trace(self) -> bool:
-        return self._model is not None and self._batch_factory is not None and self._policy is not None
+        has_model = self._model is not None or self._model_builder is not None
+        return has_model and self._batch_factory is not None and self._policy is not None
+
+    def model(self) -> nn.Module | None:
+        """The attached model, built now if it was attached as a builder (None when none is attached)."""
+        if self._model is None and self._model_builder is not None:
+            self._model = self._model_builder()
+            self._model_builder = None
+        return self._model
 
     def variant(self, key: VariantKey, micro_batch: int = 1) -> VariantTrace:
         """The trace of ``key`` that covers ``micro_batch`` (traced now if missing and the model is at hand)."""
@@ -136,7 +148,7 @@ class Profile:
             raise ValueError(self._failed[key])
         start = time.perf_counter()
         try:
-            traces = trace_variant(self._model, self._batch_factory, key, self._policy, loss_fn=self._loss_fn)
+            traces = trace_variant(self.model(), self._batch_factory, key, self._policy, loss_fn=self._loss_fn)
         except UnsupportedAttention as exc:
             self._failed[key] = f"{key.label()}: {exc}"
             raise ValueError(self._failed[key]) from exc
@@ -152,17 +164,34 @@ class Profile:
     def optimizer(self, precision: str, optimizer: str) -> OptimizerTrace:
         key = (precision, optimizer)
         if key not in self.optimizers:
-            if self._model is None or self._policy is None:
+            twin = self._optimizer_twin(precision, optimizer)
+            if twin is not None:
+                self.optimizers[key] = dataclasses.replace(twin, precision=precision)
+                self._save()
+                return self.optimizers[key]
+            model = self.model()
+            if model is None or self._policy is None:
                 raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
                                  "profile the model again to trace it")
             if optimizer == "user" and self._optimizer_spec is None:
                 raise ValueError("optimizer 'user' needs the optimizer callable passed to memopt.profile/plan")
             start = time.perf_counter()
-            self.optimizers[key] = trace_optimizer(self._model, precision, optimizer, self._policy,
+            self.optimizers[key] = trace_optimizer(model, precision, optimizer, self._policy,
                                                    optimizer_spec=self._optimizer_spec)
             self.trace_s += time.perf_counter() - start
             self._save()
         return self.optimizers[key]
+
+    def _optimizer_twin(self, precision: str, optimizer: str) -> OptimizerTrace | None:
+        """A recorded trace of ``optimizer`` under a precision whose optimizer step is the same code on the same
+        tensors (see :func:`optimizer_step_class`), or None. A user optimizer is always traced."""
+        if optimizer == "user":
+            return None
+        cls = optimizer_step_class(precision)
+        for (other, opt), trace in self.optimizers.items():
+            if opt == optimizer and other != precision and optimizer_step_class(other) == cls:
+                return trace
+        return None
 
     # -- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -176,6 +205,7 @@ class Profile:
             "variants": [v.to_dict() for v in self.variants.values()],
             "optimizers": [o.to_dict() for o in self.optimizers.values()],
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
+            "vocab_size": self.vocab_size,
         }
 
     @classmethod
@@ -196,7 +226,7 @@ class Profile:
                    stacks=d["stacks"], sample=d["sample"], tokens_per_sample=d.get("tokens_per_sample"),
                    hardware=d["hardware"], kernel_policy=d["kernel_policy"], torch_version=d["torch_version"],
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
-                   notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0))
+                   notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -215,9 +245,15 @@ class Profile:
             except OSError:
                 pass  # a read-only cache is no reason to fail a plan
 
-    def attach(self, model: nn.Module, batch_factory: BatchFactory, policy: KernelPolicy, loss_fn: Any = None,
-               optimizer_spec: Any = None, cache_path: Path | None = None) -> Profile:
-        self._model, self._batch_factory, self._policy = model, batch_factory, policy
+    def attach(self, model: nn.Module | Callable[[], nn.Module], batch_factory: BatchFactory, policy: KernelPolicy,
+               loss_fn: Any = None, optimizer_spec: Any = None, cache_path: Path | None = None) -> Profile:
+        """What tracing a missing variant needs. ``model`` is the module, or a function that builds it (called
+        the first time a trace is needed)."""
+        if isinstance(model, nn.Module):
+            self._model, self._model_builder = model, None
+        else:
+            self._model, self._model_builder = None, model
+        self._batch_factory, self._policy = batch_factory, policy
         self._loss_fn, self._optimizer_spec, self._cache_path = loss_fn, optimizer_spec, cache_path
         return self
 
@@ -231,6 +267,35 @@ class Profile:
 
 def _is_float(dtype: str) -> bool:
     return dtype in ("float32", "float16", "bfloat16", "float64")
+
+
+def optimizer_step_class(precision: str) -> tuple[str, bool, bool]:
+    """What of the precision the optimizer step sees: the weights' dtype, a gradient scaler, fp32 master weights.
+    Precisions of one class run the same optimizer step on the same tensors (``trace_optimizer`` reads nothing
+    else of the precision), so one trace serves them all (fp32 and bf16 autocast: fp32 weights, no scaler)."""
+    from memopt.techniques.precision import uses_grad_scaler, weight_dtype
+
+    return str(weight_dtype(precision)), uses_grad_scaler(precision), precision == "bf16_master"
+
+
+def spec_key(spec: Any, extra: dict[str, Any]) -> str:
+    """A hash of what decides the traces of a model built from a spec: the spec (architecture and config), the
+    sample, the kernel policy, the torch and transformers versions and memopt's profile schema. Unlike
+    :func:`structure_key` it needs no model, so a cached profile is found without building one."""
+    payload = {"spec": {"name": spec.name, "family": spec.family, "architecture": spec.architecture,
+                        "hf_config": spec.hf_config},
+               "extra": extra, "torch": torch.__version__, "transformers": _package_version("transformers"),
+               "schema": SCHEMA_VERSION, "revision": TRACE_REVISION}
+    return "s" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:23]
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "none"
 
 
 def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:

@@ -43,6 +43,14 @@ def bnb_available() -> bool:
     return True
 
 
+def bnb_installed() -> bool:
+    """Whether bitsandbytes is installed, without importing it (its import compiles kernels: seconds). The
+    planner only needs to know which optimizers exist; it traces 8-bit states with a stand-in."""
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
     """An optimizer by memopt name. Keyword arguments (lr, weight_decay, betas, momentum) pass through."""
     params = [p for p in params if p.requires_grad]

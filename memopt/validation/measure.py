@@ -117,35 +117,84 @@ def measure_wrap(row: Row, plan_path: str) -> dict[str, Any]:
         model = build_model(spec, device="cuda")
         batch = make_batch(spec, SampleSpec.parse(row.sample(), spec), device="cpu")
         wrapped = wrap(model, plan=plan_path, lr=1e-5)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        total = torch.cuda.get_device_properties(0).total_memory
-        times, used = [], []
-        for _ in range(row.steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            wrapped.step(batch)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            free, _ = torch.cuda.mem_get_info()
-            used.append(total - free)
-        steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-        reserved = torch.cuda.max_memory_reserved()
-        own = process_device_bytes()  # this process alone (rows may share the GPU)
-        outside = (own if own is not None else used[-1]) - torch.cuda.memory_reserved()
-        items = row.batch_size * (row.seq_len or 1)
-        result.update({
-            "ok": True, "fits_under_cap": True, "cap_fraction": getattr(wrapped, "cap_fraction", None),
-            "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "measured_peak_reserved_bytes": reserved, "measured_outside_allocator_bytes": outside,
-            "measured_total_bytes": reserved + outside, "measured_device_used_bytes": max(used),
-            "measured_step_s": steady, "step_times_s": times,
-            ("tokens_per_s" if row.seq_len else "samples_per_s"): items / steady,
-        })
+        _train_wrapped(wrapped, row, batch, result)
     except torch.cuda.OutOfMemoryError as exc:
         result.update({"ok": True, "fits_under_cap": False, "error": str(exc)[:600],
                        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved()})
+    except Exception as exc:
+        result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                       "traceback": traceback.format_exc()[-3000:]})
+    return result
+
+
+def _train_wrapped(wrapped: Any, row: Row, batch: dict[str, Any], result: dict[str, Any]) -> None:
+    """Reset the peaks, train ``row.steps`` steps and record the figures ``measure_wrap`` reports."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    total = torch.cuda.get_device_properties(0).total_memory
+    times, used = [], []
+    for _ in range(row.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        wrapped.step(batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        free, _ = torch.cuda.mem_get_info()
+        used.append(total - free)
+    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    reserved = torch.cuda.max_memory_reserved()
+    own = process_device_bytes()  # this process alone (rows may share the GPU)
+    outside = (own if own is not None else used[-1]) - torch.cuda.memory_reserved()
+    items = row.batch_size * (row.seq_len or 1)
+    result.update({
+        "ok": True, "fits_under_cap": True, "cap_fraction": getattr(wrapped, "cap_fraction", None),
+        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "measured_peak_reserved_bytes": reserved, "measured_outside_allocator_bytes": outside,
+        "measured_total_bytes": reserved + outside, "measured_device_used_bytes": max(used),
+        "measured_step_s": steady, "step_times_s": times,
+        ("tokens_per_s" if row.seq_len else "samples_per_s"): items / steady,
+    })
+
+
+def measure_autotune(row: Row, plan_paths: list[str]) -> dict[str, Any]:
+    """What ``memopt.wrap(..., autotune=True)`` does on the GPU, with the candidates made on the CPU
+    (``scripts/make_wrap_plans.py --autotune``): measure them on the first batch under the hard cap, keep
+    the fastest, then train ``row.steps`` steps with it."""
+    import torch
+
+    from memopt.apply.autotune import autotune
+    from memopt.apply.budget import cap_allocator, outside_allocator_bytes
+    from memopt.apply.wrap import wrap
+    from memopt.models import SampleSpec, build_model, make_batch, with_overrides
+    from memopt.plan.schema import Plan
+
+    plans = [Plan.load(p) for p in plan_paths]
+    chosen = plans[0]
+    result: dict[str, Any] = {"row": row.to_dict(), "plan": plan_paths[0], "plan_fits": chosen.fits,
+                              "budget_bytes": chosen.budget_bytes, "strategy": chosen.strategy.label()}
+    try:
+        set_allocator_env(chosen.strategy.expandable_segments)
+        torch.manual_seed(0)
+        spec = with_overrides(row.model, row.overrides)
+        model = build_model(spec, device="cuda")
+        batch = make_batch(spec, SampleSpec.parse(row.sample(), spec), device="cpu")
+        outside = max(outside_allocator_bytes(0), int(chosen.prediction.get("runtime_bytes", 0)))
+        cap_allocator(chosen.budget_bytes, outside, 0)
+        t = time.perf_counter()
+        best, trials = autotune(model, plans, batch, {"device_type": "cuda", "device": torch.device("cuda", 0),
+                                                      "move_to": torch.device("cuda", 0)})
+        result.update({"autotune_s": time.perf_counter() - t, "trials": [x.to_dict() for x in trials],
+                       "strategy": best.strategy.label(), "predicted_step_s": best.step_time_s,
+                       "predicted_peak_allocated_bytes": best.peak_allocated_bytes,
+                       "predicted_peak_reserved_bytes": best.peak_reserved_bytes,
+                       "predicted_total_bytes": best.total_bytes})
+        wrapped = wrap(model, plan=best, lr=1e-5)
+        _train_wrapped(wrapped, row, batch, result)
+    except torch.cuda.OutOfMemoryError as exc:
+        result.update({"ok": True, "fits_under_cap": False, "error": str(exc)[:600]})
     except Exception as exc:
         result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
                        "traceback": traceback.format_exc()[-3000:]})

@@ -21,7 +21,7 @@ def test_wrap_writes_telemetry_and_recovers_from_an_injected_oom(tmp_path):
                     lr=1e-3, run_dir=tmp_path)
     batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
     w.step(batch)
-    before = w.plan.strategy
+    before, before_total = w.plan.strategy, w.plan.total_bytes
     injector = FaultInjector(at_attempt=1, phase="backward", after_ops=5)
     w.guard.oom.phase_listeners.append(injector.on_phase)
     injector.attempt = 0  # the first step already ran
@@ -34,3 +34,8 @@ def test_wrap_writes_telemetry_and_recovers_from_an_injected_oom(tmp_path):
     assert len(lines) == 2 and json.loads(lines[-1])["attempts"] == 2  # the retried step is recorded once
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert any(e.get("kind") == "oom" for e in events)
+    # wrap planned from a profile, so the re-plan (PlanEscalator) carries the planner's fresh prediction
+    [replan] = [e for e in events if e.get("kind") == "replan"]
+    assert replan["prediction_recomputed"] is True
+    assert replan["predicted_total_bytes"] == w.plan.total_bytes != before_total
+    assert json.loads(lines[-1])["predicted_total_bytes"] == w.plan.total_bytes

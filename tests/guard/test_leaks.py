@@ -20,7 +20,7 @@ KiB = 1024
 THRESHOLD = 8 * KiB  # the tiny model's logits are 16 KiB per step, a kept graph about 200 KiB
 
 
-def _session(loss_fn=None, *, census: bool = True, expected_activation_bytes: int | None = None,
+def _session(loss_fn=None, *, census: bool | str = True, expected_activation_bytes: int | None = None,
              threshold: int = THRESHOLD, micro_batch: int = 4):
     model = make_model(seed=0)
     prepared = prepare(model, Strategy(micro_batch_size=micro_batch, grad_accum_steps=4 // micro_batch,
@@ -58,13 +58,14 @@ def _train(kind: str, steps: int = 5, **kw):
     return detector
 
 
+@pytest.mark.parametrize("census", [True, "auto"])
 @pytest.mark.parametrize(("kind", "cause"), [
     ("eval_without_no_grad", "graph_not_backpropagated"),
     ("logits", "outputs_kept"),
     ("logits_detached", "outputs_kept"),
 ])
-def test_classic_leaks_in_a_train_step_are_caught_within_5_steps(kind, cause):
-    detector = _train(kind, steps=5)
+def test_classic_leaks_in_a_train_step_are_caught_within_5_steps(kind, cause, census):
+    detector = _train(kind, steps=5, census=census)
     report = detector.report
     assert report is not None, "no leak reported after 5 leaking steps"
     assert report.step <= 4
@@ -76,10 +77,11 @@ def test_classic_leaks_in_a_train_step_are_caught_within_5_steps(kind, cause):
         assert report.growth_bytes_per_step == pytest.approx(logits, rel=0.05)
 
 
-def test_retain_graph_leak_is_caught_within_5_steps():
+@pytest.mark.parametrize("census", [True, "auto"])
+def test_retain_graph_leak_is_caught_within_5_steps(census):
     # the classic: a state carried across steps without .detach(); backward complains about the second pass
     # through the old graph, and retain_graph=True silences it while every step's graph stays alive
-    model, prepared, source, detector, telemetry = _session()
+    model, prepared, source, detector, telemetry = _session(census=census)
     opt = prepared.optimizer
     with source:
         source.track(model)
@@ -102,6 +104,23 @@ def test_retain_graph_leak_is_caught_within_5_steps():
     assert report is not None and report.step <= 4
     assert report.cause == "retain_graph"
     assert report.evidence["growth_saved_retained_bytes"] > 0.5 * report.growth_bytes_per_step
+
+
+def test_auto_census_stays_off_while_memory_is_flat():
+    # the census costs a Python call per saved tensor: "auto" leaves it off over clean steps
+    model, prepared, source, detector, telemetry = _session(census="auto")
+    with source:
+        source.track(model)
+        telemetry.attach(prepared.step)
+        with telemetry:
+            for k in range(8):
+                batch = make_batch(4, 16, seed=k)
+                telemetry.begin_step(batch)
+                loss = prepared.step.step(batch)
+                telemetry.end_step(loss=loss, batch=batch)
+                assert not telemetry.census.active
+    assert detector.report is None
+    assert not any("saved_packed_bytes" in e for _, _, e in detector.series["step_end"])
 
 
 def test_without_the_census_a_kept_graph_is_told_by_its_size():

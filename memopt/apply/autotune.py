@@ -1,0 +1,158 @@
+"""Measured choice among the planner's best candidates (``memopt.wrap(..., autotune=True)``).
+
+The step-time model ranks candidates from FLOPs, bytes and kernel counts; on a fast GPU two candidates
+within ~10% of each other can swap places (host-side overhead per micro-batch pass and per checkpointed
+block is hard to predict). When ``wrap`` makes the plan itself on a GPU it therefore measures a handful
+of *structurally different* candidates that the planner says fit -- its choice, and the fastest plan
+for each checkpointing mode -- on the first real batch, and keeps the fastest:
+
+* each candidate is applied with ``prepare`` and undone afterwards, so the user's module is untouched;
+* a candidate runs the forward and backward passes of every micro-batch of the global batch three times
+  (the first warms kernels and the allocator; the faster of the other two counts); gradients are dropped, no optimizer
+  step runs, so weights, optimizer state, step count and data position are exactly as before, and the
+  RNG state is restored afterwards;
+* its score is the measured passes plus the *predicted* optimizer time of its plan (every candidate keeps
+  the chosen plan's optimizer and allocator settings, so those do not differ between them);
+* a candidate that runs out of memory is dropped (its plan said it fits: the note says so).
+
+A saved plan (``plan=``) is applied unchanged: nothing re-plans silently.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.apply.prepare import Prepared, prepare
+from memopt.apply.train_step import count_loss_items, split_batch
+from memopt.plan.schema import Plan
+
+__all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "time_passes"]
+
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class Trial:
+    """One measured candidate."""
+
+    plan: Plan
+    passes_s: float | None  # the timed forward+backward passes over the global batch; None: it failed
+    score_s: float | None  # passes + the plan's predicted optimizer time
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.plan.strategy.label(), "predicted_step_s": self.plan.step_time_s,
+                "measured_passes_s": self.passes_s, "score_s": self.score_s, "error": self.error}
+
+
+def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Pins that make the other candidates: one per checkpointing mode the user did not pin away, each with
+    the chosen plan's optimizer and allocator setting (the process's allocator is configured once)."""
+    user_pins = dict(user_pins or {})
+    if "checkpointing" in user_pins or "checkpoint_blocks" in user_pins:
+        return []
+    fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
+             "precision": plan.strategy.precision}
+    return [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
+
+
+def _drop_grads(model: nn.Module, prepared: Prepared) -> None:
+    prepared.optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    master = prepared.step.master
+    if master is not None:
+        for p in getattr(master, "masters", []) or []:
+            p.grad = None
+
+
+def time_passes(model: nn.Module, prepared: Prepared, batch: dict[str, Any], *, repeats: int = 3,
+                sync: Callable[[], None] | None = None) -> float:
+    """Seconds of the fastest forward+backward sweep over the micro-batches of ``batch`` after the first
+    (which warms kernels and the allocator): the minimum is the least noisy estimate of what a configuration
+    can do when runs on one GPU vary by 10-20% from one process to the next."""
+    step = prepared.step
+    sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+    micro = split_batch(batch, step.strategy.micro_batch_size)
+    counts = [count_loss_items(mb, causal=step.causal_lm) for mb in micro]
+    total = max(1, sum(counts))
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for mb, n in zip(micro, counts):
+            loss = step.loss({k: v.to(step.device) if isinstance(v, torch.Tensor) and step.device is not None else v
+                              for k, v in mb.items()})
+            step.backward(loss * (n / total))
+            del loss
+        sync()
+        times.append(time.perf_counter() - start)
+        _drop_grads(model, prepared)
+    return min(times[1:]) if len(times) > 1 else times[0]
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def autotune(model: nn.Module, plans: Iterable[Plan], batch: dict[str, Any], prepare_kwargs: dict[str, Any], *,
+             timer: Callable[[nn.Module, Prepared, dict[str, Any]], float] = time_passes) -> tuple[Plan, list[Trial]]:
+    """Measure each distinct plan on ``batch`` and return the fastest (ties: the earlier, i.e. the planner's
+    choice) with every trial. ``model`` must have no strategy applied."""
+    seen: set[str] = set()
+    trials: list[Trial] = []
+    rng = _rng_state()
+    try:
+        for plan in plans:
+            label = plan.strategy.label()
+            if label in seen or not plan.fits:
+                continue
+            seen.add(label)
+            prepared = None
+            try:
+                prepared = prepare(model, plan.strategy, **prepare_kwargs)
+                passes = timer(model, prepared, batch)
+                opt_s = float(plan.prediction.get("optimizer_s", 0.0) or 0.0)
+                trials.append(Trial(plan, passes, passes + opt_s))
+            except torch.cuda.OutOfMemoryError as exc:
+                trials.append(Trial(plan, None, None, error=f"out of memory: {str(exc).splitlines()[0]}"))
+            finally:
+                if prepared is not None:
+                    _drop_grads(model, prepared)
+                    prepared.undo()
+                del prepared
+                _free()
+    finally:
+        _restore_rng(rng)
+    measured = [t for t in trials if t.score_s is not None]
+    if not measured:
+        raise ValueError("autotune could not run any candidate plan on this batch (each ran out of memory); "
+                         "pass autotune=False to apply the planner's choice, or a larger budget")
+    best = min(measured, key=lambda t: t.score_s)  # min keeps the first of equal scores
+    return best.plan, trials
+
+
+def describe(trials: list[Trial], chosen: Plan) -> str:
+    """One line for the plan's notes."""
+    parts = [f"{t.plan.strategy.label()}: " + (f"{t.score_s:.3f} s (predicted {t.plan.step_time_s:.3f} s)"
+                                               if t.score_s is not None else t.error or "failed") for t in trials]
+    return f"autotune measured {len(trials)} candidates on the first batch and chose " \
+           f"{chosen.strategy.label()}: " + "; ".join(parts)

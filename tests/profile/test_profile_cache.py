@@ -1,0 +1,88 @@
+"""The profile cache keyed on model specs (no model built for a cached profile) and shared optimizer traces."""
+
+import pytest
+
+import memopt
+from memopt.hardware import load_hardware
+from memopt.models import build_model, with_overrides
+from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.profile import Profile, optimizer_step_class
+from memopt.profile.trace import trace_optimizer
+
+SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 128,
+                                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})
+SAMPLE = {"batch_size": 2, "seq_len": 32}
+HW = load_hardware("h200")
+
+
+def test_a_cached_spec_profile_is_loaded_without_building_the_model(monkeypatch):
+    first = memopt.profile(SPEC, sample=SAMPLE, hardware=HW)
+    assert first.vocab_size == 512
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a cached profile must not build the model")
+
+    monkeypatch.setattr("memopt.models.build_model", no_build)
+    again = memopt.profile(SPEC, sample=SAMPLE, hardware=HW)
+    assert again.key == first.key
+    assert again.to_dict()["variants"] == first.to_dict()["variants"]
+    assert again.can_trace() and again._model is None  # attached as a builder: built when a trace is missing
+
+
+def test_the_spec_key_follows_what_decides_the_traces():
+    base = memopt.profile(SPEC, sample=SAMPLE, hardware=HW, use_cache=False).key
+    other_sample = memopt.profile(SPEC, sample={"batch_size": 2, "seq_len": 16}, hardware=HW, use_cache=False).key
+    other_config = memopt.profile(with_overrides(SPEC, {"intermediate_size": 96}), sample=SAMPLE, hardware=HW,
+                                  use_cache=False).key
+    assert len({base, other_sample, other_config}) == 3
+
+
+def test_a_plan_from_the_cached_profile_equals_the_cold_plan():
+    cold = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW)
+    warm = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW)
+    uncached = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW, use_cache=False)
+    for plan in (warm, uncached):
+        assert plan.strategy == cold.strategy
+        assert plan.prediction == cold.prediction
+        assert plan.rejected == cold.rejected
+
+
+def test_a_missing_variant_is_traced_from_a_cached_profile():
+    sample = {"batch_size": 2, "seq_len": 24}  # a profile of its own: no other test traced its variants
+    memopt.profile(SPEC, sample=sample, hardware=HW)
+    prof = memopt.profile(SPEC, sample=sample, hardware=HW)
+    assert prof._model is None
+    key = next(iter(prof.variants)).__class__(precision="fp32", checkpointing="full")
+    trace = prof.variant(key, 2)
+    assert trace.key.precision == "fp32" and prof._model is not None
+    assert Profile.load(prof._cache_path).variants.keys() == prof.variants.keys()
+
+
+def test_a_module_is_still_keyed_on_its_structure():
+    module = build_model(SPEC)
+    prof = memopt.profile(module, sample=SAMPLE, hardware=HW)
+    assert prof._model is module and prof.vocab_size == 512 and not prof.key.startswith("s")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "adamw_foreach", "adamw8bit", "paged_adamw8bit", "sgd"])
+def test_precisions_of_one_optimizer_step_class_trace_the_same_step(optimizer):
+    """fp32 and bf16 autocast share optimizer traces (Profile.optimizer reuses one for the other): prove the
+    traces are equal, and that the classes that differ really trace differently."""
+    assert optimizer_step_class("fp32") == optimizer_step_class("bf16_autocast")
+    assert len({optimizer_step_class(p) for p in ("fp32", "fp16_autocast", "bf16_master", "bf16_pure")}) == 4
+    model = build_model(SPEC)
+    policy = kernel_policy_for(HW)
+    fp32 = trace_optimizer(model, "fp32", optimizer, policy).to_dict()
+    amp = trace_optimizer(model, "bf16_autocast", optimizer, policy).to_dict()
+    assert amp.pop("precision") == "bf16_autocast" and fp32.pop("precision") == "fp32"
+    assert amp == fp32
+
+
+def test_the_profile_reuses_the_twin_optimizer_trace():
+    prof = memopt.profile(SPEC, sample=SAMPLE, hardware=HW, use_cache=False)
+    traced = prof.optimizer("fp32", "adamw_fused")
+    seconds = prof.trace_s
+    shared = prof.optimizer("bf16_autocast", "adamw_fused")
+    assert prof.trace_s == seconds  # nothing traced
+    assert shared.precision == "bf16_autocast" and shared.first == traced.first and shared.cost == traced.cost
+    assert prof.optimizer("bf16_pure", "adamw_fused").first != traced.first  # bf16 weights: traced on its own
