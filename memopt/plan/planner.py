@@ -66,13 +66,16 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
 def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = "h100_80gb",
               policy: Policy | dict[str, Any] | None = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
               forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
-              profile: Profile | None = None, use_cache: bool = True) -> Plan:
+              profile: Profile | None = None, use_cache: bool = True, use_calibration: bool = True) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
     sample's batch size is the global batch; micro-batching keeps it. ``budget`` follows DEVELOPERS.md
     ("40GB", "40GiB", "80%", bytes). ``policy`` (or ``fidelity``/``pins``/``forbid``) says what may change.
     ``optimizer`` is a callable taking the parameters when the user brings their own optimizer.
+    ``use_calibration``: where earlier runs of this model on this GPU kind measured more than was predicted
+    (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio and
+    say so in the plan's notes.
     """
     start = time.perf_counter()
     hw = resolve_hardware(hardware)
@@ -92,10 +95,32 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     if prof.sample.get("variable_length"):
         notes.append(f"batches vary in length: planned for the longest (seq_len={prof.sample.get('seq_len')})")
     notes.extend(prof.notes)
+    if use_calibration:
+        pol = _calibrated(pol, prof, hw, budget_bytes, notes)
     global_batch = int(prof.sample["batch_size"])
     ctx = _context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
     result = search(prof, hw, budget_bytes, pol, ctx)
     return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start)
+
+
+def _calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, notes: list[str]) -> Policy:
+    """The policy with its margin widened by this model's measured / predicted ratio on this GPU kind, if any."""
+    from memopt.guard.calibration import calibration_for, calibration_path
+
+    cal = calibration_for(prof.key, hw.name)
+    if cal is None or not cal.entries:
+        return pol
+    base = pol.margin(budget_bytes)
+    margin = cal.margin_bytes(budget_bytes, base)
+    ratio = cal.ratio_total
+    if margin <= base:
+        notes.append(f"calibration used ({calibration_path(prof.key, hw.name)}): {len(cal.entries)} measured "
+                     f"plan(s) of this model on {hw.name} stayed within their predictions; margin unchanged")
+        return pol
+    notes.append(f"calibration used ({calibration_path(prof.key, hw.name)}): measured totals ran up to "
+                 f"{100 * (ratio - 1):.1f}% above prediction for this model on {hw.name}; margin widened from "
+                 f"{format_bytes(base)} to {format_bytes(margin)}")
+    return dataclasses.replace(pol, margin_bytes=margin, margin_fraction=0.0)
 
 
 def _summary(ev: Evaluated) -> dict[str, Any]:

@@ -22,7 +22,8 @@ import torch
 
 from memopt.profile.tracker import allocator_size, report_scratch
 
-__all__ = ["BACKENDS", "SAVE_FOR_SELECTIVE_AC", "AttentionPolicy", "UnsupportedAttention", "choose_backend", "emulated_sdpa"]
+__all__ = ["BACKENDS", "SAVE_FOR_SELECTIVE_AC", "AttentionPolicy", "UnsupportedAttention", "choose_backend",
+           "emulated_sdpa"]
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 _ENUM_TO_NAME = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}

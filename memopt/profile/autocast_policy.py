@@ -28,16 +28,17 @@ _LOWER = """_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc c
 conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm
 chain_matmul linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
 _scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose"""
-_FP32 = """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow.Tensor_Scalar pow.Tensor_Tensor
-pow.Scalar softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim
+_FP32 = """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow.Tensor_Scalar
+pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm rms_norm group_norm frobenius_norm.dim nuclear_norm
+nuclear_norm.dim
 cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss
 smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss
 multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
 _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d
 upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d
 _upsample_bicubic2d_aa"""
-_FP32_SET_OPT_DTYPE = """prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm linalg_matrix_norm
-linalg_matrix_norm.str_ord sum sum.dim_IntList"""
+_FP32_SET_OPT_DTYPE = """prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
+linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList"""
 _PROMOTE = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add"
 _FP32_APPEND_DTYPE = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
 
@@ -140,7 +141,7 @@ def _kernel(op: torch._ops.OpOverload, policy: str, cache: _CastCache) -> Callab
             if args and _eligible(args[0]):
                 if dtype_pos is not None and dtype_pos < len(args):
                     if args[dtype_pos] is None:
-                        args = args[:dtype_pos] + (torch.float32,) + args[dtype_pos + 1:]
+                        args = (*args[:dtype_pos], torch.float32, *args[dtype_pos + 1:])
                 elif kwargs.get("dtype") is None:
                     kwargs = {**kwargs, "dtype": torch.float32}
             return run(*args, **kwargs)
@@ -193,7 +194,7 @@ def cuda_autocast_policy() -> Iterator[None]:
     try:
         for qualified in sorted(cuda_ops | cpu_ops):
             name = qualified.removeprefix("aten::")
-            key = name if "." in name else name
+            key = name
             op = _overload(qualified)
             if op is None:
                 continue

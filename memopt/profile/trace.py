@@ -276,7 +276,8 @@ def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], bool]:
                 continue
             exact = False
             for k2, key2, b2, _ in ev2[j1:j2]:  # only at the larger size: proportional to the micro-batch
-                key = mapping.setdefault(key2, key2 + _UNMATCHED) if k2 == ALLOC else mapping.get(key2, key2 + _UNMATCHED)
+                unmatched = key2 + _UNMATCHED
+                key = mapping.setdefault(key2, unmatched) if k2 == ALLOC else mapping.get(key2, unmatched)
                 merged.append((k2, key, b2 * one_size(one) // one_size(two), b2))
         segments.append(Segment(name=name, events=merged, cost1=one.costs.get(ph1, PhaseCost()),
                                 cost2=two.costs.get(ph2, PhaseCost()),

@@ -132,7 +132,10 @@ class _Optimizer:
     name = "optimizer"
 
     def options(self, ctx: SearchContext) -> list[Any]:
-        values = ["adamw_fused", "adamw_foreach"]
+        # what the planner chooses by itself: the optimizers whose memory and time are validated on a GPU
+        # (benchmarks/validation). adamw_foreach, adamw and sgd train and are estimated, but only when pinned
+        # (or passed by the user): the foreach variant's temporaries are not GPU-validated yet.
+        values = ["adamw_fused"]
         if ctx.bnb_available:
             values += ["adamw8bit", "paged_adamw8bit"]
         if ctx.user_optimizer:

@@ -27,6 +27,11 @@ def set_allocator_env(expandable: bool) -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf)
 
 
+def _record_error(result: dict[str, Any], exc: BaseException) -> None:
+    result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                   "traceback": traceback.format_exc()[-3000:]})
+
+
 def measure_row(row: Row) -> dict[str, Any]:
     """Train ``row.steps`` steps on the GPU and return the measured figures (or the error)."""
     set_allocator_env(row.strategy.expandable_segments)
@@ -123,8 +128,7 @@ def measure_wrap(row: Row, plan_path: str) -> dict[str, Any]:
                        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                        "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved()})
     except Exception as exc:
-        result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                       "traceback": traceback.format_exc()[-3000:]})
+        _record_error(result, exc)
     return result
 
 
@@ -196,8 +200,7 @@ def measure_autotune(row: Row, plan_paths: list[str]) -> dict[str, Any]:
     except torch.cuda.OutOfMemoryError as exc:
         result.update({"ok": True, "fits_under_cap": False, "error": str(exc)[:600]})
     except Exception as exc:
-        result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                       "traceback": traceback.format_exc()[-3000:]})
+        _record_error(result, exc)
     return result
 
 
@@ -254,6 +257,5 @@ def measure_trainer(row: Row, per_device_batch: int, accum: int, cap_bytes: int)
     except torch.cuda.OutOfMemoryError as exc:
         result.update({"ok": True, "fits_under_cap": False, "error": str(exc)[:400]})
     except Exception as exc:
-        result.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                       "traceback": traceback.format_exc()[-3000:]})
+        _record_error(result, exc)
     return result
