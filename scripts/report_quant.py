@@ -34,8 +34,8 @@ def main() -> int:
     lines = ["## QLoRA and LoRA: predicted (CPU) vs measured (H200) peaks", "",
              "simulated: the whole model's training steps run on fake tensors with the strategy applied "
              "(quantized stand-ins, peft adapters), then the caching-allocator replay; composed: the planner's "
-             "fast path (block-truncated traces composed to the full depth), which does not yet model "
-             "quantized or adapter-wrapped layers.", "",
+             "fast path (block-truncated traces of the transformed model, quantized layers and adapters "
+             "included, composed to the full depth; step time from the composed estimate).", "",
              "| row | alloc meas / simulated GiB | err | reserved meas / simulated GiB | err | composed alloc GiB "
              "| err | step s meas / pred |",
              "|---|---|---|---|---|---|---|---|"]

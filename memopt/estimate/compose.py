@@ -11,7 +11,10 @@ Frees are attributed to the block that allocated the bytes. A free in a segment 
 (autocast's weight-cast cache emptied at the end of the forward pass frees every block's casts at
 once) is *deferred*: it is replayed for every block position that the freeing unit stands for, with
 that block's own mode. A free inside a block of a neighbour's tensor (block ``i`` frees block
-``i - 1``'s output) is resolved by relative position.
+``i - 1``'s output) is resolved by relative position. A free inside one of the first two blocks of
+the same tensor of *every* later traced block is a *release* (the autograd graph destroyed as the
+backward pass ends frees what custom functions keep as context attributes, such as the input an
+LLM.int8 layer saves): it is replayed for every later block position, with that block's own mode.
 
 Two products:
 
@@ -24,10 +27,12 @@ Two products:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from memopt.categories import MemoryCategory
-from memopt.profile.trace import OptimizerTrace, VariantKey, VariantTrace
+from memopt.profile.trace import OptimizerTrace, VariantKey, VariantTrace, traced_unit
 from memopt.profile.tracker import ALLOC, FREE, allocator_size
 
 __all__ = ["Instance", "PassLayout", "PeakResult", "allocated_peak", "event_stream", "pass_layout"]
@@ -65,6 +70,10 @@ class _Index:
     # stack's last middle block only (its successor frees the others in its own segments)
     deferred: dict[int, list[tuple[int, int, int, str, int, int, int, bool, int]]]  # ... + the traced key
     categories: dict[int, MemoryCategory]
+    # unit segment -> its release frees (position in its own events, stack, source unit, role, allocation index,
+    # lo, hi, traced key) and its own events without them; only segments that make releases
+    released: dict[int, list[tuple[int, int, int, str, int, int, int, int]]] = field(default_factory=dict)
+    unit_core: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
 
 
 def _unit_names(stack: int, unit: int, last: int) -> tuple[list[str], list[str]]:
@@ -114,10 +123,50 @@ def _index(trace: VariantTrace) -> _Index:
         core[si] = own
         deferred[si] = [(pos, s, unit, role, ai, lo, hi, (s, unit - 1, role, ai) in present, key)
                         for pos, s, unit, role, ai, lo, hi, key in later]
+    released: dict[int, list[tuple[int, int, int, str, int, int, int, int]]] = {}
+    unit_core: dict[int, list[tuple[int, int, int, int]]] = {}
+    for si, (s, unit, _role) in unit_of.items():
+        traced = trace.traced_blocks[s]
+        if unit > 1 or traced - 1 - unit < 2:
+            continue
+        later_units: dict[tuple[str, int], set[int]] = defaultdict(set)
+        for kind, key, _, _ in trace.segments[si].events:
+            src = origin.get(key)
+            if kind == FREE and src is not None and src[0] in unit_of:
+                ds, du, drole = unit_of[src[0]]
+                if ds == s and du > unit:
+                    later_units[(drole, src[1])].add(du)
+        every = {k for k, units in later_units.items() if units == set(range(unit + 1, traced))}
+        if not every:
+            continue
+        own: list[tuple[int, int, int, int]] = []
+        rel: list[tuple[int, int, int, str, int, int, int, int]] = []
+        for ev in trace.segments[si].events:
+            kind, key, lo, hi = ev
+            src = origin.get(key)
+            if kind == FREE and src is not None and src[0] in unit_of:
+                ds, du, drole = unit_of[src[0]]
+                if ds == s and du > unit and (drole, src[1]) in every:
+                    rel.append((len(own), ds, du, drole, src[1], lo, hi, key))
+                    continue
+            own.append(ev)
+        released[si], unit_core[si] = rel, own
     index = _Index(unit_of=unit_of, origin=origin, by_name=by_name, core=core, deferred=deferred,
-                   categories=_categories(trace))
+                   categories=_categories(trace), released=released, unit_core=unit_core)
     trace.__dict__["_index"] = index
     return index
+
+
+def _interleaved(count: int, pending: list) -> Iterator[tuple[Any, int]]:
+    """Positions of a segment's ``count`` own events, with the frees it makes on behalf of other blocks
+    (``pending``, each placed by its first field: the position it precedes): (release, -1) or (None, pos)."""
+    j = 0
+    for pos in range(count + 1):
+        while j < len(pending) and pending[j][0] <= pos:
+            yield pending[j], -1
+            j += 1
+        if pos < count:
+            yield None, pos
 
 
 def _sizes(trace: VariantTrace, segment: int, b: int) -> list[int]:
@@ -157,11 +206,7 @@ def _categories(trace: VariantTrace) -> dict[int, MemoryCategory]:
 
 
 # -- layout ------------------------------------------------------------------------------------
-def _traced_unit(position: int, full: int, traced: int) -> int:
-    """Which traced block stands for block ``position`` of a stack of ``full`` blocks."""
-    if full <= traced or position < 2:
-        return position
-    return traced - 1 if position == full - 1 else 2
+_traced_unit = traced_unit  # which traced block stands for a block position of the full stack
 
 
 def pass_layout(traces: dict[VariantKey, VariantTrace], base: VariantKey, block_modes: list[list[VariantKey]],
@@ -223,6 +268,46 @@ def _deferred_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, in
                 out.append((pos, s, p, role, ai, lo, hi, mode, key))
     out.sort(key=lambda e: (e[0], e[2]))
     return out
+
+
+def _released_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, inst: Instance
+                  ) -> list[tuple[int, int, int, str, int, int, int, VariantKey, int]]:
+    """The release frees a block segment makes, for every later block position of its stack: (position in the
+    segment's own events, stack, block position, role, allocation index, lo, hi, block variant, traced key).
+    Each later block is freed as its own mode's trace frees it here (a checkpointed block keeps nothing)."""
+    assert inst.block is not None
+    trace = traces[inst.variant]
+    name = trace.segments[inst.segment].name
+    s, p = inst.block
+    end = len(_index(trace).unit_core.get(inst.segment, trace.segments[inst.segment].events))
+    full = layout.full_counts[s]
+    out = []
+    for q in range(p + 1, full):
+        mode = layout.block_modes[s][q]
+        t = traces[mode]
+        idx = _index(t)
+        g = idx.by_name.get(name)
+        if g is None:
+            continue
+        uq = _traced_unit(q, full, t.traced_blocks[s])
+        for pos, ds, du, role, ai, lo, hi, key in idx.released.get(g, ()):
+            if ds == s and du == uq:
+                out.append((pos if mode == inst.variant else end, s, q, role, ai, lo, hi, mode, key))
+    out.sort(key=lambda e: (e[0], e[2]))
+    return out
+
+
+def _has_releases(traces: dict[VariantKey, VariantTrace], layout: PassLayout, inst: Instance) -> bool:
+    """Whether a block segment makes release frees (in its own trace, or as a later block's mode traces it)."""
+    if inst.block is None:
+        return False
+    name = traces[inst.variant].segments[inst.segment].name
+    for mode in set(layout.block_modes[inst.block[0]]) | {inst.variant}:
+        idx = _index(traces[mode])
+        g = idx.by_name.get(name)
+        if g is not None and g in idx.released:
+            return True
+    return False
 
 
 # -- allocated peak -----------------------------------------------------------------------------
@@ -288,6 +373,12 @@ def _instance_summary(traces: dict[VariantKey, VariantTrace], layout: PassLayout
                       acc: bool) -> Summary:
     trace = traces[inst.variant]
     idx = _index(trace)
+    if _has_releases(traces, layout, inst):
+        rel = [(pos, allocator_size(traces[mode].size(lo, hi, b)),
+                _index(traces[mode]).categories.get(key, Cat.TEMPORARIES))
+               for pos, _s, _q, _role, _ai, lo, hi, mode, key in _released_for(traces, layout, inst)]
+        own = idx.unit_core.get(inst.segment, trace.segments[inst.segment].events)
+        return _summarize(trace, own, b, acc, rel)
     if inst.block is not None:
         # a block's summary depends on its segment, the micro-batch and the accumulation mode only
         cache = trace.__dict__.setdefault("_summaries", {})
@@ -415,37 +506,36 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
             for inst in [*layout.forward, *layout.backward]:
                 trace = traces[inst.variant]
                 idx = _index(trace)
-                if inst.block is not None:
+                events = trace.segments[inst.segment].events
+                sizes: list[int] | None = None
+                role = None
+                if inst.block is None:  # code outside the blocks: frees on behalf of every block it stands for
+                    if inst not in deferred_cache:
+                        deferred_cache[inst] = _deferred_for(traces, layout, inst)
+                    pending, own = deferred_cache[inst], idx.core[inst.segment]
+                else:
                     role = idx.unit_of[inst.segment][2]
-                    n = 0
-                    sizes = _sizes(trace, inst.segment, b)
-                    for (kind, key, _lo, _hi), size in zip(trace.segments[inst.segment].events, sizes):
-                        if key in trace.persistent_keys:
-                            continue
-                        if kind == ALLOC:
-                            emit_alloc(inst.block, key, size, (inst.block, role, n), key in trace.grad_keys)
-                            n += 1
-                        else:
-                            emit_free(_resolve(inst, key, idx, live, slots, alive), size)
-                    continue
-                if inst not in deferred_cache:
-                    deferred_cache[inst] = _deferred_for(traces, layout, inst)
-                pending = deferred_cache[inst]
-                j = 0
-                core = idx.core[inst.segment]
-                for pos in range(len(core) + 1):
-                    while j < len(pending) and pending[j][0] <= pos:
-                        _, s, p, role, ai, lo, hi, mode, _key = pending[j]
-                        emit_free(slots.pop(((s, p), role, ai), None), traces[mode].size(lo, hi, b))
-                        j += 1
-                    if pos == len(core):
-                        break
-                    kind, key, lo, hi = core[pos]
+                    if _has_releases(traces, layout, inst):
+                        if inst not in deferred_cache:
+                            deferred_cache[inst] = _released_for(traces, layout, inst)
+                        pending, own = deferred_cache[inst], idx.unit_core.get(inst.segment, events)
+                    else:
+                        pending, own = [], events
+                    sizes = _sizes(trace, inst.segment, b) if own is events else None
+                n = 0
+                for release, pos in _interleaved(len(own), pending):
+                    if release is not None:
+                        _, s, q, rrole, ai, lo, hi, mode, _key = release
+                        emit_free(slots.pop(((s, q), rrole, ai), None), traces[mode].size(lo, hi, b))
+                        continue
+                    kind, key, lo, hi = own[pos]
                     if key in trace.persistent_keys:
                         continue
-                    size = trace.size(lo, hi, b)
+                    size = sizes[pos] if sizes is not None else trace.size(lo, hi, b)
                     if kind == ALLOC:
-                        emit_alloc(None, key, size, None, key in trace.grad_keys)
+                        tag = (inst.block, role, n) if inst.block is not None else None
+                        emit_alloc(inst.block, key, size, tag, key in trace.grad_keys)
+                        n += 1
                     else:
                         emit_free(_resolve(inst, key, idx, live, slots, alive), size)
         remap: dict[int, int] = {}

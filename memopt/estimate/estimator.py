@@ -14,7 +14,7 @@ from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
 from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, terms_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
-from memopt.profile.trace import VariantKey, variant_key
+from memopt.profile.trace import VariantKey, VariantTrace, variant_key
 from memopt.profile.tracker import ALLOC, allocator_size
 from memopt.strategy import Strategy
 from memopt.techniques.precision import weight_dtype
@@ -87,17 +87,13 @@ def step_plan(profile: Profile, strategy: Strategy) -> StepPlan:
 
 def _static(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey, global_batch: int,
             optimizer_master: int) -> tuple[dict[MemoryCategory, int], list[tuple[int, int, int]]]:
+    trace = traces[base]
+    if trace.model_state is not None:
+        return _static_transformed(profile, trace, global_batch, optimizer_master)
     wd = weight_dtype(strategy.precision)
     params = profile.param_bytes(wd) + profile.buffer_bytes(wd)
-    trace = traces[base]
     inputs = sum(allocator_size(_input_size(trace, b1, b2, global_batch)) for b1, b2 in trace.input_sizes)
-    persistent = 0
-    persistent_events = []
-    for seg in trace.segments:
-        for kind, key, b1, _ in seg.events:
-            if kind == ALLOC and key in trace.persistent_keys:
-                persistent += allocator_size(b1)
-                persistent_events.append((ALLOC, -len(persistent_events) - 1, b1))
+    persistent, persistent_events = _persistent(trace)
     static = {Cat.PARAMETERS: params, Cat.OPTIMIZER_STATES: optimizer_master, Cat.ACTIVATIONS: inputs,
               Cat.TEMPORARIES: persistent}
     # the events the allocator sees before the first step: each parameter, buffer, master copy, input
@@ -124,6 +120,46 @@ def _static(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey
     return static, events + persistent_events
 
 
+def _persistent(trace: VariantTrace) -> tuple[int, list[tuple[int, int, int]]]:
+    persistent = 0
+    events = []
+    for seg in trace.segments:
+        for kind, key, b1, _ in seg.events:
+            if kind == ALLOC and key in trace.persistent_keys:
+                persistent += allocator_size(b1)
+                events.append((ALLOC, -len(events) - 1, b1))
+    return persistent, events
+
+
+def _static_transformed(profile: Profile, trace: VariantTrace, global_batch: int, optimizer_master: int
+                        ) -> tuple[dict[MemoryCategory, int], list[tuple[int, int, int]]]:
+    """The static part of a variant that transforms the model (quantization, adapters): the transformed model's
+    own parameters and buffers (quantized storage and its scales, frozen full-precision ones, adapters), each
+    traced block standing for the blocks it represents, in the dtypes the trace left them in."""
+    params, buffers = profile.model_state(trace)
+    sizes = [_numel(shape) * _itemsize(dtype) for shape, dtype, _ in params]
+    sizes += [_numel(shape) * _itemsize(dtype) for shape, dtype in buffers]
+    inputs = [_input_size(trace, b1, b2, global_batch) for b1, b2 in trace.input_sizes]
+    persistent, persistent_events = _persistent(trace)
+    static = {Cat.PARAMETERS: sum(allocator_size(n) for n in sizes), Cat.OPTIMIZER_STATES: optimizer_master,
+              Cat.ACTIVATIONS: sum(allocator_size(n) for n in inputs), Cat.TEMPORARIES: persistent}
+    masters = [_numel(shape) * 4 for shape, dtype, grad in params
+               if grad and dtype in ("float32", "bfloat16", "float16")] if optimizer_master else []
+    events = [(ALLOC, -(10**9) - k - 1, size) for k, size in enumerate([*sizes, *masters, *inputs])]
+    return static, events + persistent_events
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
 def _input_size(trace: Any, lo_bytes: int, hi_bytes: int, global_batch: int) -> int:
     """Inputs are linear in the batch even when a trace was taken at a single size."""
     if trace.hi == trace.lo:
@@ -139,7 +175,7 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}
     layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)
-    opt = profile.optimizer(strategy.precision, strategy.optimizer)
+    opt = profile.optimizer(strategy.precision, strategy.optimizer, traces[sp.base])
     b, m = strategy.micro_batch_size, strategy.grad_accum_steps
     static, static_events = _static(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
     peak = allocated_peak(traces, layout, b, m, opt, static)

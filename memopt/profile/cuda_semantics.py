@@ -10,7 +10,9 @@ while a trace runs, that maps the CPU ops that differ to what their CUDA kernels
 3. ``scaled_dot_product_attention``: the CUDA backend selection and each fused kernel's outputs,
    saved tensors and scratch (``attention_kernels``);
 4. cuBLAS: the workspace each thread's handle takes from the caching allocator on its first GEMM
-   (the autograd engine runs backward on its own thread, hence its own workspace).
+   (the autograd engine runs backward on its own thread, hence its own workspace);
+5. kernels whose CUDA implementation allocates temporaries the CPU one does not (softmax's backward
+   computes ``grad * output`` into a full-size buffer first; ``_safe_softmax`` builds a mask).
 
 Everything is undone on exit: no global state stays changed in the user's process, and
 ``torch.cuda.is_available()`` is never touched. With a real GPU, memopt traces fake CUDA tensors
@@ -35,7 +37,7 @@ from memopt.categories import MemoryCategory
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import AttentionPolicy, emulated_sdpa
 from memopt.profile.autocast_policy import cuda_autocast_policy
-from memopt.profile.tracker import MemoryTracker
+from memopt.profile.tracker import MemoryTracker, allocator_size
 from memopt.units import MiB
 
 __all__ = ["KernelPolicy", "cuda_semantics", "kernel_policy_for"]
@@ -98,6 +100,38 @@ class _Workspaces:
                                     MemoryCategory.TEMPORARIES)
 
 
+class _KernelTemporaries:
+    """Scratch that CUDA kernels allocate and free inside themselves, where the CPU kernels do not.
+
+    * ``_softmax_backward_data`` (``softmax_backward_cuda_out``, ATen/native/cuda/SoftMax.cu):
+      ``Tensor tmp = grad * output;`` before the reduction, a buffer as large as the gradient. It
+      decides the peak of eager (math) attention's backward, where it is a second copy of the scores;
+      measured on an H200 (torch 2.11): exactly the gradient's bytes.
+    * ``_safe_softmax`` (math SDPA's softmax): ``self.eq(-inf)`` (a bool mask as large as the scores),
+      ``all(masked, dim)`` over it and a scalar tensor live next to the output; measured on an H200 as
+      mask + rows + 512 bytes.
+    """
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+
+    def __call__(self, func: Any, args: Any, out: Any) -> None:
+        if func is torch.ops.aten._softmax_backward_data.default:
+            grad, output = args[0], args[1]
+            dtype = torch.promote_types(grad.dtype, output.dtype)
+            numel = torch.broadcast_shapes(grad.shape, output.shape).numel()
+            self.tracker.transient(numel * dtype.itemsize, "softmax_backward.tmp")
+        elif func is torch.ops.aten._safe_softmax.default:
+            x = args[0]
+            dim = args[1] if len(args) > 1 else -1
+            numel = x.numel()
+            if numel == 0:
+                return
+            rows = numel // x.shape[dim] if x.dim() > 0 else 1
+            self.tracker.transient(allocator_size(numel) + allocator_size(rows) + allocator_size(1),
+                                   "safe_softmax.mask")
+
+
 def _grouped_mm_meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Output of CUDA's grouped GEMM for any float dtype (PyTorch's meta function admits only bf16, while the
@@ -152,4 +186,7 @@ def cuda_semantics(policy: KernelPolicy, tracker: MemoryTracker | None = None,
         if workspaces is not None:
             tracker.op_hooks.append(workspaces)
             stack.callback(tracker.op_hooks.remove, workspaces)
+            temporaries = _KernelTemporaries(tracker)
+            tracker.op_hooks.append(temporaries)
+            stack.callback(tracker.op_hooks.remove, temporaries)
         yield

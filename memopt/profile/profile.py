@@ -28,11 +28,13 @@ from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import UnsupportedAttention
 from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.trace import (
+    PRECISION_GROUP,
     BatchFactory,
     OptimizerTrace,
     TraceAlignmentError,
     VariantKey,
     VariantTrace,
+    expand_model_state,
     trace_optimizer,
     trace_variant,
 )
@@ -43,7 +45,10 @@ __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
 SCHEMA_VERSION = 1
 # bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
 # 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
-TRACE_REVISION = 3
+# 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;
+#    optimizer traces are keyed on those extras too; CUDA softmax kernels' temporaries (softmax backward's
+#    grad*output, _safe_softmax's mask) are recorded
+TRACE_REVISION = 4
 
 
 def cache_dir() -> Path:
@@ -71,7 +76,7 @@ class Profile:
     kernel_policy: str
     torch_version: str
     variants: dict[VariantKey, VariantTrace] = field(default_factory=dict)
-    optimizers: dict[tuple[str, str], OptimizerTrace] = field(default_factory=dict)
+    optimizers: dict[tuple[str, str, str], OptimizerTrace] = field(default_factory=dict)  # (precision, opt, extras)
     moe: dict[str, Any] | None = None
     analytic: bool = False
     notes: list[str] = field(default_factory=list)
@@ -161,37 +166,65 @@ class Profile:
         self._save()
         return traces[0]
 
-    def optimizer(self, precision: str, optimizer: str) -> OptimizerTrace:
-        key = (precision, optimizer)
+    def optimizer(self, precision: str, optimizer: str, variant: VariantTrace | None = None) -> OptimizerTrace:
+        """The optimizer step of ``precision`` and ``optimizer`` over the model's trainable parameters; with a
+        ``variant`` that transforms the model (extras), over that variant's trainable parameters at full depth."""
+        extras = variant.key.extras_id if variant is not None and variant.model_state is not None else ""
+        key = (precision, optimizer, extras)
         if key not in self.optimizers:
-            twin = self._optimizer_twin(precision, optimizer)
+            twin = self._optimizer_twin(precision, optimizer, extras)
             if twin is not None:
                 self.optimizers[key] = dataclasses.replace(twin, precision=precision)
                 self._save()
                 return self.optimizers[key]
-            model = self.model()
-            if model is None or self._policy is None:
-                raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
-                                 "profile the model again to trace it")
             if optimizer == "user" and self._optimizer_spec is None:
                 raise ValueError("optimizer 'user' needs the optimizer callable passed to memopt.profile/plan")
             start = time.perf_counter()
-            self.optimizers[key] = trace_optimizer(model, precision, optimizer, self._policy,
-                                                   optimizer_spec=self._optimizer_spec)
+            if extras:
+                assert variant is not None
+                if self._policy is None:
+                    raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision} "
+                                     f"over {variant.key.label()}; profile the model again to trace it")
+                params, _ = self.model_state(variant)
+                trainable = [(shape, dtype) for shape, dtype, grad in params if grad]
+                trace = trace_optimizer(None, precision, optimizer, self._policy,
+                                        optimizer_spec=self._optimizer_spec, params=trainable)
+                self.optimizers[key] = dataclasses.replace(trace, extras=extras)
+            else:
+                model = self.model()
+                if model is None or self._policy is None:
+                    raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
+                                     "profile the model again to trace it")
+                self.optimizers[key] = trace_optimizer(model, precision, optimizer, self._policy,
+                                                       optimizer_spec=self._optimizer_spec)
             self.trace_s += time.perf_counter() - start
             self._save()
         return self.optimizers[key]
 
-    def _optimizer_twin(self, precision: str, optimizer: str) -> OptimizerTrace | None:
+    def _optimizer_twin(self, precision: str, optimizer: str, extras: str = "") -> OptimizerTrace | None:
         """A recorded trace of ``optimizer`` under a precision whose optimizer step is the same code on the same
-        tensors (see :func:`optimizer_step_class`), or None. A user optimizer is always traced."""
+        tensors (see :func:`optimizer_step_class`), or None. A user optimizer is always traced. With extras
+        the parameters are the variant's own (in their final dtypes): only the same precision group shares them."""
         if optimizer == "user":
             return None
         cls = optimizer_step_class(precision)
-        for (other, opt), trace in self.optimizers.items():
-            if opt == optimizer and other != precision and optimizer_step_class(other) == cls:
+        for (other, opt, ex), trace in self.optimizers.items():
+            if opt == optimizer and ex == extras and other != precision and optimizer_step_class(other) == cls \
+                    and (not extras or PRECISION_GROUP[other] == PRECISION_GROUP[precision]):
                 return trace
         return None
+
+    def model_state(self, variant: VariantTrace) -> tuple[list[tuple[tuple[int, ...], str, bool]],
+                                                          list[tuple[tuple[int, ...], str]]]:
+        """The full model's parameters ``(shape, dtype, trainable)`` and buffers ``(shape, dtype)`` as ``variant``
+        transforms it (recorded by variants with extras only)."""
+        if variant.model_state is None:
+            raise ValueError(f"the trace of {variant.key.label()} records no model state")
+        cached = variant.__dict__.get("_full_state")
+        if cached is None:
+            cached = variant.__dict__["_full_state"] = expand_model_state(
+                variant.model_state, variant.traced_blocks, self.full_block_counts)
+        return cached
 
     # -- serialization -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -218,7 +251,7 @@ class Profile:
         optimizers = {}
         for o in d["optimizers"]:
             t = OptimizerTrace.from_dict(o)
-            optimizers[(t.precision, t.optimizer)] = t
+            optimizers[(t.precision, t.optimizer, t.extras)] = t
         return cls(key=d["key"], model_name=d["model_name"], model_class=d["model_class"], family=d.get("family"),
                    num_params=d["num_params"], num_trainable_params=d["num_trainable_params"],
                    param_sizes=[tuple(x) for x in d["param_sizes"]],

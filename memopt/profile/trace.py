@@ -1,11 +1,16 @@
 """Traces that the profile records: one forward + backward of a block-truncated copy of the model.
 
 A *variant* is what changes the bytes a forward and backward allocate: precision group, activation
-checkpointing mode, attention backend, chunked cross-entropy, activation offload. Each variant is
+checkpointing mode, attention backend, chunked cross-entropy, activation offload, and the extras that
+transform the model (quantized frozen base weights, adapters). Each variant is
 traced at micro-batch 1 and 2 on a copy whose block stacks keep ``TRACED_BLOCKS`` blocks (first,
 second, a middle one that stands for all the others, last); the events of the two traces are aligned
 one to one, so the bytes of every allocation at any micro-batch ``b`` follow exactly
 (``bytes(b) = bytes(1) + (b - 1) * (bytes(2) - bytes(1))``, before the allocator rounds them).
+
+A variant with extras also records the model state of the transformed, truncated model (every parameter
+and buffer: shape, dtype, trainable, and the block it belongs to): the full model's state follows by
+repeating the middle block (:func:`expand_model_state`), and so does the optimizer's parameter set.
 
 The optimizer step is traced on its own, over fake parameters and gradients of the *full* model.
 """
@@ -15,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,7 @@ __all__ = [
     "TraceAlignmentError",
     "VariantKey",
     "VariantTrace",
+    "expand_model_state",
     "trace_optimizer",
     "trace_variant",
     "variant_key",
@@ -68,28 +75,76 @@ class VariantKey:
     chunked_ce: int = 0
     activation_offload: bool = False
     micro_batch: int | None = None  # None: traced at two sizes, linear in the micro-batch; else one exact size
+    # the strategy's extras that transform the model, as canonical JSON of their settings ("" when absent)
+    quantization: str = ""
+    adapters: str = ""
 
     def label(self) -> str:
         mb = "" if self.micro_batch is None else f"/mb={self.micro_batch}"
         return (f"{self.precision}/ac={self.checkpointing}/attn={self.attention}/ce={self.chunked_ce}"
-                f"/offload={int(self.activation_offload)}{mb}")
+                f"/offload={int(self.activation_offload)}{self._extras_label()}{mb}")
+
+    def _extras_label(self) -> str:
+        from memopt.techniques.adapters import AdapterSetting
+        from memopt.techniques.quantization import QuantSetting
+
+        out = ""
+        if self.quantization:
+            q = QuantSetting.parse(json.loads(self.quantization))
+            out += f"/q={q.label()}" + (f",{q.compute_dtype},bs={q.blocksize}" if q.bits == 4 else "")
+        if self.adapters:
+            a = AdapterSetting.parse(json.loads(self.adapters))
+            targets = "" if a.targets is None else f",targets={'+'.join(a.targets)}"
+            out += f"/adapters={a.label()}{targets}" + (f",dropout={a.dropout:g}" if a.dropout else "")
+        return out
+
+    @property
+    def has_extras(self) -> bool:
+        return bool(self.quantization or self.adapters)
+
+    @property
+    def extras_id(self) -> str:
+        """What of the key decides the trained parameters beyond the precision ("" without extras)."""
+        return json.dumps({"quantization": self.quantization, "adapters": self.adapters}) if self.has_extras else ""
 
     def at(self, micro_batch: int | None) -> VariantKey:
         return dataclasses.replace(self, micro_batch=micro_batch)
 
     def strategy(self) -> Strategy:
         """A strategy that makes a trace of this variant (one micro-batch, every block in this mode)."""
-        return Strategy(precision=_GROUP_PRECISION[self.precision],
-                        checkpointing=Checkpointing(mode=self.checkpointing),
-                        attention=self.attention, chunked_ce=self.chunked_ce,
-                        activation_offload=self.activation_offload, optimizer="sgd")
+        s = Strategy(precision=_GROUP_PRECISION[self.precision],
+                     checkpointing=Checkpointing(mode=self.checkpointing),
+                     attention=self.attention, chunked_ce=self.chunked_ce,
+                     activation_offload=self.activation_offload, optimizer="sgd")
+        if self.has_extras:
+            from memopt.techniques.quantization import with_extra
+
+            if self.quantization:
+                s = with_extra(s, "quantization", json.loads(self.quantization))
+            if self.adapters:
+                s = with_extra(s, "adapters", json.loads(self.adapters))
+        return s
+
+
+def _extra_json(strategy: Strategy, name: str) -> str:
+    value = strategy.extra(name)
+    if value is None:
+        return ""
+    if name == "quantization":
+        from memopt.techniques.quantization import QuantSetting
+
+        return json.dumps(QuantSetting.parse(value).to_dict(), sort_keys=True)
+    from memopt.techniques.adapters import AdapterSetting
+
+    return json.dumps(AdapterSetting.parse(value).to_dict(), sort_keys=True)
 
 
 def variant_key(strategy: Strategy, checkpointing: str | None = None) -> VariantKey:
     return VariantKey(precision=PRECISION_GROUP[strategy.precision],
                       checkpointing=checkpointing or strategy.checkpointing.mode,
                       attention=strategy.attention, chunked_ce=strategy.chunked_ce,
-                      activation_offload=strategy.activation_offload)
+                      activation_offload=strategy.activation_offload,
+                      quantization=_extra_json(strategy, "quantization"), adapters=_extra_json(strategy, "adapters"))
 
 
 @dataclass
@@ -127,6 +182,9 @@ class VariantTrace:
     lo: int = 1  # the micro-batch sizes the two columns of every event were traced at
     hi: int = 2
     min_b: int = 1  # the smallest micro-batch the trace holds for
+    # variants with extras: the transformed truncated model's state, {"params": [[shape, dtype, trainable, stack,
+    # unit], ...], "buffers": [[shape, dtype, stack, unit], ...]} in the model's order (stack -1: outside blocks)
+    model_state: dict[str, Any] | None = None
 
     def size(self, lo_bytes: int, hi_bytes: int, b: int) -> int:
         """Requested bytes at micro-batch ``b`` (linear between/beyond the traced sizes)."""
@@ -142,7 +200,7 @@ class VariantTrace:
                 "grad_keys": sorted(self.grad_keys), "persistent_keys": sorted(self.persistent_keys),
                 "input_bytes": list(self.input_bytes), "input_sizes": [list(x) for x in self.input_sizes],
                 "attention_backends": self.attention_backends, "traced_blocks": self.traced_blocks,
-                "lo": self.lo, "hi": self.hi, "min_b": self.min_b}
+                "lo": self.lo, "hi": self.hi, "min_b": self.min_b, "model_state": self.model_state}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VariantTrace:
@@ -150,7 +208,58 @@ class VariantTrace:
                    grad_keys=set(d["grad_keys"]), persistent_keys=set(d["persistent_keys"]),
                    input_bytes=tuple(d["input_bytes"]), input_sizes=[tuple(x) for x in d["input_sizes"]],
                    attention_backends=list(d["attention_backends"]), traced_blocks=list(d["traced_blocks"]),
-                   lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1))
+                   lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1), model_state=d.get("model_state"))
+
+
+def expand_model_state(state: dict[str, Any], traced_blocks: Sequence[int], full_counts: Sequence[int]
+                       ) -> tuple[list[tuple[tuple[int, ...], str, bool]], list[tuple[tuple[int, ...], str]]]:
+    """The full model's parameters ``(shape, dtype, trainable)`` and buffers ``(shape, dtype)``, in the model's
+    order, from a truncated model's state: each traced block's tensors once for every block position it stands
+    for (blocks are uniform; the middle one stands for all but the first two and the last)."""
+
+    def expand(entries: list[list[Any]], width: int) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = []
+        i = 0
+        while i < len(entries):
+            tag = tuple(entries[i][width:width + 2])
+            j = i
+            while j < len(entries) and tuple(entries[j][width:width + 2]) == tag:
+                j += 1
+            stack, unit = tag
+            times = 1
+            if stack >= 0:
+                full, traced = full_counts[stack], traced_blocks[stack]
+                times = sum(1 for p in range(full) if traced_unit(p, full, traced) == unit)
+            group = [(tuple(e[0]), *e[1:width]) for e in entries[i:j]]
+            out += group * times
+            i = j
+        return out
+
+    params = [(shape, dtype, bool(grad)) for shape, dtype, grad in expand(state["params"], 3)]
+    buffers = [(shape, dtype) for shape, dtype in expand(state["buffers"], 2)]
+    return params, buffers
+
+
+def traced_unit(position: int, full: int, traced: int) -> int:
+    """Which traced block stands for block ``position`` of a stack of ``full`` blocks."""
+    if full <= traced or position < 2:
+        return position
+    return traced - 1 if position == full - 1 else 2
+
+
+def _model_state(model: nn.Module, stacks: Sequence[Any]) -> dict[str, Any]:
+    """Every distinct parameter and buffer of ``model`` (as a simulated step counts them: ``parameters()``, then
+    ``buffers()``), each with the (stack, block) it belongs to, (-1, -1) outside the blocks."""
+    where: dict[int, tuple[int, int]] = {}
+    for s, stack in enumerate(stacks):
+        for u, block in enumerate(stack.blocks):
+            for t in [*block.parameters(), *block.buffers()]:
+                where.setdefault(id(t), (s, u))
+    params = [[list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad), *where.get(id(p), (-1, -1))]
+              for p in model.parameters()]
+    buffers = [[list(b.shape), str(b.dtype).removeprefix("torch."), *where.get(id(b), (-1, -1))]
+               for b in model.buffers()]
+    return {"params": params, "buffers": buffers}
 
 
 @dataclass
@@ -165,6 +274,7 @@ class _RawTrace:
     traced_blocks: list[int]
     offload: dict[int, int]  # phase -> bytes copied to the host
     micro_batch: int = 1
+    model_state: dict[str, Any] | None = None
 
 
 BatchFactory = Callable[[int, str], dict[str, Any]]  # (micro_batch_size, device) -> batch
@@ -183,6 +293,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
+        has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
+        model_state = _model_state(clone, prepared.stacks) if has_extras else None
         remove = install_markers(prepared.stacks, tracker.set_phase)
         tracker.op_hooks.append(costs)
         offload_by_phase: dict[int, int] = {}
@@ -231,7 +343,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     return _RawTrace(phases=tracker.run.phases, events=events, costs=dict(costs.costs), grad_keys=grads,
                      persistent_keys=set(tracker.run.persistent_keys), inputs=inputs, attention=attention,
                      traced_blocks=[len(s) for s in find_block_stacks(clone)], offload=offload_by_phase,
-                     micro_batch=micro_batch)
+                     micro_batch=micro_batch, model_state=model_state)
 
 
 def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, str]]]]:
@@ -313,7 +425,7 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                             input_bytes=(sum(raw1.inputs), sum(raw2.inputs)),
                             input_sizes=list(zip(raw1.inputs, raw2.inputs)),
                             attention_backends=sorted(set(raw1.attention)), traced_blocks=raw1.traced_blocks,
-                            lo=lo, hi=hi, min_b=min_b)
+                            lo=lo, hi=hi, min_b=min_b, model_state=raw1.model_state)
 
     if key.micro_batch is not None:
         raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)
@@ -348,19 +460,21 @@ class OptimizerTrace:
     cost: PhaseCost = field(default_factory=PhaseCost)
     host_state_bytes: int = 0  # paged optimizer state living outside the allocator
     state_keys: set[int] = field(default_factory=set)  # keys (in ``first``) of the states the step creates
+    extras: str = ""  # the variant extras (``VariantKey.extras_id``) whose trainable parameters it steps
 
     def to_dict(self) -> dict[str, Any]:
         return {"precision": self.precision, "optimizer": self.optimizer, "first": self.first,
                 "steady": self.steady, "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
                 "cost": self.cost.to_dict(), "host_state_bytes": self.host_state_bytes,
-                "state_keys": sorted(self.state_keys)}
+                "state_keys": sorted(self.state_keys), "extras": self.extras}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OptimizerTrace:
         return cls(precision=d["precision"], optimizer=d["optimizer"], first=[tuple(e) for e in d["first"]],
                    steady=[tuple(e) for e in d["steady"]], state_bytes=d["state_bytes"],
                    master_bytes=d["master_bytes"], cost=PhaseCost.from_dict(d["cost"]),
-                   host_state_bytes=d.get("host_state_bytes", 0), state_keys=set(d.get("state_keys", ())))
+                   host_state_bytes=d.get("host_state_bytes", 0), state_keys=set(d.get("state_keys", ())),
+                   extras=d.get("extras", ""))
 
 
 class _ParamHolder(nn.Module):
@@ -369,9 +483,12 @@ class _ParamHolder(nn.Module):
         self.params = nn.ParameterList(params)
 
 
-def trace_optimizer(model: nn.Module, precision: str, optimizer: str, policy: KernelPolicy,
-                    optimizer_spec: Any = None, optimizer_kwargs: dict[str, Any] | None = None) -> OptimizerTrace:
-    """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s."""
+def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, policy: KernelPolicy,
+                    optimizer_spec: Any = None, optimizer_kwargs: dict[str, Any] | None = None, *,
+                    params: Sequence[tuple[tuple[int, ...], str]] | None = None) -> OptimizerTrace:
+    """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s trainable ones
+    (floating ones in the precision's weight dtype), or, with ``params``, of exactly these (shape, dtype) (the
+    trainable parameters of a transformed model, already in their final dtypes; ``model`` is not used)."""
     from memopt.profile.stand_ins import Fake8bitAdamW
     from memopt.techniques.precision import MasterWeights, weight_dtype
 
@@ -383,14 +500,19 @@ def trace_optimizer(model: nn.Module, precision: str, optimizer: str, policy: Ke
     host = "meta" if emulate else "cpu"
     seen: set[int] = set()
     with fake_mode:
-        params = []
-        for p in model.parameters():
-            if id(p) in seen or not p.requires_grad:
-                continue
-            seen.add(id(p))
-            dtype = wdtype if p.is_floating_point() else p.dtype
-            params.append(nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
-        holder = _ParamHolder(params)
+        fakes = []
+        if params is not None:
+            for shape, dtype_name in params:
+                fakes.append(nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)))
+        else:
+            assert model is not None
+            for p in model.parameters():
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                dtype = wdtype if p.is_floating_point() else p.dtype
+                fakes.append(nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
+        holder = _ParamHolder(fakes)
         strategy = Strategy(precision=precision, optimizer=optimizer)
         master = MasterWeights(list(holder.parameters())) if precision == "bf16_master" else None
         opt_params = master.masters if master is not None else list(holder.parameters())

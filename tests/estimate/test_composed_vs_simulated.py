@@ -31,6 +31,11 @@ def _compare(model_name: str, overrides: dict, sample: dict, strategy: Strategy,
     spec = with_overrides(model_name, overrides)
     prof = memopt.profile(spec, sample=sample, hardware=hardware, use_cache=False)
     est = memopt.estimate(prof, strategy, exact_reserved=True, num_steps=3)
+    return (est, *simulate_whole_step(spec, sample, strategy, hardware))
+
+
+def simulate_whole_step(spec, sample: dict, strategy: Strategy, hardware: str = "h200") -> tuple[int, int]:
+    """(allocated peak, reserved peak) of the whole model's steps simulated with the strategy applied."""
     model = build_model(spec, device="meta")
     parsed = SampleSpec.parse(sample, spec)
     sim = simulate_step(model, lambda d: make_batch(spec, parsed, device=d), strategy,
@@ -40,7 +45,7 @@ def _compare(model_name: str, overrides: dict, sample: dict, strategy: Strategy,
     alloc = simulate_allocator([e[:3] for e in events[first:]],
                                config=AllocatorConfig(expandable_segments=strategy.expandable_segments),
                                initial_events=[e[:3] for e in events[:first]])
-    return est, sim.peak_allocated_bytes, alloc.peak_reserved_bytes
+    return sim.peak_allocated_bytes, alloc.peak_reserved_bytes
 
 
 FAST = {"bf16", "full_ac", "half_ac", "adamw8bit", "offload", "mb1"}
