@@ -154,13 +154,16 @@ def op_log(model_name: str, sample: dict, overrides: dict, strategy: dict) -> di
     from memopt.apply.prepare import prepare
     from memopt.models import SampleSpec, build_model, make_batch, with_overrides
     from memopt.strategy import Strategy
+    from memopt.validation.measure import set_allocator_env
 
+    parsed = Strategy.from_dict(strategy)
+    set_allocator_env(parsed.expandable_segments)  # the allocator of the measured rows (before CUDA starts)
     torch.cuda.init()
     torch.manual_seed(0)
     spec = with_overrides(model_name, overrides)
     model = build_model(spec, device="cuda")
     batch = make_batch(spec, SampleSpec.parse(sample, spec), device="cuda")
-    prepared = prepare(model, Strategy.from_dict(strategy), device_type="cuda", device="cuda")
+    prepared = prepare(model, parsed, device_type="cuda", device="cuda")
     records: list = []
     phase = ["start"]
     prepared.step.on_phase = lambda name: phase.__setitem__(0, name)
