@@ -151,7 +151,6 @@ class Telemetry:
         # H200), so by default ("auto") it runs only while memory is growing from step to step
         self.census = GraphCensus(device_type) if census and self.memory is not None else None
         self._census_auto = census == "auto"
-        self._threshold = int(leak_threshold_bytes) if not isinstance(leaks, LeakDetector) else leaks.threshold_bytes
         if leaks is True and self.memory is not None:
             leaks = LeakDetector(threshold_bytes=leak_threshold_bytes, window=leak_window)
         self.leaks: LeakDetector | None = leaks if isinstance(leaks, LeakDetector) else None
@@ -394,13 +393,16 @@ class Telemetry:
         whose end grew by the leak threshold, off again after two steps without such growth."""
         if not self._census_auto or self.census is None or self.leaks is None:
             return
-        ends = [v for _, v, _ in self.leaks.series.get("step_end", [])]
-        deltas = [b - a for a, b in itertools.pairwise(ends)][1:]
+        series = self.leaks.series.get("step_end", [])
+        # the first delta (into step 0's end) is the optimizer states and gradients appearing: not counted
+        ends = [v for _, v, _ in series[max(1, len(series) - 3):]]
+        deltas = [b - a for a, b in itertools.pairwise(ends)]
         if not deltas:
             return
-        if deltas[-1] >= self._threshold and not self.census.active:
+        threshold = self.leaks.threshold_bytes
+        if deltas[-1] >= threshold and not self.census.active:
             self.census.install()
-        elif self.census.active and len(deltas) >= 2 and max(deltas[-2:]) < self._threshold:
+        elif self.census.active and len(deltas) >= 2 and max(deltas[-2:]) < threshold:
             self.census.remove()
 
     def _live_tensors(self) -> list[dict[str, Any]]:

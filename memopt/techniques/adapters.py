@@ -122,15 +122,7 @@ class AdapterSetting:
         """From a setting, a dict (``Strategy.extras`` after ``from_dict``), or a tuple of (key, value) pairs."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, (tuple, list)) and all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value):
-            value = dict(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"adapter settings must be an AdapterSetting or a dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown adapter setting(s) {unknown}; valid: {sorted(known)}")
-        data = dict(value)
+        data = setting_fields(cls, value, "adapter")
         if data.get("targets") is not None:
             data["targets"] = tuple(data["targets"])
         return cls(**data)
@@ -151,6 +143,20 @@ class AdapterSetting:
 # --------------------------------------------------------------------------------------------------------
 # targets
 # --------------------------------------------------------------------------------------------------------
+
+def setting_fields(cls: type, value: Any, what: str) -> dict[str, Any]:
+    """The fields of a settings dataclass ``cls`` from a dict or a tuple of (key, value) pairs (how
+    ``Strategy.extras`` carries them), every unknown key named with the valid ones."""
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} settings must be a {cls.__name__} or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} setting(s) {unknown}; valid: {sorted(known)}")
+    return dict(value)
+
 
 def _embedding_modules(model: nn.Module) -> set[int]:
     out: set[int] = set()

@@ -46,7 +46,7 @@ from torch import nn
 
 from memopt.profile.tracker import allocator_size
 from memopt.strategy import Strategy
-from memopt.techniques.adapters import AdapterSetting, ExtraSettings, find_target_linears
+from memopt.techniques.adapters import AdapterSetting, ExtraSettings, find_target_linears, setting_fields
 
 __all__ = [
     "ADAPTER_RANK_OPTIONS",
@@ -116,15 +116,7 @@ class QuantSetting:
         """From a setting, a dict (``Strategy.extras`` after ``from_dict``), or a tuple of (key, value) pairs."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, (tuple, list)) and all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value):
-            value = dict(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"quantization settings must be a QuantSetting or a dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown quantization setting(s) {unknown}; valid: {sorted(known)}")
-        return cls(**value)
+        return cls(**setting_fields(cls, value, "quantization"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

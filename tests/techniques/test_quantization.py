@@ -203,6 +203,21 @@ def _events(tracker: MemoryTracker) -> list[tuple[int, int]]:
     return [(kind, allocator_size(size)) for kind, _key, size, _phase, _label in tracker.run.events]
 
 
+def _forward_backward_events(layer: nn.Module, m: int, k: int) -> tuple[list, list, torch.Tensor]:
+    """The (kind, bytes) events of one forward and one backward of ``layer`` on a fake (1, m, k) input, and
+    that input."""
+    x = torch.empty(1, m, k, requires_grad=True)
+    tracker = MemoryTracker("cpu")
+    with tracker:
+        for t in [*layer.parameters(), *layer.buffers(), x]:
+            tracker.track(t)
+        start = len(tracker.run.events)
+        y = layer(x)
+        forward = _events(tracker)[start:]
+        y.sum().backward()
+    return forward, _events(tracker)[start + len(forward):], x
+
+
 def test_fake_linear4bit_allocates_like_cuda():
     from memopt.profile.quant_stand_ins import FakeLinear4bit
 
@@ -210,15 +225,7 @@ def test_fake_linear4bit_allocates_like_cuda():
     blocks = n * k // 64
     with FakeTensorMode():
         layer = FakeLinear4bit.from_linear(nn.Linear(k, n, bias=False), compute_dtype=torch.bfloat16)
-        x = torch.empty(1, m, k, requires_grad=True)
-        tracker = MemoryTracker("cpu")
-        with tracker:
-            for t in [*layer.parameters(), *layer.buffers(), x]:
-                tracker.track(t)
-            start = len(tracker.run.events)
-            y = layer(x)
-            forward = _events(tracker)[start:]
-            y.sum().backward()
+        forward, backward, x = _forward_backward_events(layer, m, k)
     a = ALLOC
     assert forward == [
         (a, m * k * 2),  # input cast to bf16
@@ -229,7 +236,6 @@ def test_fake_linear4bit_allocates_like_cuda():
         (a, m * n * 4),  # output cast back to fp32
         (-1, m * k * 2), (-1, m * n * 2),  # nothing saved for backward but the packed weight
     ]
-    backward = _events(tracker)[start + len(forward):]
     assert backward[2:] == [
         (a, m * n * 2),  # grad_output cast to bf16 (for the bf16 GEMM output)
         (a, blocks * 4), (a, n * k * 2), (-1, blocks * 4),  # F.dequantize_4bit: nested absmax, then the weight
@@ -267,15 +273,7 @@ def test_fake_linear8bit_allocates_like_cuda():
     m, k, n = 64, 256, 512
     with FakeTensorMode():
         layer = FakeLinear8bitLt.from_linear(nn.Linear(k, n, bias=False))
-        x = torch.empty(1, m, k, requires_grad=True)
-        tracker = MemoryTracker("cpu")
-        with tracker:
-            for t in [*layer.parameters(), *layer.buffers(), x]:
-                tracker.track(t)
-            start = len(tracker.run.events)
-            y = layer(x)
-            forward = _events(tracker)[start:]
-            y.sum().backward()
+        forward, backward, x = _forward_backward_events(layer, m, k)
     a = ALLOC
     assert forward == [
         (a, m * k * 2),  # A.to(float16)
@@ -286,7 +284,6 @@ def test_fake_linear8bit_allocates_like_cuda():
         (a, m * n * 4),  # .to(A.dtype)
         (-1, m * n * 4), (-1, m * n * 2), (-1, m * k), (-1, allocator_size(m * 4)),
     ]  # the input itself is what is kept for backward (ctx.tensors)
-    backward = _events(tracker)[start + len(forward):]
     assert (a, n * k * 4) in backward  # the weight dequantized in the input dtype
     assert x.grad is not None
 
