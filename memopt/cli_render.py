@@ -152,8 +152,27 @@ def _techniques_table(plan: Any) -> Table:
         saves, costs = _saves(plan.savings.get(field))
         table.add_row(label, _choice(field, techniques), saves, costs)
     for name, value in (techniques.get("extras") or {}).items():
-        table.add_row(name, str(value), "—", "—")
+        table.add_row(_EXTRA_NAMES.get(name, name), _extra_choice(name, value), "—", "—")
     return table
+
+
+_EXTRA_NAMES = {"adapters": "adapters (method change)", "quantization": "frozen base weights (method change)"}
+
+
+def _extra_choice(name: str, value: Any) -> str:
+    """A quantization or adapter setting as its short label; anything else as written."""
+    try:
+        if name == "quantization":
+            from memopt.techniques.quantization import QuantSetting
+
+            return QuantSetting.parse(value).label()
+        if name == "adapters":
+            from memopt.techniques.adapters import AdapterSetting
+
+            return AdapterSetting.parse(value).label()
+    except (ValueError, TypeError):
+        pass
+    return str(value)
 
 
 def _breakdown_table(plan: Any) -> Table:

@@ -102,4 +102,8 @@ class Strategy:
         if self.chunked_ce:
             parts.append(f"chunked-ce={self.chunked_ce}")
         parts.append("expandable" if self.expandable_segments else "default-alloc")
+        if self.extra("adapters") is not None or self.extra("quantization") is not None:
+            from memopt.techniques.quantization import extras_label  # the techniques know their settings' labels
+
+            parts.append(extras_label(self))
         return " ".join(parts)

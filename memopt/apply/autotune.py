@@ -54,12 +54,15 @@ class Trial:
 
 def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Pins that make the other candidates: one per checkpointing mode the user did not pin away, each with
-    the chosen plan's optimizer and allocator setting (the process's allocator is configured once)."""
+    the chosen plan's optimizer and allocator setting (the process's allocator is configured once) and its
+    training method (adapters, quantized base: a timing never changes what is trained)."""
     user_pins = dict(user_pins or {})
     if "checkpointing" in user_pins or "checkpoint_blocks" in user_pins:
         return []
+    from memopt.techniques.quantization import extras_pins
+
     fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
-             "precision": plan.strategy.precision}
+             "precision": plan.strategy.precision, **extras_pins(plan.strategy)}
     return [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
 
 

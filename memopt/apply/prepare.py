@@ -35,6 +35,7 @@ from memopt.techniques.attention import apply_attention_backend
 from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, cast_model, uses_grad_scaler
+from memopt.techniques.quantization import is_quantized
 
 __all__ = ["Prepared", "prepare"]
 
@@ -110,9 +111,14 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         undo.append(_disable_kv_cache(model))
         # 1. precision (before moving: weights stored in bf16 never occupy the GPU in fp32); bf16_master keeps the
         #    fp32 originals to become the master weights, so no precision is lost in the cast
-        originals = [p for p in model.parameters() if p.requires_grad] if strategy.precision == "bf16_master" else []
+        adapters = strategy.extra("adapters") is not None
+        originals = [p for p in model.parameters() if p.requires_grad] if (
+            strategy.precision == "bf16_master" and not adapters) else []
         undo.append(cast_model(model, strategy.precision))
-        if move_to is not None:
+        quantize = strategy.extra("quantization") is not None and not is_quantized(model)
+        # a model to be quantized moves after its linears are quantized (3b), straight onto the device one layer at a
+        # time: its full-precision weights never sit in device memory together
+        if move_to is not None and not quantize:
             undo.append(_move(model, torch.device(move_to)))
         # 2. attention backend
         undo.append(apply_attention_backend(model, strategy.attention))
@@ -124,11 +130,14 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         undo.append(apply_checkpointing(stacks, strategy.checkpointing))
         # 3b. quantization and adapters (memopt.techniques.quantization / .adapters; imported here so that peft and
         #     bitsandbytes load only when used)
-        if strategy.extra("quantization") is not None:
+        if quantize:
             from memopt.techniques.quantization import apply_quantization
 
-            undo.append(apply_quantization(model, strategy.extra("quantization"), fake=fake))
-        if strategy.extra("adapters") is not None:
+            target_device = move_to if move_to is not None and not fake else None
+            undo.append(apply_quantization(model, strategy.extra("quantization"), fake=fake, device=target_device))
+            if move_to is not None:
+                undo.append(_move(model, torch.device(move_to)))
+        if adapters:
             from memopt.techniques.adapters import apply_adapters
 
             undo.append(apply_adapters(model, strategy.extra("adapters"), fake=fake)[1])
@@ -137,7 +146,9 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         master = None
         if strategy.precision == "bf16_master":
             target = move_to if move_to is not None else (params[0].device if params else None)
-            master = MasterWeights(params, sources=[o.detach().to(target) for o in originals])
+            # with adapters the trained parameters are the new adapter weights: their own values are the sources
+            sources = [p.detach().float() for p in params] if adapters else [o.detach().to(target) for o in originals]
+            master = MasterWeights(params, sources=sources)
             params = master.masters
         opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), fake, host_device)
         # 5. gradient scaler and activation offload

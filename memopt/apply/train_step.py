@@ -70,9 +70,47 @@ def default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
 
 
 def _to(batch: dict[str, Any], device: torch.device | str | None) -> dict[str, Any]:
+    """One micro-batch on ``device`` (the distributed steps move theirs one at a time)."""
     if device is None:
         return batch
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _stage(micro: list[dict[str, Any]], device: torch.device | str | None) -> list[dict[str, Any]]:
+    """Every micro-batch on ``device`` at once, before the first forward. Host tensors bound for a GPU are pinned
+    first: a copy from pageable memory blocks the host until the GPU has drained its queue, which on every
+    micro-batch would stall the kernel launches ahead of it. (The estimate counts the whole global batch on the
+    device already.)"""
+    if device is None:
+        return micro
+    device = torch.device(device)
+
+    def move(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.device == device:
+            return v
+        if device.type == "cuda" and v.device.type == "cpu" and type(v).__name__ != "FakeTensor":
+            v = v.pin_memory()
+        return v.to(device, non_blocking=True)
+
+    return [{k: move(v) for k, v in mb.items()} for mb in micro]
+
+
+def _loss_item_counts(micro: list[dict[str, Any]], causal: bool) -> list[int]:
+    """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them."""
+    pending = []
+    for mb in micro:
+        labels = mb.get("labels")
+        if (isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.device.type != "cpu"
+                and type(labels).__name__ != "FakeTensor"):
+            pending.append(((labels[..., 1:] if causal else labels) != -100).sum())
+        else:
+            pending.append(count_loss_items(mb, causal=causal))
+    on_device = [i for i, c in enumerate(pending) if isinstance(c, torch.Tensor)]
+    if on_device:
+        values = torch.stack([pending[i] for i in on_device]).tolist()
+        for i, v in zip(on_device, values):
+            pending[i] = int(v)
+    return [int(c) for c in pending]
 
 
 @dataclass
@@ -154,15 +192,16 @@ class TrainStep:
     def step(self, batch: dict[str, Any]) -> float:
         """One optimizer step over ``batch`` (the global batch); returns the batch's mean loss."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
+        counts = _loss_item_counts(micro, self.causal_lm)
         total_items = sum(counts)
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")
+        micro = _stage(micro, self.device)
         total = 0.0
         self.last_micro_losses = []
         for i, (mb, n) in enumerate(zip(micro, counts)):
             self._phase(f"forward[{i}]")
-            loss = self.loss(_to(mb, self.device))
+            loss = self.loss(mb)
             weighted = loss * (n / total_items)
             self._phase(f"backward[{i}]")
             self.backward(weighted)

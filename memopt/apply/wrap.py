@@ -53,13 +53,14 @@ def _is_trainer(obj: Any) -> bool:
     return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
     if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
         raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
                          "that memopt's plan does not account for. Wrap the uncompiled model")
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if not weights_pending and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("the model has parameters on the meta device (no weights): load or initialize the weights "
-                         "first, or use memopt.plan(...) for a dry run without weights")
+                         "first, pass checkpoint=<safetensors file(s)> to load them under the plan, or use "
+                         "memopt.plan(...) for a dry run without weights")
 
 
 def _batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
@@ -78,8 +79,11 @@ class Wrapped:
                  optimizer_kwargs: dict[str, Any], loss_fn: Any, lr_scheduler: Any, max_grad_norm: float | None,
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
-                 run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None) -> None:
-        _check_model(model)
+                 run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
+                 checkpoint: Any = None) -> None:
+        _check_model(model, weights_pending=checkpoint is not None)
+        self._checkpoint = checkpoint
+        self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
         self._user_model = model
         self._budget = budget
         self._optimizer_arg = optimizer
@@ -147,10 +151,27 @@ class Wrapped:
             if self._enforce_budget:
                 outside = max(outside_allocator_bytes(self.device.index), int(plan.prediction.get("runtime_bytes", 0)))
                 self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
+        if self._checkpoint is not None and any(p.device.type == "meta" for p in model.parameters()):
+            self._load_checkpoint(strategy)
         prepare_kwargs = self._prepare_kwargs()
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
             self._install_guard(plan, prepare_kwargs)
+
+    def _load_checkpoint(self, strategy: Any) -> None:
+        """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
+        quantized as they load (the peak allocated meanwhile is kept in ``load_peak_allocated_bytes``)."""
+        from memopt.techniques.precision import weight_dtype
+        from memopt.techniques.quantization import QuantSetting, load_quantized
+
+        q = strategy.extra("quantization")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        load_quantized(self._user_model, self._checkpoint, q if q is not None else QuantSetting(), self.device,
+                       dtype=weight_dtype(strategy.precision), targets=None if q is not None else [])
+        if cuda:
+            self.load_peak_allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
 
     def _prepare_kwargs(self) -> dict[str, Any]:
         user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
@@ -318,7 +339,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
          use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None,
-         autotune: bool | None = None) -> Any:
+         autotune: bool | None = None,
+         checkpoint: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None) -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
@@ -331,6 +353,12 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     (default: on a GPU when wrap makes the plan) measures the planner's choice against the fastest plan of
     each checkpointing mode on the first batch and keeps the fastest (``memopt.apply.autotune``); a saved
     ``plan=`` is applied unchanged.
+
+    ``checkpoint``: safetensors file(s) holding the weights of a model built without them -- ``target`` a model
+    spec (a shipped name such as ``"llama3_8b"``, a ``ModelSpec`` or its dict) or a module on the meta device.
+    The plan is made first, and the weights then load straight onto the GPU in the plan's precision, layer by
+    layer; with quantized weights each target linear is quantized as it loads (``load_quantized``), so the
+    full-precision model never sits in GPU memory.
     """
     kwargs = dict(optimizer_kwargs or {})
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
@@ -342,9 +370,14 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
 
         return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,
                             fidelity=fidelity, pins=pins, forbid=forbid, enforce_budget=enforce_budget,
-                            use_cache=use_cache)
+                            use_cache=use_cache, recover=guard)
+    if checkpoint is not None and not isinstance(target, nn.Module):
+        from memopt.techniques.quantization import model_skeleton
+
+        target = model_skeleton(target)
     if not isinstance(target, nn.Module):
-        raise ValueError(f"memopt.wrap takes a torch.nn.Module or a transformers Trainer, got {type(target).__name__}")
+        raise ValueError(f"memopt.wrap takes a torch.nn.Module or a transformers Trainer (or, with checkpoint=, a "
+                         f"model spec), got {type(target).__name__}")
     if loaded is None and budget is None:
         raise ValueError("memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan=")
     if budget is not None and loaded is None:
@@ -354,4 +387,4 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
                    enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
-                   autotune=autotune)
+                   autotune=autotune, checkpoint=checkpoint)

@@ -79,6 +79,8 @@ class PinsConfig:
     optimizer: Any = None  # adamw_fused | adamw_foreach | adamw | adamw8bit | paged_adamw8bit | sgd
     micro_batch_size: Any = None  # an int dividing the global batch
     expandable_segments: Any = None  # true | false
+    adapter_rank: Any = None  # LoRA rank (needs fidelity 'lora'); 0 = full fine-tuning, no adapters
+    quant_bits: Any = None  # 4 | 8: frozen base quantized (needs fidelity 'qlora'); 0 = unquantized
 
 
 @dataclass
@@ -94,6 +96,8 @@ class ForbidConfig:
     optimizer: Any = None
     micro_batch_size: Any = None
     expandable_segments: Any = None
+    adapter_rank: Any = None
+    quant_bits: Any = None
     loss_scaling: Any = None  # grad_scaler: forbids fp16 autocast, which needs it
 
 
@@ -101,8 +105,9 @@ class ForbidConfig:
 class PolicyConfig:
     """What the planner may change (see :mod:`memopt.plan.policy`).
 
-    ``fidelity``: a preset (exact, default, mixed, 8bit, lossy) or a list of allowances; ``pins``: technique ->
-    the value it must take (``precision: bf16_autocast``, ``checkpointing: full``, ``micro_batch_size: 2``);
+    ``fidelity``: a preset (exact, default, mixed, 8bit, lossy, lora, qlora) or a list of allowances;
+    ``pins``: technique -> the value it must take (``precision: bf16_autocast``, ``checkpointing: full``,
+    ``micro_batch_size: 2``, ``quant_bits: 4``);
     ``forbid``: technique -> values it must not take; ``margin``: memory kept free (``3%`` or ``1GiB``; null:
     2% of the budget + 256 MiB); ``max_micro_batch``: the largest micro-batch to try."""
 

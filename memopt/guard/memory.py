@@ -126,17 +126,25 @@ class CudaMemorySource:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def _stats(self) -> dict[str, Any]:
+        """The allocator's counters as the nested dict PyTorch builds in C++. ``torch.cuda.memory_allocated`` and
+        its siblings each flatten the whole dict in Python first (about 1 ms a call): a guard reading them
+        several times per micro-batch slowed a 0.13 s step by 8%."""
+        nested = getattr(torch._C, "_cuda_memoryStats", None)
+        if nested is None:  # pragma: no cover - other PyTorch builds
+            return torch.cuda.memory_stats_as_nested_dict(self.device)
+        return nested(self.device.index)
+
     def sample(self) -> MemorySample:
-        d = self.device
-        free, total = torch.cuda.mem_get_info(d)
-        return MemorySample(allocated_bytes=torch.cuda.memory_allocated(d),
-                            reserved_bytes=torch.cuda.memory_reserved(d),
-                            peak_allocated_bytes=torch.cuda.max_memory_allocated(d),
-                            peak_reserved_bytes=torch.cuda.max_memory_reserved(d),
+        free, total = torch.cuda.mem_get_info(self.device)
+        s = self._stats()
+        allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        return MemorySample(allocated_bytes=int(allocated["current"]), reserved_bytes=int(reserved["current"]),
+                            peak_allocated_bytes=int(allocated["peak"]), peak_reserved_bytes=int(reserved["peak"]),
                             device_used_bytes=int(total - free), device_total_bytes=int(total))
 
     def allocated_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return int(self._stats()["allocated_bytes"]["all"]["current"])
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -258,6 +266,18 @@ def state_bytes(memory: MemorySource, model: torch.nn.Module | None,
                 optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """Bytes of the parameters, gradients and optimizer states as they are now (fp32 master copies that the
     optimizer steps count as optimizer states, their gradients as gradients)."""
+    params, grads, states = _state_tensors(model, optimizer)
+    return {"parameters": memory.tensor_bytes(params), "gradients": memory.tensor_bytes(grads),
+            "optimizer_states": memory.tensor_bytes(states)}
+
+
+def gradient_bytes(memory: MemorySource, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> int:
+    """The ``gradients`` entry of :func:`state_bytes` alone (a third of its work)."""
+    return memory.tensor_bytes(_state_tensors(model, optimizer)[1])
+
+
+def _state_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None
+                   ) -> tuple[list[Any], list[Any], list[Any]]:
     params = list(model.parameters()) if model is not None else []
     ids = {id(p) for p in params}
     grads = [p.grad for p in params if p.grad is not None]
@@ -270,5 +290,4 @@ def state_bytes(memory: MemorySource, model: torch.nn.Module | None,
                     if p.grad is not None:
                         grads.append(p.grad)
         states.extend(optimizer.state.values())
-    return {"parameters": memory.tensor_bytes(params), "gradients": memory.tensor_bytes(grads),
-            "optimizer_states": memory.tensor_bytes(states)}
+    return params, grads, states

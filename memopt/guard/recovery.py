@@ -73,18 +73,13 @@ collectives inside backward (DDP/FSDP) are outside this protocol: a rank that fa
 its peers in an NCCL collective until the NCCL timeout; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` turns that
 into an error.
 
-A Hugging Face ``Trainer`` variant can reuse all of this: run the Trainer with
-``gradient_accumulation_steps=1`` and the global batch as its per-device batch, and subclass it so that
-``training_step(model, inputs)`` runs the forward and backward passes over the plan's micro-batches
-through ``OOMGuard.run`` (the guard only needs a ``Steppable``: ``step(batch)``, ``optimizer``, ``model``
-and optionally ``on_phase``; this ``step`` leaves the optimizer step to the Trainer, so a retry never needs
-a rollback). ``Replanner.apply`` then changes the adapter's micro-batch (or re-prepares the model), and a
-``TrainerCallback`` drives ``Telemetry.begin_step``/``end_step`` from ``on_step_begin``/``on_step_end``. An
-OOM inside the Trainer's own optimizer step stays outside the retry loop. (Not implemented yet. A callback
-alone cannot do it: with the Trainer's own gradient accumulation, an OOM in micro-batch j > 0 leaves the
-gradients of micro-batches 0..j-1 mixed with part of j's, and the earlier micro-batches are no longer at
-hand, so the step can be neither rolled back nor retried; hence the accumulation has to move inside
-``training_step`` as above.)
+Under a Hugging Face ``Trainer`` the same idea runs in ``memopt.integrations.trainer_recovery``: the Trainer gets
+one accumulation step over its process's global batch and memopt's ``training_step`` runs the plan's
+micro-batches inside it, so after an OOM in forward or backward the gradients are cleared (the Trainer step
+started without any), the plan escalated and the same batch retried. (A callback alone cannot do it: with the
+Trainer's own gradient accumulation, an OOM in micro-batch j > 0 leaves the gradients of micro-batches 0..j-1
+mixed with part of j's, and the earlier micro-batches are no longer at hand.) An OOM inside the Trainer's own
+optimizer step stays outside the retry.
 """
 
 from __future__ import annotations
@@ -368,7 +363,10 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     margin = max(old_margin, budget - target)
     # the running process keeps its allocator mode: its segments exist already, and switching mid-run is not
     # what the planner's allocator simulation (a fresh process) predicts
-    pins = {"expandable_segments": plan.strategy.expandable_segments, **pol.pins}
+    # nor its training method: an OOM never turns full fine-tuning into LoRA, or LoRA into QLoRA, mid-run
+    from memopt.techniques.quantization import extras_pins
+
+    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **pol.pins}
     return dataclasses.replace(pol, margin_fraction=0.0, margin_bytes=int(margin), pins=pins,
                                allow=pol.allow | frozenset(extra_allowances))
 

@@ -61,9 +61,9 @@ class RuntimeGuard:
                  memory: MemorySource | None = None, recover: bool = True, replanner: Replanner | None = None,
                  escalate: EscalateFn | None = None, apply: ApplyFn | None = None, max_escalations: int = 3,
                  transaction: str = "auto", leaks: LeakDetector | bool = True, leak_threshold_bytes: int = 32 * MiB,
-                 leak_window: int = 5, census: bool = True, record_modules: bool = False, calibrate: bool = True,
-                 calibration_dir: str | os.PathLike[str] | None = None, process_group: Any = None,
-                 diagnose_leaks: bool = True) -> None:
+                 leak_window: int = 5, census: bool | str = "auto", record_modules: bool = False,
+                 calibrate: bool = True, calibration_dir: str | os.PathLike[str] | None = None,
+                 process_group: Any = None, diagnose_leaks: bool = True) -> None:
         self.memory = memory if memory is not None else default_memory_source()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank = torch.distributed.get_rank(process_group) if (

@@ -55,6 +55,7 @@ from memopt.guard.memory import (
     SimulatedMemorySource,
     TrackedMemorySource,
     default_memory_source,
+    gradient_bytes,
     state_bytes,
 )
 from memopt.guard.recovery import prediction_is_current, replan_prediction
@@ -150,6 +151,8 @@ class Telemetry:
         # the graph census costs a Python call per saved tensor (~15-45 us: ~12% of a small model's step on an
         # H200), so by default ("auto") it runs only while memory is growing from step to step
         self.census = GraphCensus(device_type) if census and self.memory is not None else None
+        self._cats: dict[str, int] | None = None  # the last count of the state categories (see _categories)
+        self._cats_at: int | None = None
         self._census_auto = census == "auto"
         if leaks is True and self.memory is not None:
             leaks = LeakDetector(threshold_bytes=leak_threshold_bytes, window=leak_window)
@@ -296,8 +299,8 @@ class Telemetry:
         if self.memory is None:
             return
         self._points[point] = self.memory.allocated_bytes() - self._batch_bytes
-        if point == "optimizer" and self.record_categories:
-            self._grads_bytes = self._categories().get("gradients")
+        if point == "optimizer" and self.record_categories and self.memory is not None and self.model is not None:
+            self._grads_bytes = gradient_bytes(self.memory, self.model, self.optimizer)
 
     def end_step(self, *, loss: float | None = None, batch: Any = None, **extra: Any) -> dict[str, Any]:
         """Close the step: write its record, run the leak check; returns the record."""
@@ -368,10 +371,19 @@ class Telemetry:
                 "predicted_peak_reserved_bytes": p.peak_reserved_bytes, "predicted_total_bytes": p.total_bytes,
                 "predicted_step_time_s": p.step_time_s, "budget_bytes": p.budget_bytes}
 
-    def _categories(self) -> dict[str, int]:
+    def _categories(self, *, end: bool = False) -> dict[str, int]:
+        """Parameters, gradients and optimizer states in bytes. Counting them walks every tensor (about 10 ms a
+        step on bert-large when done at each point), so they are counted at a step's end only while they may
+        have changed -- the first steps, while the census is on, or when the step's end moved by 1 MiB or
+        more -- and the last count is reused otherwise (and at the step's start)."""
         if self.memory is None or self.model is None:
             return {}
-        return state_bytes(self.memory, self.model, self.optimizer)
+        now = self._points.get("step_end")
+        stale = (self._cats is None or self.step_index < 2 or (self.census is not None and self.census.active)
+                 or now is None or self._cats_at is None or abs(now - self._cats_at) >= MiB)
+        if self._cats is None or (end and stale):
+            self._cats, self._cats_at = state_bytes(self.memory, self.model, self.optimizer), now
+        return dict(self._cats)
 
     def _evidence(self, *, end: bool) -> dict[str, Any]:
         ev: dict[str, Any] = {}
@@ -379,7 +391,7 @@ class Telemetry:
             ev.update(self.census.snapshot(reset_packed=end).to_dict())
             ev["census"] = True
         if self.record_categories:
-            cats = self._categories()
+            cats = self._categories(end=end)
             for k, v in cats.items():
                 ev[f"{k}_bytes"] = v
             if end and self._grads_bytes is not None:
@@ -389,8 +401,9 @@ class Telemetry:
         return ev
 
     def _toggle_census(self) -> None:
-        """``census="auto"``: on after a step (not the first: optimizer states and gradients appear then)
-        whose end grew by the leak threshold, off again after two steps without such growth."""
+        """``census="auto"``: on after a step (not the first: optimizer states and gradients appear then) whose
+        end grew by the leak threshold, off again after two steps without such growth. (Waiting for two growing
+        steps would leave a leak fast enough to fill the budget within 4 steps without evidence of its cause.)"""
         if not self._census_auto or self.census is None or self.leaks is None:
             return
         series = self.leaks.series.get("step_end", [])

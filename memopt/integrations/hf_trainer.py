@@ -25,17 +25,20 @@ TRAINER_OPTIM = {"adamw_fused": "adamw_torch_fused", "adamw_foreach": "adamw_tor
                  "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit", "sgd": "sgd"}
 
 
-def trainer_arguments(plan: Plan) -> dict[str, Any]:
-    """The TrainingArguments fields that carry out ``plan``."""
+def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1) -> dict[str, Any]:
+    """The TrainingArguments fields that carry out ``plan``. ``micro_batches_inside``: the Trainer gets the whole
+    global batch of its process in one accumulation step, and memopt's ``training_step`` splits it into the
+    plan's micro-batches (what OOM recovery needs, see ``memopt.integrations.trainer_recovery``)."""
     s = plan.strategy
     if s.activation_offload or s.chunked_ce or s.attention != "auto":
         raise ValueError(f"the plan uses techniques a Trainer cannot express ({s.label()}); plan with "
                          "memopt.wrap(trainer, ...) so the search is restricted to what the Trainer supports")
     if s.checkpointing.mode == "selective" or (s.checkpointing.mode == "full" and s.checkpointing.num_blocks):
         raise ValueError("the Trainer checkpoints every block or none; this plan checkpoints some blocks only")
+    per_process = max(1, plan.global_batch // max(1, world_size))
     return {
-        "per_device_train_batch_size": s.micro_batch_size,
-        "gradient_accumulation_steps": s.grad_accum_steps,
+        "per_device_train_batch_size": per_process if micro_batches_inside else s.micro_batch_size,
+        "gradient_accumulation_steps": 1 if micro_batches_inside else s.grad_accum_steps,
         "bf16": s.precision == "bf16_autocast",
         "fp16": s.precision == "fp16_autocast",
         "gradient_checkpointing": s.checkpointing.mode == "full",
@@ -95,8 +98,15 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
 
 def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
                  policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
-                 forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True) -> Any:
-    """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it."""
+                 forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True,
+                 recover: bool = True) -> Any:
+    """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it.
+
+    ``recover``: the plan's micro-batches run inside the Trainer's ``training_step`` (one accumulation step over
+    the process's global batch), so that an out-of-memory error in forward or backward is recovered: the plan is
+    escalated and the same batch retried (``memopt.integrations.trainer_recovery``). ``trainer.memopt_recovery``
+    holds the report."""
+    profile = None
     if plan is None:
         if budget is None:
             raise ValueError("memopt.wrap(trainer) needs budget= (e.g. '24GB') or a saved plan=")
@@ -106,27 +116,41 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
             restricted[key] = list(restricted[key]) + list(values if isinstance(values, (list, tuple)) else [values])
         trainer_pins = {"chunked_ce": 0, "attention": "auto", **(pins or {})}
         sample = _sample_from_trainer(trainer, sample)
+        if recover:  # the same profile serves the plan and, after an OOM, its escalation
+            from memopt.plan.planner import resolve_hardware
+            from memopt.profile.api import profile_model
+
+            hardware = resolve_hardware(hardware)
+            profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
-                         pins=trainer_pins, forbid=restricted, use_cache=use_cache)
+                         pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile)
         # partial checkpointing is not expressible: fall back to the best plan with all or no blocks
         if plan.fits and plan.strategy.checkpointing.num_blocks:
             plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy,
                              fidelity=fidelity, pins={**trainer_pins, "checkpointing": "full"}, forbid=restricted,
-                             use_cache=use_cache)
+                             use_cache=use_cache, profile=profile)
     if not plan.fits:
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
     from memopt.apply.budget import set_expandable_segments
 
     set_expandable_segments(plan.strategy.expandable_segments)
-    for key, value in trainer_arguments(plan).items():
+    world = max(1, getattr(trainer.args, "world_size", 1))
+    for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world).items():
         if value is None and key == "gradient_checkpointing_kwargs":
             continue
         setattr(trainer.args, key, value)
+    if hasattr(trainer, "_train_batch_size"):  # the Trainer copies the batch size at init; its loader reads the copy
+        trainer._train_batch_size = trainer.args.train_batch_size
     if plan.strategy.checkpointing.mode == "full" and hasattr(trainer.model, "gradient_checkpointing_enable"):
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     callback = MemoptCallback(plan, enforce_budget)
     trainer.add_callback(callback)
     trainer.memopt_plan = plan
     trainer.memopt_callback = callback
+    trainer.memopt_recovery = None
+    if recover:
+        from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
+
+        trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile)).install()
     return trainer

@@ -11,10 +11,11 @@ from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, search
+from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search, weights_floor
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
@@ -59,6 +60,7 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
     return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
                          supports_bf16=hw.supports_bf16, causal_lm=profile.family == "causal_lm", vocab_size=vocab,
                          bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
+                         peft_available=peft_installed(),
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch)
 
@@ -99,7 +101,12 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         pol = _calibrated(pol, prof, hw, budget_bytes, notes)
     global_batch = int(prof.sample["batch_size"])
     ctx = _context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
-    result = search(prof, hw, budget_bytes, pol, ctx)
+    estimates = _Estimates(prof, hw)
+
+    def level_check(level: tuple) -> tuple[bool, int | None]:
+        return _level_fits(prof, hw, pol, ctx, budget_bytes, level, estimates)
+
+    result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
     return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start)
 
 
@@ -213,26 +220,52 @@ class _Estimates:
         return Evaluated(s, ev.estimate, fits, ev.total_bytes, "" if fits else "reserved bytes exceed the budget")
 
 
+def _level_fits(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int,
+                level: tuple, estimates: _Estimates) -> tuple[bool, int | None]:
+    """Whether anything of this extras level may fit, and the smallest total found: first from the trace-free
+    weights floor of its most memory-saving candidates, then from their estimates (``_min_footprint``)."""
+    margin = pol.margin(budget)
+    cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol, level)
+    if not cands:
+        return False, None
+    floors = [weights_floor(prof, s, hw) for s in cands]
+    if min(floors) + margin > budget:
+        return False, min(floors)
+    ev = _min_footprint(prof, hw, pol, ctx, budget, estimates, level=level)
+    if ev is None:
+        return False, None
+    # the extremes are near the level's smallest footprint, not provably at it (a plan without offload, or with
+    # a larger micro-batch, can be a little smaller): a level within 5% of fitting is searched in full
+    return ev.total_bytes + margin <= budget * _LEVEL_SKIP_SLACK, ev.total_bytes
+
+
+_LEVEL_SKIP_SLACK = 1.05
+
+
 def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int,
-                   estimates: _Estimates | None = None) -> Evaluated | None:
-    """The smallest total the policy can reach (the most memory-saving value of every technique).
+                   estimates: _Estimates | None = None, level: tuple | None = None) -> Evaluated | None:
+    """The smallest total the policy can reach at extras ``level`` (None: any level), from the most memory-saving
+    value of every technique.
 
     Of the candidates considered, the one with the smallest exact total wins (the first in candidate order on a
     tie). Their allocated totals are lower bounds of the exact ones, so candidates are simulated in the order of
     those bounds and the rest are skipped once a bound cannot beat the best found."""
-    cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol)
+    cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol, level)
     if not cands:
         return None
     est = estimates if estimates is not None else _Estimates(prof, hw)
     margin = pol.margin(budget)
 
-    # memory-saving extremes only: full checkpointing (if any), smallest micro-batch, offload and chunking on
+    # memory-saving extremes only: the most saving extras level, full checkpointing (if any), smallest micro-batch,
+    # the most chunked loss, 8-bit optimizer states. Activation offload and paged states are tried both ways: their
+    # pinned buffers and paged memory count in the total, so on a model whose weights dominate they add more than
+    # they save
     def rank(s: Strategy) -> tuple:
-        return (s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None, not s.activation_offload,
+        return (-extras_saving(s), s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None,
                 -s.chunked_ce, s.optimizer not in ("adamw8bit", "paged_adamw8bit"), not s.expandable_segments)
 
     cands.sort(key=rank)
-    head = [c for c in cands if rank(c) == rank(cands[0])][:8]
+    head = [c for c in cands if rank(c) == rank(cands[0])][:16]
     bounds = sorted((b, i) for i, s in enumerate(head) if (b := est.allocated_total(s)) is not None)
     best: Evaluated | None = None
     best_i = -1
@@ -243,6 +276,33 @@ def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchCont
         if ev.estimate is not None and (best is None or (ev.total_bytes, i) < (best.total_bytes, best_i)):
             best, best_i = ev, i
     return best
+
+
+def _level_name(level: tuple[tuple[str, Any], ...]) -> str:
+    from memopt.techniques.quantization import extras_label
+
+    return extras_label(Strategy(extras=level)) if level else "full fine-tuning"
+
+
+def _method_notes(best: Evaluated, result: SearchResult, budget: int, notes: list[str],
+                  rejected: dict[str, str]) -> None:
+    """Say that the training method changed, and why each higher-fidelity level was passed over."""
+    from memopt.techniques.quantization import method_change_note
+
+    reasons = []
+    for level in result.levels_tried[:-1]:
+        group = [e.total_bytes for e in result.evaluated + result.floored if e.strategy.extras == level]
+        smallest = result.level_minimums.get(level)
+        if smallest is not None:
+            group.append(smallest)
+        need = f"needs {format_bytes(min(group))} + margin at the least" if group else "nothing could be estimated"
+        reasons.append(f"{_level_name(level)}: {need} (budget {format_bytes(budget)})")
+    note = method_change_note(best.strategy)
+    if note:
+        notes.append(note + (" Chosen because nothing of higher fidelity fits: " + "; ".join(reasons) + "."
+                             if reasons else " Chosen by the pins adapter_rank / quant_bits."))
+    if reasons:
+        rejected["extras"] = "; ".join(reasons)
 
 
 def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result: SearchResult, notes: list[str],
@@ -257,6 +317,8 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
     if result.best is not None:
         best = result.best
         rejected, savings = _rejections(best, result.evaluated + result.floored, budget)
+        if best.strategy.extras:
+            _method_notes(best, result, budget, notes, rejected)
         feasible = [e for e in result.feasible if e is not best]
         return Plan(fits=True, strategy=best.strategy, budget_bytes=budget, margin_bytes=margin,
                     prediction=best.estimate.to_dict(), model=model, hardware=hw.name, policy=pol.to_dict(),
@@ -271,7 +333,12 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
         if allowance in pol.allow:
             continue
         relaxed = pol.relaxed(allowance)
-        ev = _min_footprint(prof, hw, relaxed, ctx, budget, estimates)
+        if allowance == "quantized_weights" and "adapters" not in pol.allow:
+            relaxed, allowance = relaxed.relaxed("adapters"), "adapters+quantized_weights"  # QLoRA needs both
+        try:
+            ev = _min_footprint(prof, hw, relaxed, ctx, budget, estimates)
+        except ValueError:
+            continue  # e.g. peft or bitsandbytes not installed
         if ev is not None and smallest is not None and ev.total_bytes < smallest.total_bytes:
             relax.append({"allow": allowance, "reaches_bytes": ev.total_bytes, "fits": ev.fits})
     reach = smallest.total_bytes if smallest is not None else None

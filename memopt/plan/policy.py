@@ -12,11 +12,20 @@ exact              fp32; checkpointing, offload, attention kernels, chunked loss
 bf16_autocast      bf16 autocast over fp32 weights (default where the GPU has bf16)
 mixed_precision    also fp16 autocast with loss scaling, bf16 weights + fp32 masters
 8bit_optimizer     bitsandbytes 8-bit (and paged 8-bit) AdamW states
-lossy              pure bf16 (bf16 optimizer states); quantized weights and adapters
-                   arrive with their own allowances
+lossy              pure bf16 (bf16 optimizer states)
+adapters           train LoRA adapters on a frozen base instead of the whole model
+quantized_weights  store the frozen base's block linears in 8-bit or 4-bit NF4 (with
+                   adapters: QLoRA); needs ``adapters`` too
 ================== ===================================================================
 
-Presets: "exact", "default", "mixed", "8bit", "lossy" (each includes the ones before it).
+Presets: "exact", "default", "mixed", "8bit", "lossy" (each includes the ones before it); "lora" is "8bit"
+plus adapters, "qlora" is "lora" plus quantized weights.
+
+Adapters and quantized weights change what training produces, so the planner climbs them as a ladder: it
+uses them only when nothing of higher fidelity fits (full fine-tuning, then LoRA on the unquantized base,
+then LoRA on an 8-bit base, then on a 4-bit base), and the plan says that the training method changed.
+Pins choose a rung: ``adapter_rank`` (0: full fine-tuning; default rank 16 when adapters are used) and
+``quant_bits`` (0: unquantized base, 4 or 8).
 """
 
 from __future__ import annotations
@@ -28,16 +37,22 @@ from typing import Any
 from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
 from memopt.units import GiB, MiB, parse_bytes
 
-__all__ = ["ALLOWANCES", "FIDELITY_PRESETS", "PINNABLE", "Policy", "fidelity_of"]
+__all__ = ["ALLOWANCES", "DEFAULT_ADAPTER_RANK", "FIDELITY_PRESETS", "PINNABLE", "Policy", "fidelity_of"]
 
-ALLOWANCES = ("exact", "bf16_autocast", "mixed_precision", "8bit_optimizer", "lossy")
+ALLOWANCES = ("exact", "bf16_autocast", "mixed_precision", "8bit_optimizer", "lossy", "adapters",
+              "quantized_weights")
+_8BIT = ("exact", "bf16_autocast", "mixed_precision", "8bit_optimizer")
 FIDELITY_PRESETS: dict[str, tuple[str, ...]] = {
     "exact": ("exact",),
     "default": ("exact", "bf16_autocast"),
     "mixed": ("exact", "bf16_autocast", "mixed_precision"),
-    "8bit": ("exact", "bf16_autocast", "mixed_precision", "8bit_optimizer"),
-    "lossy": ALLOWANCES,
+    "8bit": _8BIT,
+    "lossy": (*_8BIT, "lossy"),
+    "lora": (*_8BIT, "adapters"),
+    "qlora": (*_8BIT, "adapters", "quantized_weights"),
 }
+#: the default LoRA rank when the planner adds adapters (pin ``adapter_rank`` for another)
+DEFAULT_ADAPTER_RANK = 16
 
 # what each choice needs
 _PRECISION_NEEDS = {"fp32": "exact", "bf16_autocast": "bf16_autocast", "fp16_autocast": "mixed_precision",
@@ -54,6 +69,8 @@ PINNABLE = {
     "optimizer": OPTIMIZERS,
     "micro_batch_size": None,  # an int >= 1
     "expandable_segments": (True, False),
+    "adapter_rank": None,  # an int >= 0: LoRA rank, 0 = full fine-tuning (no adapters)
+    "quant_bits": (0, 4, 8),  # frozen base in 4 or 8 bits; 0 = unquantized
 }
 
 
@@ -63,6 +80,10 @@ def fidelity_of(field_name: str, value: Any) -> str:
         return _PRECISION_NEEDS[value]
     if field_name == "optimizer":
         return _OPTIMIZER_NEEDS.get(value, "exact")
+    if field_name == "adapter_rank" and value:
+        return "adapters"
+    if field_name == "quant_bits" and value:
+        return "quantized_weights"
     return "exact"
 
 
@@ -108,10 +129,16 @@ class Policy:
         for key, value in pins.items():
             if key in forbid_out and value in forbid_out[key]:
                 problems.append(f"{key}={value!r} is both pinned and forbidden; drop one of them")
-            if key in ("precision", "optimizer") and value in PINNABLE.get(key, ()) and \
-                    fidelity_of(key, value) not in allow:
+            if ((key in ("precision", "optimizer", "quant_bits") and value in PINNABLE.get(key, ()))
+                    or (key == "adapter_rank" and isinstance(value, int))) and fidelity_of(key, value) not in allow:
                 problems.append(f"pinning {key}={value!r} needs fidelity allowance {fidelity_of(key, value)!r}, "
                                 f"which the policy does not allow (allowed: {', '.join(sorted(allow))})")
+        if "quantized_weights" in allow and "adapters" not in allow:
+            problems.append("fidelity allowance 'quantized_weights' needs 'adapters' too: a quantized frozen base "
+                            "trains nothing without adapters on it; use the preset 'qlora'")
+        if pins.get("quant_bits") in (4, 8) and pins.get("adapter_rank") == 0:
+            problems.append("pins quant_bits and adapter_rank=0 contradict: a quantized base needs adapters; pin "
+                            "an adapter_rank >= 1 or quant_bits=0")
         if pins.get("precision") == "fp16_autocast" and "grad_scaler" in {str(v) for v in forbid_out.get(
                 "loss_scaling", ())}:
             problems.append("precision=fp16_autocast needs loss scaling, which is forbidden")
@@ -169,7 +196,7 @@ def _check_choice(kind: str, key: str, value: Any) -> list[str]:
     if valid is None:
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "micro_batch_size" else 0):
             return [f"{kind} {key}={value!r}: expected a {'positive' if key == 'micro_batch_size' else 'non-negative'}"
-                    " integer"]
+                    " integer" + (" (0: full fine-tuning, no adapters)" if key == "adapter_rank" else "")]
         return []
     if value not in valid:
         return [f"{kind} {key}={value!r}: valid values are {', '.join(map(repr, valid))}"]

@@ -13,12 +13,17 @@ Candidates are evaluated in that order, so nothing is traced that cannot win:
   holds) exceed it: a floor of its allocated peak that needs no trace (``weights_floor``);
 * otherwise it is estimated exactly; the caching allocator is simulated only when its allocated bytes
   fit and it would enter the top ``runners_up + 1`` by time.
+
+Adapters and quantized weights (``Strategy.extras``) are searched as a ladder of fidelity levels
+(:func:`extras_levels`): full fine-tuning first, then LoRA, then LoRA on an 8-bit base, then on a 4-bit base.
+A level is searched only when no candidate of the levels before it fits.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +36,8 @@ from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
-__all__ = ["WEIGHTS_FLOOR_REASON", "Evaluated", "SearchResult", "candidates", "evaluate", "search", "weights_floor"]
+__all__ = ["WEIGHTS_FLOOR_REASON", "Evaluated", "SearchResult", "candidates", "evaluate", "extras_levels", "search",
+           "weights_floor"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -56,10 +62,66 @@ class SearchResult:
     seconds: float
     feasible: list[Evaluated] = field(default_factory=list)
     floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by weights_floor (not estimated)
+    levels_tried: list[tuple[tuple[str, Any], ...]] = field(default_factory=list)  # extras levels, in order
+    # levels skipped because their smallest footprint (bytes, None: not estimable) does not fit
+    level_minimums: dict[tuple[tuple[str, Any], ...], int | None] = field(default_factory=dict)
 
 
-def candidates(ctx: SearchContext, policy: Policy) -> list[Strategy]:
-    """Every combination of the options the policy allows."""
+def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, Any], ...]]:
+    """The ``Strategy.extras`` levels the policy admits, highest fidelity first: none (full fine-tuning), LoRA,
+    LoRA on an 8-bit base, LoRA on a 4-bit NF4 base. Pins ``adapter_rank`` (0: none) and ``quant_bits``
+    (0: unquantized) select levels; the rank is the pinned one or ``DEFAULT_ADAPTER_RANK``. Raises
+    ``ValueError`` when a pin asks for adapters or quantization that is not installed."""
+    from memopt.plan.policy import DEFAULT_ADAPTER_RANK
+    from memopt.techniques.quantization import planner_extras
+
+    rank = policy.pins.get("adapter_rank")
+    bits = policy.pins.get("quant_bits")
+    allow = set(policy.allow) | ({"adapters"} if rank else set()) | ({"quantized_weights"} if bits else set())
+    if bits:
+        allow.add("adapters")
+    levels = planner_extras(allow, bnb_available=ctx.bnb_available, peft_available=ctx.peft_available,
+                            ranks=(rank or DEFAULT_ADAPTER_RANK,), bits=(bits,) if bits else (8, 4))
+    if rank == 0:
+        levels = [lv for lv in levels if not lv]
+    elif rank or bits:
+        levels = [lv for lv in levels if lv]
+    if bits == 0:
+        levels = [lv for lv in levels if "quantization" not in dict(lv)]
+    elif bits:
+        levels = [lv for lv in levels if "quantization" in dict(lv)]
+    levels = [lv for lv in levels if _level_values(lv)[0] not in policy.forbid.get("adapter_rank", ())
+              and _level_values(lv)[1] not in policy.forbid.get("quant_bits", ())]
+    if not levels:
+        missing = [name for name, ok in (("peft", ctx.peft_available), ("bitsandbytes", ctx.bnb_available))
+                   if not ok]
+        raise ValueError(f"the pins adapter_rank={rank!r}, quant_bits={bits!r} leave nothing to plan"
+                         + (f": {' and '.join(missing)} not installed (pip install 'memopt[bnb]' peft)"
+                            if missing else ""))
+    return levels
+
+
+def _level_values(level: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
+    """(adapter rank, quantized bits) of an extras level, 0 where absent: what the pins and forbids name."""
+    d = dict(level)
+    return (int(dict(d["adapters"])["r"]) if "adapters" in d else 0,
+            int(dict(d["quantization"])["bits"]) if "quantization" in d else 0)
+
+
+def extras_saving(s: Strategy) -> int:
+    """How much memory a strategy's extras level saves, by rank: 3 for a 4-bit base, 2 for 8-bit, 1 for
+    adapters on an unquantized base, 0 for full fine-tuning."""
+    q = s.extra("quantization")
+    if q is not None:
+        return 3 if dict(q).get("bits", 4) == 4 else 2
+    return 1 if s.extra("adapters") is not None else 0
+
+
+def candidates(ctx: SearchContext, policy: Policy,
+               extras: tuple[tuple[str, Any], ...] | None = None) -> list[Strategy]:
+    """Every combination of the options the policy allows, with ``extras`` (None: every level of
+    :func:`extras_levels`)."""
+    levels = extras_levels(ctx, policy) if extras is None else [extras]
     options: dict[str, list[Any]] = {}
     for tech in TECHNIQUES:
         values = tech.options(ctx)
@@ -78,13 +140,15 @@ def candidates(ctx: SearchContext, policy: Policy) -> list[Strategy]:
         options[tech.name] = values
     names = list(options)
     out = []
-    for combo in itertools.product(*(options[n] for n in names)):
-        d = dict(zip(names, combo))
-        b = d["micro_batch_size"]
-        out.append(Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
-                            activation_offload=d["activation_offload"], attention=d["attention"],
-                            chunked_ce=d["chunked_ce"], optimizer=d["optimizer"], micro_batch_size=b,
-                            grad_accum_steps=ctx.global_batch // b, expandable_segments=d["expandable_segments"]))
+    for level in levels:
+        for combo in itertools.product(*(options[n] for n in names)):
+            d = dict(zip(names, combo))
+            b = d["micro_batch_size"]
+            out.append(Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
+                                activation_offload=d["activation_offload"], attention=d["attention"],
+                                chunked_ce=d["chunked_ce"], optimizer=d["optimizer"], micro_batch_size=b,
+                                grad_accum_steps=ctx.global_batch // b, expandable_segments=d["expandable_segments"],
+                                extras=level))
     return out
 
 
@@ -159,7 +223,8 @@ def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str
                      extra={"blocks": float(max(profile.full_block_counts, default=1)),
                             "offload_copy_s": 0.5 * terms["saved"]["bytes"]
                             / (hw.host_link_bandwidth * tm.offload_efficiency)})
-    per_pass = base.forward_s + base.backward_s
+    # a frozen base (adapters) computes no weight gradients: its backward does at least half the work
+    per_pass = base.forward_s + base.backward_s * (0.5 if s.extra("adapters") is not None else 1.0)
     for tech in TECHNIQUES:
         per_pass += tech.time_lower_bound(getattr(s, tech.name), base)
     return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
@@ -171,7 +236,8 @@ WEIGHTS_FLOOR_REASON = "weights alone exceed the budget"
 
 def weights_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> int:
     """A lower bound of ``s``'s allocated peak plus runtime bytes that needs no trace: its parameters and buffers
-    in the strategy's weight dtype plus the CUDA runtime (and offload's host-side overhead).
+    in the strategy's weight dtype plus the CUDA runtime (and offload's host-side overhead). With quantized
+    weights, every parameter counts at the quantized width (bits / 8 bytes): the unquantized ones take more.
 
     Sound: ``estimate_strategy`` starts the allocated peak at its static bytes, which hold exactly these
     parameter and buffer bytes (plus inputs and master weights, >= 0), and its runtime bytes add optimizer host
@@ -179,11 +245,16 @@ def weights_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict |
     from memopt.estimate.estimator import _OFFLOAD_RUNTIME_BYTES
     from memopt.techniques.precision import weight_dtype
 
-    key = (s.precision, s.activation_offload)
+    q = s.extra("quantization")
+    bits = int(dict(q).get("bits", 4)) if q is not None else 0
+    key = (s.precision, s.activation_offload, bits)
     if cache is not None and key in cache:
         return cache[key]
     wd = weight_dtype(s.precision)
-    floor = profile.param_bytes(wd) + profile.buffer_bytes(wd) + hw.runtime_overhead_bytes
+    params = profile.param_bytes(wd)
+    if bits:
+        params = min(params, sum(n for n, _, _ in profile.param_sizes) * bits // 8)
+    floor = params + profile.buffer_bytes(wd) + hw.runtime_overhead_bytes
     if s.activation_offload:
         floor += _OFFLOAD_RUNTIME_BYTES
     if cache is not None:
@@ -203,7 +274,7 @@ def _no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
     """``a`` needs no more allocated memory than ``b``: same precision, optimizer and attention kernel, and in
     every other respect at most as much (micro-batch) or at least as much saving (checkpointing, offload,
     chunked loss)."""
-    if (a.precision, a.optimizer, a.attention) != (b.precision, b.optimizer, b.attention):
+    if (a.precision, a.optimizer, a.attention, a.extras) != (b.precision, b.optimizer, b.attention, b.extras):
         return False
     ma, mb = a.checkpointing.mode, b.checkpointing.mode
     if ma != mb and "none" not in (ma, mb):
@@ -218,7 +289,7 @@ def complexity(s: Strategy) -> int:
     """How many techniques a strategy switches on (ties in predicted time go to the simpler plan)."""
     return (int(s.checkpointing.mode != "none") + int(s.activation_offload) + int(s.chunked_ce > 0)
             + int(s.attention != "auto") + int(s.grad_accum_steps > 1) + int(s.precision != "fp32")
-            + int(s.optimizer in ("adamw8bit", "paged_adamw8bit")))
+            + int(s.optimizer in ("adamw8bit", "paged_adamw8bit")) + len(s.extras))
 
 
 def rank(e: Evaluated) -> float:
@@ -227,9 +298,42 @@ def rank(e: Evaluated) -> float:
 
 
 def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy, ctx: SearchContext,
-           *, runners_up: int = 3, base_group: str = "amp") -> SearchResult:
+           *, runners_up: int = 3, base_group: str = "amp",
+           level_check: Callable[[tuple[tuple[str, Any], ...]], tuple[bool, int | None]] | None = None
+           ) -> SearchResult:
+    """The fastest fitting strategy of the first extras level (:func:`extras_levels`) where any fits.
+
+    ``level_check(level)`` -> (whether the level's smallest footprint fits, that footprint): a level that cannot
+    fit is skipped without searching it (the last level is always searched, for the infeasibility report)."""
+    levels = extras_levels(ctx, policy)
+    result = SearchResult(best=None, evaluated=[], num_candidates=0, pruned_slower=0, pruned_too_big=0, seconds=0.0)
+    for i, level in enumerate(levels):
+        result.levels_tried.append(level)
+        if level_check is not None and i < len(levels) - 1:
+            t0 = time.perf_counter()
+            ok, smallest = level_check(level)
+            result.seconds += time.perf_counter() - t0
+            if not ok:
+                result.level_minimums[level] = smallest
+                continue
+        r = _search_level(profile, hw, budget_bytes, policy, ctx, level, runners_up=runners_up,
+                          base_group=base_group)
+        result.best, result.feasible = r.best, r.feasible
+        result.evaluated += r.evaluated
+        result.floored += r.floored
+        result.num_candidates += r.num_candidates
+        result.pruned_slower += r.pruned_slower
+        result.pruned_too_big += r.pruned_too_big
+        result.seconds += r.seconds
+        if result.best is not None:
+            break
+    return result
+
+
+def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy, ctx: SearchContext,
+                  level: tuple[tuple[str, Any], ...], *, runners_up: int, base_group: str) -> SearchResult:
     start = time.perf_counter()
-    cands = candidates(ctx, policy)
+    cands = candidates(ctx, policy, level)
     margin = policy.margin(budget_bytes)
     total_blocks = max(profile.full_block_counts, default=0)
     if base_group == "amp" and not hw.supports_bf16:

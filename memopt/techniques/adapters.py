@@ -43,10 +43,18 @@ __all__ = [
     "find_target_linears",
     "load_adapter_state_dict",
     "optimizer_state_bytes",
+    "peft_installed",
     "target_shapes",
 ]
 
 ADAPTER_KINDS: tuple[str, ...] = ("lora", "dora")
+
+def peft_installed() -> bool:
+    """Whether peft is installed, without importing it (the planner only needs to know adapters can be made)."""
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
 ADAPTER_FIDELITY = "adapters"  # the policy allowance this technique needs
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 optimizer states for smaller tensors
 BNB_OPT_BLOCKSIZE = 256  # 8-bit optimizer states: one fp32 absmax per 256 values

@@ -59,9 +59,13 @@ __all__ = [
     "dequant_time_s",
     "dequant_traffic_bytes",
     "extras_label",
+    "extras_pins",
     "fidelity_needs",
+    "is_quantized",
+    "load_peak_bytes",
     "load_quantized",
     "method_change_note",
+    "model_skeleton",
     "planner_extras",
     "qlora",
     "quantization_targets",
@@ -303,9 +307,26 @@ def _set_flag(model: nn.Module, setting: QuantSetting) -> Callable[[], None]:
     return undo
 
 
+def is_quantized(model: nn.Module) -> bool:
+    """Whether the model's linears are bitsandbytes-quantized already (``load_quantized``, Hugging Face's loader)."""
+    return any(type(m).__name__ in ("Linear4bit", "Linear8bitLt", "FakeLinear4bit", "FakeLinear8bitLt")
+               for m in model.modules())
+
+
+def extras_pins(strategy: Strategy) -> dict[str, int]:
+    """Pins that keep the strategy's extras level in a re-plan (autotune, OOM recovery): switching the training
+    method mid-run, or to win a timing, is not the planner's call."""
+    q, a = _settings(strategy)
+    return {"adapter_rank": a.r if a is not None else 0, "quant_bits": q.bits if q is not None else 0}
+
+
 def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any], *, fake: bool = False,
-                       targets: Sequence[str] | None = None) -> Callable[[], None]:
+                       targets: Sequence[str] | None = None,
+                       device: torch.device | str | None = None) -> Callable[[], None]:
     """Replace the target linears by frozen quantized layers (bitsandbytes; stand-ins when ``fake``).
+
+    ``device``: where the quantized weights go (default: where each weight is). Quantizing a model still on
+    the host straight onto the GPU, layer by layer, keeps its full-precision weights off the GPU.
 
     Returns the undo, which puts the original modules back with their weights bitwise unchanged. While the
     model is quantized the original weights are kept on the host (a weight on an accelerator is moved to CPU
@@ -332,7 +353,7 @@ def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any],
                 return cls8.from_linear(linear)
     else:
         def make(linear: nn.Linear) -> nn.Module:
-            return quantize_linear(linear, setting)
+            return quantize_linear(linear, setting, device=device)
 
     replaced: list[tuple[str, nn.Module, torch.device | None, torch.dtype | None]] = []
     try:
@@ -403,8 +424,9 @@ def apply_qlora(model: nn.Module, quantization: QuantSetting | dict[str, Any] | 
 # loading quantized
 # --------------------------------------------------------------------------------------------------------
 
-def _skeleton(spec: Any) -> nn.Module:
-    """The model with parameters on meta and buffers real (non-persistent buffers are not in checkpoints)."""
+def model_skeleton(spec: Any) -> nn.Module:
+    """The model of ``spec`` with parameters on meta and buffers real (non-persistent buffers such as rotary
+    ``inv_freq`` are not in checkpoints): what ``load_quantized`` fills."""
     from accelerate import init_empty_weights
 
     from memopt.models import build_model
@@ -431,7 +453,7 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
     setting = QuantSetting.parse(setting)
     device = torch.device(device)
     if not isinstance(model, nn.Module):
-        model = _skeleton(model)
+        model = model_skeleton(model)
     paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
     names = list(targets) if targets is not None else quantization_targets(model)
     groups = {n: g for g in tied_parameter_groups(model) for n in g}
@@ -502,6 +524,48 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
             raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}.{hint}")
     setattr(model, _flag_name(setting), True)
     return model
+
+
+def load_peak_bytes(model: nn.Module, setting: QuantSetting | dict[str, Any] | None, *,
+                    dtype: torch.dtype = torch.bfloat16, checkpoint_dtype: torch.dtype = torch.bfloat16,
+                    targets: Sequence[str] | None = None) -> int:
+    """Peak bytes allocated on the device while :func:`load_quantized` fills ``model`` (on meta or real: only
+    shapes are read), allocator-rounded.
+
+    The targets load first: the quantized weights so far, plus for the one being quantized its weight in the
+    compute dtype (the checkpoint's when 8-bit) and the 4-bit quantizer's temporaries (the fp32 block absmax,
+    and with double quantization the absmax minus its mean); then the other parameters and buffers, in
+    ``dtype``. Without ``setting`` nothing is quantized: everything loads in ``dtype``."""
+    r = allocator_size
+    q = QuantSetting.parse(setting) if setting is not None else None
+    names = (list(targets) if targets is not None else quantization_targets(model)) if q is not None else []
+    seen: set[int] = set()
+    quantized = transient = 0
+    for name in names:
+        linear = model.get_submodule(name)
+        o, i = linear.out_features, linear.in_features
+        assert q is not None
+        seen.add(id(linear.weight))
+        if linear.bias is not None:
+            seen.add(id(linear.bias))
+            quantized += r(linear.bias.numel() * torch.empty((), dtype=dtype).element_size())
+        n = o * i
+        if q.bits == 4:
+            blocks = -(-n // q.blocksize)
+            source = r(n * torch.empty((), dtype=q.torch_compute_dtype).element_size())
+            temps = r(blocks * 4) * (2 if q.double_quant else 1)
+        else:
+            source = r(n * torch.empty((), dtype=checkpoint_dtype).element_size())
+            temps = r(n)  # int8 codes before the row scales settle
+        transient = max(transient, quantized + source + temps)
+        quantized += quantized_weight_bytes(o, i, q).total
+    rest = 0
+    for p in model.parameters():  # each distinct tensor once (tied weights load once)
+        if id(p) not in seen:
+            seen.add(id(p))
+            rest += r(p.numel() * torch.empty((), dtype=dtype if p.is_floating_point() else p.dtype).element_size())
+    rest += sum(r(b.numel() * b.element_size()) for b in model.buffers())
+    return max(transient, quantized + rest)
 
 
 # --------------------------------------------------------------------------------------------------------

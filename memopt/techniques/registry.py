@@ -33,6 +33,7 @@ class SearchContext:
     user_optimizer: bool
     attention_backends: tuple[str, ...] = ("auto",)
     max_micro_batch: int | None = None
+    peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
 
 
 @dataclass(frozen=True)

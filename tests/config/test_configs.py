@@ -224,7 +224,8 @@ def test_sweeps_are_checked_per_value():
 
 def test_required_recipes_are_shipped():
     assert {"llama3_8b_full_ft_h100", "qwen2_7b_24gb", "gpt2_pretrain_16gb", "vit_base_t4",
-            "bert_large_a100_40gb"} <= set(_recipes())
+            "bert_large_a100_40gb", "llama3_8b_qlora_12gb", "llama3_8b_qlora_24gb", "llama3_8b_lora_40gb"
+            } <= set(_recipes())
 
 
 @pytest.mark.parametrize("name", _recipes())
@@ -240,7 +241,8 @@ _EXPECT_FIT = {"qwen2_7b_24gb": False}
 # Cold-cache plan times on the 2-core CPU (user CPU seconds, including ~7 s of imports): gpt2_pretrain_16gb 34,
 # vit_base_t4 20, bert_large_a100_40gb 19, qwen2_7b_24gb 232 (16 layers: 180; the search, not the depth, costs),
 # llama3_8b_full_ft_h100 110 (4 layers: 38). Only Llama is planned with fewer layers; the rest at full size.
-_REDUCED = {"llama3_8b_full_ft_h100": ["model.hf_config.num_hidden_layers=4"]}
+_REDUCED = {name: ["model.hf_config.num_hidden_layers=4"] for name in (
+    "llama3_8b_full_ft_h100", "llama3_8b_qlora_12gb", "llama3_8b_qlora_24gb", "llama3_8b_lora_40gb")}
 
 
 @pytest.mark.slow

@@ -81,8 +81,8 @@ def test_json_output_is_the_plan(cli_env, tmp_path):
 def test_help_lists_the_groups(cli_env, tmp_path):
     proc = run_cli(["--help"], cli_env, tmp_path)
     assert proc.returncode == 0
-    for part in ("python -m memopt.plan", "model: ", "hardware: ", "policy: 8bit, default, exact, lossy, mixed",
-                 "training: ", "Exit status"):
+    for part in ("python -m memopt.plan", "model: ", "hardware: ",
+                 "policy: 8bit, default, exact, lora, lossy, mixed, qlora", "training: ", "Exit status"):
         assert part in proc.stdout, part
 
 

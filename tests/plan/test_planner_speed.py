@@ -12,7 +12,7 @@ from memopt.models import with_overrides
 from memopt.plan import Policy
 from memopt.plan.planner import _context, _Estimates, _min_footprint
 from memopt.plan.policy import ALLOWANCES
-from memopt.plan.search import candidates, evaluate, weights_floor
+from memopt.plan.search import candidates, evaluate, extras_saving, weights_floor
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40960})
@@ -38,13 +38,13 @@ def _brute_min(prof, pol, ctx, budget):
     """The report's smallest footprint as it was computed before the bounds: every head candidate simulated."""
     cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol)
 
-    def rank(s):
-        return (s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None, not s.activation_offload,
+    def rank(s):  # the most saving extras level, then the memory-saving extremes; offload tried both ways
+        return (-extras_saving(s), s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None,
                 -s.chunked_ce, s.optimizer not in ("adamw8bit", "paged_adamw8bit"), not s.expandable_segments)
 
     cands.sort(key=rank)
     best = None
-    for s in [c for c in cands if rank(c) == rank(cands[0])][:8]:
+    for s in [c for c in cands if rank(c) == rank(cands[0])][:16]:
         ev = evaluate(prof, s, HW, budget, pol.margin(budget))
         if ev.estimate is not None and (best is None or ev.total_bytes < best.total_bytes):
             best = ev

@@ -1,0 +1,177 @@
+"""OOM recovery under a Hugging Face ``Trainer``: the plan's micro-batches run inside ``training_step``.
+
+With the Trainer's own gradient accumulation an out-of-memory error in micro-batch j > 0 leaves the gradients
+of micro-batches 0..j-1 mixed with part of j's, and the earlier micro-batches are no longer at hand: the step
+can be neither rolled back nor retried. So ``memopt.wrap(trainer, ...)`` (``recover=True``, the default) sets
+the Trainer to one accumulation step over the whole global batch per process, and ``MicroBatchedTrainingStep``
+replaces ``trainer.training_step``: it splits that batch into the plan's micro-batches and runs the Trainer's own
+``training_step`` on each. At the start of a Trainer step the gradients are empty (the Trainer zeroes them after
+every optimizer step), so after an OOM anywhere in forward or backward they are cleared, the plan is escalated
+(a smaller micro-batch, then more checkpointing; precision and optimizer stay), and the same batch is retried:
+no sample is skipped or counted twice, and the step count is unchanged.
+
+Exactness: when the Trainer normalizes the loss by the number of loss tokens of the whole batch
+(``num_items_in_batch``, the default for Hugging Face models), every micro-batch's loss is already a share of the
+batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean loss is weighted by its
+share of the batch's loss tokens (samples, for per-sample labels) before backward.
+
+An OOM inside the Trainer's optimizer step is outside this retry (the Trainer owns that step); it propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from memopt.apply.train_step import count_loss_items, split_batch
+from memopt.guard.recovery import EscalationFailed, MemoptOOMError, OOMMeasurement, RecoveryReport, step_down
+from memopt.plan.schema import Plan
+from memopt.strategy import Checkpointing
+
+__all__ = ["MicroBatchedTrainingStep", "trainer_escalator"]
+
+Escalate = Callable[[Plan, OOMMeasurement | None, int], Plan]
+
+
+def trainer_escalator(profile: Any = None) -> Escalate:
+    """Escalation a running Trainer can apply: the planner on ``profile`` (or ``step_down`` without one) with the
+    running precision and optimizer pinned; the Trainer checkpoints every block or none, so a plan that
+    checkpoints some blocks becomes one that checkpoints all (never less saving)."""
+    def escalate(plan: Plan, measured: OOMMeasurement | None, attempt: int) -> Plan:
+        s = plan.strategy
+        pins = {**plan.policy.get("pins", {}), "precision": s.precision, "optimizer": s.optimizer}
+        pinned = dataclasses.replace(plan, policy={**plan.policy, "pins": pins})
+        if profile is not None:
+            from memopt.guard.recovery import PlanEscalator
+
+            new = PlanEscalator(profile)(pinned, measured, attempt)
+        else:
+            new = step_down(pinned, measured, attempt)
+        if new.strategy.checkpointing.mode != "none" and new.strategy.checkpointing.num_blocks is not None:
+            new = dataclasses.replace(new, strategy=new.strategy.replace(checkpointing=Checkpointing(mode="full")))
+        return new
+
+    return escalate
+
+
+class MicroBatchedTrainingStep:
+    """``trainer.training_step`` over the plan's micro-batches, retried after an OOM with an escalated plan."""
+
+    def __init__(self, trainer: Any, plan: Plan, *, escalate: Escalate | None = None, max_escalations: int = 3,
+                 causal_lm: bool | None = None) -> None:
+        self.trainer = trainer
+        self.plan = plan
+        self.escalate = escalate or trainer_escalator()
+        self.max_escalations = max_escalations
+        self.report = RecoveryReport()
+        self._original = trainer.training_step  # the Trainer's bound method
+        model = trainer.model
+        self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
+        self._attempts = 0  # attempts of the current step (after the first): what the report counts
+
+    # -- installing ------------------------------------------------------------------------------
+    def install(self) -> MicroBatchedTrainingStep:
+        self.trainer.training_step = self
+        return self
+
+    def uninstall(self) -> None:
+        if self.trainer.__dict__.get("training_step") is self:
+            del self.trainer.training_step
+
+    # -- the step -----------------------------------------------------------------------------------
+    def __call__(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        attempt = 1
+        while True:
+            try:
+                return self._run(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as exc:
+                failure = self._failure(exc, attempt)
+                self._free(model)
+                self.report.failures.append(failure)
+                if attempt > self.max_escalations:
+                    self.report.final = f"gave up after {self.max_escalations} escalations"
+                    raise MemoptOOMError(f"out of memory {attempt} times in one Trainer step; the model, optimizer "
+                                         "and data position are as before this step", self.report) from exc
+                try:
+                    new = self.escalate(self.plan, failure, attempt)
+                except (EscalationFailed, ValueError) as esc:
+                    self.report.final = f"no plan needs less memory: {esc}"
+                    raise MemoptOOMError(f"out of memory and no smaller plan: {esc}; the model, optimizer and data "
+                                         "position are as before this step", self.report) from exc
+                self._apply(new, model, attempt)
+                attempt += 1
+
+    def _run(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        micro = split_batch(inputs, self.plan.strategy.micro_batch_size)
+        if len(micro) == 1:
+            return self._original(model, inputs, num_items_in_batch)
+        tr = self.trainer
+        normalized = (num_items_in_batch is not None and tr.compute_loss_func is None
+                      and getattr(tr, "model_accepts_loss_kwargs", False)) or (
+                          num_items_in_batch is not None and tr.compute_loss_func is not None)
+        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
+        total_items = max(1, sum(counts))
+        total: torch.Tensor | None = None
+        for mb, n in zip(micro, counts):
+            with contextlib.nullcontext() if normalized else self._weighted(n / total_items):
+                loss = self._original(model, mb, num_items_in_batch)
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total
+
+    @contextlib.contextmanager
+    def _weighted(self, weight: float) -> Iterator[None]:
+        """The Trainer's ``compute_loss`` scaled by ``weight`` (the micro-batch's share of the batch's mean)."""
+        tr = self.trainer
+        original = tr.compute_loss
+
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(out, tuple):
+                return (out[0] * weight, *out[1:])
+            return out * weight
+
+        tr.compute_loss = scaled
+        try:
+            yield
+        finally:
+            if tr.__dict__.get("compute_loss") is scaled:
+                del tr.compute_loss
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def _failure(self, exc: BaseException, attempt: int) -> OOMMeasurement:
+        from memopt.guard.recovery import parse_oom_message
+
+        figures = parse_oom_message(str(exc))
+        return OOMMeasurement(step=int(getattr(self.trainer.state, "global_step", 0)), attempt=attempt,
+                              phase="forward/backward", location="before_optimizer", message=str(exc)[:300],
+                              strategy=self.plan.strategy.label(), requested_bytes=figures["requested_bytes"],
+                              allocated_bytes=figures["allocated_bytes"])
+
+    @staticmethod
+    def _free(model: torch.nn.Module) -> None:
+        """Drop what the failed attempt left: its gradients (the step started without any), then cached blocks."""
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _apply(self, new: Plan, model: torch.nn.Module, attempt: int) -> None:
+        old = self.plan.strategy
+        s = new.strategy
+        if s.checkpointing.mode != "none" and old.checkpointing.mode == "none":
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise MemoptOOMError("the escalated plan checkpoints activations, which this model cannot do under "
+                                     "the Trainer (no gradient_checkpointing_enable)", self.report)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.trainer.args.gradient_checkpointing = True
+        self.report.replans.append({"attempt": attempt, "step": int(getattr(self.trainer.state, "global_step", 0)),
+                                    "from": old.label(), "to": s.label()})
+        self.plan = new
+        self.trainer.memopt_plan = new
