@@ -432,7 +432,13 @@ def model_skeleton(spec: Any) -> nn.Module:
     from memopt.models import build_model
 
     with init_empty_weights(include_buffers=False):
-        return build_model(spec, device="cpu")
+        model = build_model(spec, device="cpu")
+    # init_empty_weights re-registers every parameter, which unties tied ones (an LM head sharing the input
+    # embedding): tie them again, or the head loads as a second copy -- found on the H200 as +544 MB on a
+    # Qwen2.5-0.5B LoRA run whose plan (built with the tie) was right
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    return model
 
 
 def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], setting: QuantSetting | dict[str, Any],
@@ -492,7 +498,7 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
             _set_module(model, name, quantize_linear(linear, setting, weight=source, device=device))
             del source
         done: dict[str, nn.Parameter] = {}
-        for name, p in list(model.named_parameters()):
+        for name, p in list(model.named_parameters(remove_duplicate=False)):  # every name of a tied tensor
             if p.device.type != "meta":
                 continue
             owner_name, _, attr = name.rpartition(".")

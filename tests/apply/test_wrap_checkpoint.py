@@ -91,3 +91,28 @@ def test_wrap_with_a_checkpoint_and_full_fine_tuning_loads_in_the_plan_dtype(che
 def test_a_meta_model_without_checkpoint_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="checkpoint="):
         memopt.wrap(model_skeleton("tiny_llama"), budget="4GB", sample=SAMPLE, hardware="h200")
+
+
+def test_a_tied_lm_head_stays_one_tensor_through_the_skeleton_and_the_load(tmp_path):
+    # init_empty_weights unties tied parameters; a second LM head copy (+544 MB on Qwen2.5-0.5B) was measured on
+    # the H200 before the skeleton re-tied them
+    from safetensors.torch import save_file
+
+    from memopt.models import with_overrides
+
+    spec = with_overrides("qwen25_0_5b", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2})
+    model = build_model(spec, device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    path = tmp_path / "tied.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(path))  # no lm_head key
+    skeleton = model_skeleton(spec)
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    one_copy = load_peak_bytes(skeleton, None, dtype=torch.float32)
+    loaded = load_quantized(skeleton, path, QuantSetting(), "cpu", dtype=torch.float32, targets=[])
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    head = allocator_size(model.lm_head.weight.numel() * 4)
+    distinct = sum(allocator_size(p.numel() * 4) for p in model.parameters())  # parameters() yields a tie once
+    buffers = sum(allocator_size(b.numel() * b.element_size()) for b in model.buffers())
+    assert one_copy == distinct + buffers and head > 0
