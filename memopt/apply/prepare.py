@@ -146,8 +146,9 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         master = None
         if strategy.precision == "bf16_master":
             target = move_to if move_to is not None else (params[0].device if params else None)
-            # with adapters the trained parameters are the new adapter weights: their own values are the sources
-            sources = [p.detach().float() for p in params] if adapters else [o.detach().to(target) for o in originals]
+            # with adapters the trained parameters are the new adapter weights: each master starts from its own
+            # parameter (MasterWeights' default), not from the base model's originals
+            sources = None if adapters else [o.detach().to(target) for o in originals]
             master = MasterWeights(params, sources=sources)
             params = master.masters
         opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), fake, host_device)

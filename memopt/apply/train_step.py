@@ -46,10 +46,8 @@ def split_batch(batch: dict[str, Any], micro_batch_size: int) -> list[dict[str, 
 def count_loss_items(batch: dict[str, Any], *, causal: bool = False) -> int:
     """Tokens that carry loss (labels != -100), or samples when labels are per-sample. A causal LM predicts
     token i+1 at position i, so the first label of each row carries no loss (``causal=True``)."""
-    labels = batch.get("labels")
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
-        if causal:
-            labels = labels[..., 1:]
+    labels = _token_labels(batch, causal)
+    if labels is not None:
         if type(labels).__name__ == "FakeTensor":
             return labels.numel()  # a fake batch has no values: every label counts
         return int((labels != -100).sum())
@@ -57,6 +55,14 @@ def count_loss_items(batch: dict[str, Any], *, causal: bool = False) -> int:
         if isinstance(v, torch.Tensor):
             return v.shape[0]
     raise ValueError("cannot count the samples of a batch with no tensors")
+
+
+def _token_labels(batch: dict[str, Any], causal: bool) -> torch.Tensor | None:
+    """The per-token labels that can carry loss (shifted by one for a causal LM), or None (per-sample labels)."""
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+        return labels[..., 1:] if causal else labels
+    return None
 
 
 def default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -97,12 +103,11 @@ def _stage(micro: list[dict[str, Any]], device: torch.device | str | None) -> li
 
 def _loss_item_counts(micro: list[dict[str, Any]], causal: bool) -> list[int]:
     """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them."""
-    pending = []
+    pending: list[int | torch.Tensor] = []
     for mb in micro:
-        labels = mb.get("labels")
-        if (isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.device.type != "cpu"
-                and type(labels).__name__ != "FakeTensor"):
-            pending.append(((labels[..., 1:] if causal else labels) != -100).sum())
+        labels = _token_labels(mb, causal)
+        if labels is not None and labels.device.type != "cpu" and type(labels).__name__ != "FakeTensor":
+            pending.append((labels != -100).sum())  # summed on the device, read back with the others
         else:
             pending.append(count_loss_items(mb, causal=causal))
     on_device = [i for i, c in enumerate(pending) if isinstance(c, torch.Tensor)]

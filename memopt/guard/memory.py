@@ -128,8 +128,8 @@ class CudaMemorySource:
 
     def _stats(self) -> dict[str, Any]:
         """The allocator's counters as the nested dict PyTorch builds in C++. ``torch.cuda.memory_allocated`` and
-        its siblings each flatten the whole dict in Python first (about 1 ms a call): a guard reading them
-        several times per micro-batch slowed a 0.13 s step by 8%."""
+        its siblings each flatten the whole dict in Python first: 113 us a call against 9.5 us for this one
+        (measured on the H200, torch 2.11), and the guard reads them several times per micro-batch."""
         nested = getattr(torch._C, "_cuda_memoryStats", None)
         if nested is None:  # pragma: no cover - other PyTorch builds
             return torch.cuda.memory_stats_as_nested_dict(self.device)

@@ -29,7 +29,15 @@ from typing import Any
 import torch
 
 from memopt.apply.train_step import count_loss_items, split_batch
-from memopt.guard.recovery import EscalationFailed, MemoptOOMError, OOMMeasurement, RecoveryReport, step_down
+from memopt.guard.recovery import (
+    EscalationFailed,
+    MemoptOOMError,
+    OOMMeasurement,
+    PlanEscalator,
+    RecoveryReport,
+    parse_oom_message,
+    step_down,
+)
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
 
@@ -47,8 +55,6 @@ def trainer_escalator(profile: Any = None) -> Escalate:
         pins = {**plan.policy.get("pins", {}), "precision": s.precision, "optimizer": s.optimizer}
         pinned = dataclasses.replace(plan, policy={**plan.policy, "pins": pins})
         if profile is not None:
-            from memopt.guard.recovery import PlanEscalator
-
             new = PlanEscalator(profile)(pinned, measured, attempt)
         else:
             new = step_down(pinned, measured, attempt)
@@ -72,7 +78,6 @@ class MicroBatchedTrainingStep:
         self._original = trainer.training_step  # the Trainer's bound method
         model = trainer.model
         self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
-        self._attempts = 0  # attempts of the current step (after the first): what the report counts
 
     # -- installing ------------------------------------------------------------------------------
     def install(self) -> MicroBatchedTrainingStep:
@@ -111,9 +116,9 @@ class MicroBatchedTrainingStep:
         if len(micro) == 1:
             return self._original(model, inputs, num_items_in_batch)
         tr = self.trainer
-        normalized = (num_items_in_batch is not None and tr.compute_loss_func is None
-                      and getattr(tr, "model_accepts_loss_kwargs", False)) or (
-                          num_items_in_batch is not None and tr.compute_loss_func is not None)
+        # the loss is already a share of the whole batch's when the Trainer divides by the batch's loss tokens
+        normalized = num_items_in_batch is not None and (
+            tr.compute_loss_func is not None or getattr(tr, "model_accepts_loss_kwargs", False))
         counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
         total_items = max(1, sum(counts))
         total: torch.Tensor | None = None
@@ -145,8 +150,6 @@ class MicroBatchedTrainingStep:
 
     # -- recovery -----------------------------------------------------------------------------------
     def _failure(self, exc: BaseException, attempt: int) -> OOMMeasurement:
-        from memopt.guard.recovery import parse_oom_message
-
         figures = parse_oom_message(str(exc))
         return OOMMeasurement(step=int(getattr(self.trainer.state, "global_step", 0)), attempt=attempt,
                               phase="forward/backward", location="before_optimizer", message=str(exc)[:300],

@@ -528,7 +528,8 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
                     "spec, or build the module under accelerate.init_empty_weights(include_buffers=False)."
                     if meta_buffers else "")
             raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]}.{hint}")
-    setattr(model, _flag_name(setting), True)
+    if names:  # peft reads the flag to pick its bitsandbytes layers: only a quantized model carries it
+        setattr(model, _flag_name(setting), True)
     return model
 
 
