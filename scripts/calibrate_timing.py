@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import memopt
-from memopt.estimate.timing import TimingModel, terms_time
+from memopt.estimate.timing import TimingModel, host_time, terms_time
 from memopt.models import with_overrides
 from memopt.validation.rows import Row
 
@@ -46,7 +46,7 @@ def main() -> int:
                          dispatch_s=disp)
         errs = []
         for _, t, y in data:
-            pass_s = max(terms_time(t["pass"], tm), t["pass"]["launches"] * disp)
+            pass_s = max(terms_time(t["pass"], tm), host_time(t["pass"], tm))
             pred = pass_s * t["micro_batches"] + terms_time(t["optimizer"], tm)
             errs.append(abs(pred - y) / y)
         score = statistics.median(errs) + 0.5 * statistics.mean(errs)

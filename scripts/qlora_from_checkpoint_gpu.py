@@ -67,7 +67,7 @@ def make_checkpoint(spec: str, out_dir: Path, shard_bytes: int = 2 * 10**9) -> l
     return paths
 
 
-def run(plan_path: Path, ckpt_dir: Path, steps: int) -> dict:
+def run(plan_path: Path, ckpt_dir: Path, steps: int, cap: bool = True) -> dict:
     import memopt
     from memopt.apply.budget import outside_allocator_bytes
     from memopt.models import SampleSpec, make_batch
@@ -88,7 +88,8 @@ def run(plan_path: Path, ckpt_dir: Path, steps: int) -> dict:
                  "predicted_peak_reserved_bytes": plan.peak_reserved_bytes,
                  "predicted_total_bytes": plan.total_bytes, "predicted_step_s": plan.step_time_s}
     try:
-        w = memopt.wrap(spec, checkpoint=shards, plan=plan, lr=1e-4)
+        w = memopt.wrap(spec, checkpoint=shards, plan=plan, lr=1e-4, enforce_budget=cap)
+        row["capped"] = cap
         row["load_s"] = time.perf_counter() - t0
         row["measured_load_peak_allocated_bytes"] = w.load_peak_allocated_bytes
         row["cap_fraction"] = getattr(w, "cap_fraction", None)
@@ -108,6 +109,13 @@ def run(plan_path: Path, ckpt_dir: Path, steps: int) -> dict:
         row["first_step_s"] = times[0]
         row["tokens_per_s"] = plan.global_batch * int(plan.model["sample"]["seq_len"]) / row["measured_step_s"]
         row["trainable_params"] = sum(p.numel() for p in w.model.parameters() if p.requires_grad)
+        # what trained: the guard recovers from an OOM by re-planning, so "strategy" (the plan as loaded) is not
+        # always what ran (session 5's unchunked diagnostic rows stepped down to 2 x 4 unrecorded)
+        row["final_strategy"] = w.plan.strategy.label()
+        if w.guard is not None:
+            events = w.guard.telemetry.events
+            row["ooms"] = [{k: e.get(k) for k in ("phase", "strategy")} for e in events if e["kind"] == "oom"]
+            row["replans"] = [e.get("strategy") for e in events if e["kind"] == "replan"]
         w.close()
     except torch.OutOfMemoryError as exc:
         row["fits_under_cap"] = False
@@ -116,6 +124,8 @@ def run(plan_path: Path, ckpt_dir: Path, steps: int) -> dict:
         return row
     row["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     row["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    # cudaMalloc retries (the allocator freed its cache and tried again): each costs a device sync
+    row["num_alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
     row["outside_allocator_bytes"] = outside_allocator_bytes()
     row["measured_total_bytes"] = row["measured_peak_reserved_bytes"] + row["outside_allocator_bytes"]
     free, total = torch.cuda.mem_get_info()
@@ -131,13 +141,14 @@ def main() -> None:
     ap.add_argument("--plan", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--no-cap", action="store_true", help="do not cap the allocator (time without memory pressure)")
     args = ap.parse_args()
     if args.what == "make-checkpoint":
         t = time.perf_counter()
         paths = make_checkpoint(args.spec, args.dir)
         print(f"{len(paths)} shards in {time.perf_counter() - t:.1f} s")
         return
-    row = run(args.plan, args.dir, args.steps)
+    row = run(args.plan, args.dir, args.steps, cap=not args.no_cap)
     print(json.dumps(row, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

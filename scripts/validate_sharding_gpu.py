@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from memopt.distributed.sharding import prepare_deepspeed_build_env  # noqa: E402
 from memopt.units import GiB  # noqa: E402
 from memopt.validation.sharded_cases import (  # noqa: E402
     ShardedCase,
@@ -79,11 +80,14 @@ def baseline_attempts(case: ShardedCase) -> list[tuple[ShardedCase, dict[str, An
     return out
 
 
-def prebuild_deepspeed_ops(log: Path) -> dict[str, Any]:
-    """JIT-build DeepSpeed's CPU Adam once (about two minutes) so no case's time includes it."""
+def prebuild_deepspeed_ops(log: Path, fused_adam: bool = False) -> dict[str, Any]:
+    """JIT-build DeepSpeed's CPU Adam (and FusedAdam) once (about two minutes) so no case's time includes it."""
     t = time.perf_counter()
     code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(); print('cpu_adam ok')"
+    if fused_adam:  # ZeRO without optimizer offload updates on the GPU with DeepSpeed's FusedAdam
+        code += "; from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(); print('fused ok')"
     env = {**os.environ, "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 8))}
+    prepare_deepspeed_build_env(env)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     log.write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
     return {"prebuild_s": time.perf_counter() - t, "ok": proc.returncode == 0}
@@ -98,6 +102,11 @@ def launch(case: ShardedCase, prefix: Path, timeout: float) -> list[dict[str, An
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world_size}",
                "-m", "memopt.validation.measure_sharded", "--case", case_json, "--out", str(prefix)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if case.world_size > 1 and "OMP_NUM_THREADS" not in env:
+        # torchrun sets OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeed's CPUAdam (OpenMP) one core per
+        # rank: the two-GPU ZeRO-3 offload baseline measured 6.7 s/step against ~1.9 s predicted (session 5)
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // case.world_size))
+    prepare_deepspeed_build_env(env)
     t = time.perf_counter()
     log = prefix.with_suffix(".log")
     with open(log, "w") as f:
@@ -153,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"id": c.id, "label": c.label(), "case": c.to_dict(), **pred}))
         return 0
     if any(c.engine == "deepspeed" for c, _ in plans) and not args.no_prebuild:
-        meta["prebuild"] = prebuild_deepspeed_ops(out / "prebuild_cpu_adam.log")
+        fused = any(c.engine == "deepspeed" and c.offload_optimizer == "none" for c, _ in plans)
+        meta["prebuild"] = prebuild_deepspeed_ops(out / "prebuild_cpu_adam.log", fused_adam=fused)
         print(f"[prebuild] {meta['prebuild']}", flush=True)
     for case, attempts in plans:
         for i, (c, pred) in enumerate(attempts):
@@ -186,6 +196,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def rebuild_results(run_dir: Path) -> int:
+    """``results.jsonl`` of a run from its per-rank files: each row with today's CPU prediction of the case as it
+    ran (checkpointing and micro-batch from the row, not re-chosen), marked ``rebuilt_from``. For runs whose own
+    file did not come back, and to hold older rows against the current estimator."""
+    lines = []
+    for f in sorted(run_dir.glob("*.mb*.rank*.json")):
+        row = json.loads(f.read_text())
+        case = ShardedCase.from_dict({**row["case"], "id": row["case"]["id"].split("@")[0]})
+        pred = predict_case(case, with_time=True)
+        lines.append(json.dumps({**row, **pred, "rebuilt_from": f.name}))
+    (run_dir / "results.jsonl").write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
 def load_rows(dirs: list[str]) -> list[dict[str, Any]]:
     rows = []
     for d in dirs:
@@ -208,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="run: the results directory; --report: the output path prefix")
     ap.add_argument("--cases", default="", help="comma-separated case ids (default: all)")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="write --out's results.jsonl from its per-rank files (when the run's own was lost)")
     ap.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no case starts")
     ap.add_argument("--two-gpu", action="store_true", help="the 2-GPU cases (torchrun --nproc-per-node 2)")
     ap.add_argument("--model", default="llama32_3b")
@@ -218,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prebuild", action="store_true", help="skip the DeepSpeed CPU Adam JIT build step")
     ap.add_argument("--report", nargs="+", metavar="DIR", help="write the report of these run directories")
     args = ap.parse_args(argv)
+    if args.rebuild:
+        n = rebuild_results(Path(args.out))
+        print(f"{n} rows written to {Path(args.out) / 'results.jsonl'}")
+        return 0
     if args.report:
         rep = report(args.report, args.out)
         print(json.dumps(rep["summary"], indent=2))

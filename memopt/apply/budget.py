@@ -22,13 +22,16 @@ def set_expandable_segments(enabled: bool) -> bool:
     if not torch.cuda.is_available():
         return True
     wanted = f"expandable_segments:{'True' if enabled else 'False'}"
+    conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c]
     if not torch.cuda.is_initialized():
-        conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
-                if c and not c.startswith("expandable_segments")]
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*conf, wanted])
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*(c for c in conf if not c.startswith("expandable")), wanted])
         return True
     if torch.cuda.memory_reserved() == 0:
         torch.cuda.memory._set_allocator_settings(wanted)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*(c for c in conf if not c.startswith("expandable")), wanted])
+        return True
+    current = [c for c in conf if c.startswith("expandable_segments")]
+    if (current and current[-1] == wanted) or (not current and not enabled):  # in force since CUDA started
         return True
     warnings.warn(
         f"memopt planned with {wanted}, but CUDA already holds memory, so the allocator's segment mode can no "

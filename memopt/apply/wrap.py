@@ -27,6 +27,7 @@ from torch import nn
 from memopt.apply.budget import cap_allocator, outside_allocator_bytes, set_expandable_segments
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
+from memopt.guard.recovery import StepTransaction
 from memopt.plan.planner import make_plan, resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.techniques.precision import forward_context
@@ -80,7 +81,7 @@ class Wrapped:
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
-                 checkpoint: Any = None) -> None:
+                 checkpoint: Any = None, transaction: str = "auto") -> None:
         _check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
@@ -98,6 +99,7 @@ class Wrapped:
         self._prepared: Prepared | None = None
         self._guard_enabled = guard
         self._run_dir = run_dir
+        self._transaction = transaction
         self._profile: Any = None
         self.guard: Any = None
         self.plan: Plan | None = plan
@@ -214,7 +216,8 @@ class Wrapped:
 
         escalate = PlanEscalator(self._profile) if self._profile is not None else step_down
         replanner = PreparedReplanner(self._prepared, dict(prepare_kwargs), escalate)
-        self.guard = RuntimeGuard(self._prepared.step, plan, run_dir=self._run_dir, replanner=replanner)
+        self.guard = RuntimeGuard(self._prepared.step, plan, run_dir=self._run_dir, replanner=replanner,
+                                  transaction=self._transaction)
 
     # -- the training API ------------------------------------------------------------------------
     @property
@@ -340,7 +343,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
          use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None,
          autotune: bool | None = None,
-         checkpoint: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None) -> Any:
+         checkpoint: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None,
+         transaction: str = "auto") -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
@@ -349,7 +353,9 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
     budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
     without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written to ``run_dir``),
-    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``). ``autotune``
+    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``); ``transaction``
+    says when the guard copies parameters and optimizer states before an optimizer step, to undo an OOM inside
+    it: "auto" (when the step is at risk), "always" or "never". ``autotune``
     (default: on a GPU when wrap makes the plan) measures the planner's choice against the fastest plan of
     each checkpointing mode on the first batch and keeps the fastest (``memopt.apply.autotune``); a saved
     ``plan=`` is applied unchanged.
@@ -364,13 +370,14 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
         if value is not None:
             kwargs[name] = value
+    StepTransaction.check_mode(transaction)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if _is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer
 
         return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,
                             fidelity=fidelity, pins=pins, forbid=forbid, enforce_budget=enforce_budget,
-                            use_cache=use_cache, recover=guard)
+                            use_cache=use_cache, recover=guard, transaction=transaction)
     if checkpoint is not None and not isinstance(target, nn.Module):
         from memopt.techniques.quantization import model_skeleton
 
@@ -387,4 +394,4 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
                    enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
-                   autotune=autotune, checkpoint=checkpoint)
+                   autotune=autotune, checkpoint=checkpoint, transaction=transaction)

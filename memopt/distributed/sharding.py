@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -375,6 +376,27 @@ def _optimizer_block(optimizer_cfg: Any, precision: str) -> dict[str, Any] | Non
     return None
 
 
+def plain_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` without architecture-specific suffixes ("9.0a" -> "9.0"; "+PTX" stays).
+
+    DeepSpeed's JIT op builder reads each entry as numbers (``int("0a")`` fails, DeepSpeed 0.19.8), and CUDA
+    images for Hopper and Blackwell set "9.0a" / "10.0a". The plain capability builds the same kernels DeepSpeed
+    ships (it uses no arch-specific instructions)."""
+    if value is None:
+        return None
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    plain = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", e) for e in entries]
+    return ";".join(dict.fromkeys(plain))
+
+
+def prepare_deepspeed_build_env(environ: MutableMapping[str, str] | None = None) -> None:
+    """Make ``TORCH_CUDA_ARCH_LIST`` (if set) readable by DeepSpeed's op builder, before it JIT-builds an op
+    (FusedAdam for ZeRO without offload, CPUAdam with it)."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCH_CUDA_ARCH_LIST") is not None:
+        env["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(env["TORCH_CUDA_ARCH_LIST"]) or ""
+
+
 def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str = "bf16_autocast",
                     optimizer_cfg: Any = None, micro_batch: int = 1, grad_accum: int = 1, *,
                     gradient_clipping: float | None = None, lr_scheduler: Any = None,
@@ -403,6 +425,7 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
         kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     if lr_scheduler is not None:
         kwargs["lr_scheduler"] = lr_scheduler
+    prepare_deepspeed_build_env()
     engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
     return engine, optimizer
 

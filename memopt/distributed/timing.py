@@ -20,6 +20,15 @@ module adds what sharding costs and how the engines hide it:
 * NVMe reads and writes at ``TimingParams.nvme_read_bandwidth`` / ``nvme_write_bandwidth`` per node
   (``hw.extra`` overrides; defaults: one PCIe Gen4 x4 SSD, 6 / 4 GB/s — an assumption to calibrate).
 
+* the engines' fixed work per micro-batch (hooks, per-parameter fetch/release and gradient hand-off,
+  launches) is charged per parameter tensor and micro-batch, not overlapped: ``TimingParams``'
+  ``deepspeed_tensor_overhead_s`` (1.7 ms: DeepSpeed ZeRO's per-parameter Python work) and
+  ``fsdp2_tensor_overhead_s`` (0.31 ms), fitted to the H200 rows of ``benchmarks/sharding``;
+* FSDP2 with ``CPUOffloadPolicy`` accumulates gradients on the host from the second micro-batch on, a
+  synchronous copy and a CPU add per unit (``fsdp2_offload_grad_accumulate_bandwidth``, 1.9 GB/s of fp32
+  gradient shard, fitted to the one-GPU FSDP2 offload rows): each extra micro-batch costs a pass over all
+  gradients on the host.
+
 Overlap, as the engines do it:
 
 * FSDP2: the all-gather of the next unit runs while the current one computes (``prefetch``); in
@@ -50,6 +59,7 @@ __all__ = [
     "all_reduce_time",
     "collective_bandwidth",
     "cpu_optimizer_time",
+    "engine_overhead_time",
     "host_transfer_time",
     "nvme_time",
     "overlapped_pass",
@@ -71,6 +81,23 @@ class TimingParams:
     cpu_adam_bytes_per_param: int = 30
     nvme_read_bandwidth: float = 6e9
     nvme_write_bandwidth: float = 4e9
+    # The engines' fixed work per micro-batch, per parameter tensor of the model, not hidden behind compute
+    # (Python hooks, per-parameter fetch/release and gradient hand-off, small copies and launches). Fitted
+    # (least squares over the micro-batch counts) to the H200 rows of benchmarks/sharding (torch 2.11,
+    # DeepSpeed 0.19.8, Llama-3.2-3B: 254 tensors): the measured-minus-predicted step time of the DeepSpeed rows
+    # (ZeRO-3 on 2 GPUs without offload, 2 micro-batches: +0.99 s; ZeRO-3 and ZeRO-2 with CPU offload on one GPU,
+    # 4 micro-batches: +1.68, +1.76, +1.57 s) is 0.42 s per micro-batch = 1.7 ms per tensor; of the two FSDP2
+    # rows on 2 GPUs (+0.153 s at 2 micro-batches, +0.094 s at 1): 0.080 s per micro-batch = 0.31 ms per
+    # tensor. Only one model was measured: the split per tensor (rather than per unit or per byte) is assumed.
+    deepspeed_tensor_overhead_s: float = 1.7e-3
+    fsdp2_tensor_overhead_s: float = 0.31e-3
+    # FSDP2 with CPUOffloadPolicy accumulates gradients on the host: from the second micro-batch on, each unit's
+    # reduce-scattered fp32 gradient shard is copied to the host synchronously (``non_blocking`` only when not
+    # accumulating: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_reduce``, into fresh
+    # pageable memory) and added to the shard's gradient on the CPU, both on the thread that drives backward.
+    # Bytes of gradient shard per second, fitted to the two one-GPU FSDP2 offload rows (12.8 s at 2
+    # micro-batches, 28.7 s at 4): 6.7 s per accumulated micro-batch for 12.85 GB of fp32 shards.
+    fsdp2_offload_grad_accumulate_bandwidth: float = 1.9e9
 
 
 DEFAULT_PARAMS = TimingParams()
@@ -168,13 +195,23 @@ class ShardedTime:
     host_transfer_s: float
     cpu_optimizer_s: float
     nvme_s: float
+    engine_overhead_s: float = 0.0  # the engine's fixed work per micro-batch and tensor, all micro-batches
+    host_grad_accumulate_s: float = 0.0  # FSDP2 + CPU offload: gradient accumulation on the host
     detail: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step_s": self.step_s, "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "optimizer_s": self.optimizer_s, "exposed_comm_s": self.exposed_comm_s, "comm_s": self.comm_s,
                 "host_transfer_s": self.host_transfer_s, "cpu_optimizer_s": self.cpu_optimizer_s,
-                "nvme_s": self.nvme_s, **self.detail}
+                "nvme_s": self.nvme_s, "engine_overhead_s": self.engine_overhead_s,
+                "host_grad_accumulate_s": self.host_grad_accumulate_s, **self.detail}
+
+
+def engine_overhead_time(engine: str, param_tensors: int, micro_batches: int,
+                         tp: TimingParams = DEFAULT_PARAMS) -> float:
+    """The engine's fixed work over ``micro_batches`` micro-batches of a model of ``param_tensors`` tensors."""
+    per_tensor = {"deepspeed": tp.deepspeed_tensor_overhead_s, "fsdp2": tp.fsdp2_tensor_overhead_s}.get(engine, 0.0)
+    return per_tensor * max(0, param_tensors) * max(1, micro_batches)
 
 
 def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, hw: HardwareSpec,
@@ -183,7 +220,7 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
                       root_params: int = 0, root_forward_s: float = 0.0, root_backward_s: float = 0.0,
                       micro_batches: int = 1, replicate_size: int = 1, offload_optimizer: str = "none",
                       offload_params: str = "none", prefetch: int = 1, reshard_after_forward: bool = True,
-                      tp: TimingParams = DEFAULT_PARAMS) -> ShardedTime:
+                      param_tensors: int = 0, tp: TimingParams = DEFAULT_PARAMS) -> ShardedTime:
     """Step time of one rank: ``micro_batches`` forward/backward passes over the units, then the update.
 
     ``unit_params[i]``, ``forward_s[i]``, ``backward_s[i]``: parameters and single-GPU compute seconds
@@ -191,7 +228,9 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
     (embeddings, head, loss), gathered first and reduced last. ``optimizer_s``: the single-GPU optimizer
     time over all parameters (sharding divides it by the shard group's size; CPU offload replaces it by
     the CPU optimizer). Byte sizes per element: ``compute_bytes`` (gathered params), ``param_bytes``
-    (stored shards, what CPU offload copies in), ``reduce_bytes`` (gradient reduction).
+    (stored shards, what CPU offload copies in), ``reduce_bytes`` (gradient reduction). ``param_tensors``:
+    the model's parameter tensors, for the engine's fixed work per micro-batch (``engine_overhead_time``;
+    0 leaves it out).
     """
     if len(unit_params) != len(forward_s) or len(unit_params) != len(backward_s):
         raise ValueError("unit_params, forward_s and backward_s need one entry per unit")
@@ -242,10 +281,11 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
                 nvme = nvme_time(p_rank * 12 * per_node, p_rank * 12 * per_node, hw, tp)
             host_s = d2h + h2d
             opt = cpu_opt + h2d + nvme + max(0.0, d2h - bwd_compute)
-        step = passes + opt + gather
+        overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp)
+        step = passes + opt + gather + overhead
         return ShardedTime(step_s=step, forward_s=fwd * micro_batches, backward_s=bwd * micro_batches,
                            optimizer_s=opt, exposed_comm_s=exposed, comm_s=comm_total, host_transfer_s=host_s,
-                           cpu_optimizer_s=cpu_opt, nvme_s=nvme, detail=detail)
+                           cpu_optimizer_s=cpu_opt, nvme_s=nvme, engine_overhead_s=overhead, detail=detail)
     # stage 3 (FSDP2, DeepSpeed ZeRO-3): gather per unit in forward and backward, reduce-scatter per unit
     ag = [all_gather_time(u * compute_bytes, shard, bw, tp) for u in units]
     rs = [reduce_scatter_time(u * reduce_bytes, shard, bw, tp) for u in units]
@@ -287,9 +327,16 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
         opt = cpu_opt + nvme
     else:
         opt = optimizer_s / max(1, shard)
+    accumulate = 0.0
+    if engine == "fsdp2" and offload_cpu and micro_batches > 1:
+        # gradients accumulated on the host, serially with backward, from the second micro-batch on
+        accumulate = (micro_batches - 1) * -(-total_params // shard) * reduce_bytes / \
+            tp.fsdp2_offload_grad_accumulate_bandwidth
+    overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp)
     compute = (sum(fwd_c) + sum(bwd_c)) * micro_batches
     passes = (fwd + bwd) * micro_batches
-    step = passes + opt
+    step = passes + opt + overhead + accumulate
     return ShardedTime(step_s=step, forward_s=fwd * micro_batches, backward_s=bwd * micro_batches, optimizer_s=opt,
                        exposed_comm_s=passes - compute, comm_s=comm_total, host_transfer_s=host_s,
-                       cpu_optimizer_s=cpu_opt, nvme_s=nvme, detail=detail)
+                       cpu_optimizer_s=cpu_opt, nvme_s=nvme, engine_overhead_s=overhead,
+                       host_grad_accumulate_s=accumulate, detail=detail)

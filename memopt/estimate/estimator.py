@@ -11,7 +11,7 @@ import torch
 from memopt.categories import MemoryCategory
 from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
 from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
-from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, terms_time
+from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, host_time, segment_terms, terms_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
 from memopt.profile.trace import VariantKey, VariantTrace, variant_key
@@ -213,7 +213,7 @@ def _approx_reserved(allocated: int) -> int:
 
 def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt: Any, hw: HardwareSpec,
                tm: TimingModel, strategy: Strategy) -> tuple[float, dict[str, Any]]:
-    fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches"), 0.0)
+    fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches", "bnb4_calls"), 0.0)
     bwd = dict(fwd)
     for insts, acc in ((layout.forward, fwd), (layout.backward, bwd)):
         for i in insts:
@@ -224,9 +224,11 @@ def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt:
     opt_terms = segment_terms(opt.cost, opt.cost, 1, hw)
     fwd_s, bwd_s, opt_s = terms_time(fwd, tm), terms_time(bwd, tm), terms_time(opt_terms, tm)
     pass_terms = {k: fwd[k] + bwd[k] for k in fwd}
-    # a pass cannot run faster than the host issues its kernels (small micro-batches are dispatch-bound)
-    pass_s = max(fwd_s + bwd_s, pass_terms["launches"] * tm.dispatch_s)
+    # a pass cannot run faster than the host issues its kernels and bitsandbytes' 4-bit calls (timing.host_time)
+    host_s = host_time(pass_terms, tm)
+    pass_s = max(fwd_s + bwd_s, host_s)
     detail: dict[str, Any] = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s,
+                              "host_s": host_s * m,
                               "time_terms": {"pass": pass_terms, "optimizer": opt_terms, "micro_batches": m}}
     compute = pass_s * m + opt_s
     if strategy.activation_offload:

@@ -10,6 +10,17 @@ The efficiencies and the per-op overhead are fitted to step times measured on an
 ``benchmarks/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
 Activation offload moves the saved tensors over the host link on a side stream: the step takes at
 least the transfer time.
+
+The host issues the kernels while the GPU runs the ones already queued, so host time shows only when
+it exceeds the GPU time. A forward + backward pass of one micro-batch takes at least its host time
+(:func:`host_time`)::
+
+    num_ops * dispatch_s + bnb4_calls * bnb4_call_s
+
+``bnb4_calls`` counts the passes through a bitsandbytes 4-bit linear (forward, recomputed forward and
+backward each call it once; ``memopt.profile.costs.BNB4_CALL_OPS``): bitsandbytes runs each one through
+Python and several custom-op dispatches, about half a millisecond of host time whatever the weight's size.
+The bytes its dequantization moves stay in the GPU time (``memory_bytes``).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from dataclasses import dataclass
 from memopt.hardware import HardwareSpec
 from memopt.profile.costs import PhaseCost
 
-__all__ = ["DEFAULT_TIMING", "TimingModel", "segment_time"]
+__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,16 @@ class TimingModel:
     launch_s: float = 2e-6
     dispatch_s: float = 0.0  # host time to issue one op (eager PyTorch); a pass takes at least ops x this
     offload_efficiency: float = 0.85  # achieved fraction of the host link in each direction
+    # Host time of one pass (forward, recomputed forward or backward) through a bitsandbytes 4-bit linear: a pass
+    # takes at least bnb4_calls x this (see host_time). Measured, not fitted: benchmarks/quant/raw/dequant_h200.json
+    # (scripts/bench_dequant.py; H200, bitsandbytes 0.50.2, torch 2.11, 2048 tokens, NF4 + double quantization,
+    # frozen weight) timed a Linear4bit forward + backward back to back at 0.850, 0.939, 0.868 and 1.018 ms for the
+    # Llama-3-8B shapes 4096x4096, 1024x4096, 14336x4096 and 4096x14336, against 0.233, 0.209, 0.630 and 0.654 ms
+    # for the bf16 linear: flat in the weight's size while the bf16 GEMMs grow 3x, so the 4-bit layer is
+    # host-bound there (a lone dequantize_4bit: ~0.1 ms at any size, 10 to 147 MB). The mean, 0.919 ms per
+    # forward + backward, is two dequantizing calls: 0.46 ms each (0.42 to 0.51 over the four shapes).
+    # No 8-bit layer was timed: LLM.int8 calls get no such term.
+    bnb4_call_s: float = 0.46e-3
 
 
 DEFAULT_TIMING = TimingModel()
@@ -58,12 +79,20 @@ def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo:
         "attention": attn / hw.flops(c1.attention_dtype) if attn else 0.0,
         "memory": lerp(c1.memory_bytes, c2.memory_bytes) / hw.hbm_bandwidth,
         "launches": float(max(c1.num_ops, c2.num_ops)),
+        "bnb4_calls": float(max(c1.bnb4_calls, c2.bnb4_calls)),
     }
 
 
 def terms_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
+    """GPU seconds of summed segment terms (the host floor is :func:`host_time`)."""
     return (terms["matmul"] / tm.matmul_efficiency + terms["attention"] / tm.attention_efficiency
             + terms["memory"] / tm.memory_efficiency + terms["launches"] * tm.launch_s)
+
+
+def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
+    """Host seconds to issue summed segment terms: every op at ``dispatch_s``, every pass through a bitsandbytes
+    4-bit linear at ``bnb4_call_s``. A pass of one micro-batch takes ``max(GPU time, host time)``."""
+    return terms["launches"] * tm.dispatch_s + terms.get("bnb4_calls", 0.0) * tm.bnb4_call_s
 
 
 def segment_time(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, tm: TimingModel = DEFAULT_TIMING, *,

@@ -562,14 +562,19 @@ class StepTransaction:
     MODES = ("auto", "always", "never")
 
     def __init__(self, mode: str = "auto") -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"transaction mode {mode!r}: use one of {', '.join(self.MODES)}")
-        self.mode = mode
+        self.mode = self.check_mode(mode)
         self.step: Any = None
         self._handles: list[Any] = []
         self._buffers: list[torch.Tensor | None] = []
         self.snapshot_bytes = 0
         self._reset()
+
+    @classmethod
+    def check_mode(cls, mode: str) -> str:
+        if mode not in cls.MODES:
+            raise ValueError(f"transaction={mode!r}: use one of {', '.join(cls.MODES)} (when parameters and "
+                             "optimizer states are copied before an optimizer step, to undo an OOM inside it)")
+        return mode
 
     def _reset(self) -> None:
         self.want_snapshot = False

@@ -55,6 +55,7 @@ class MemoptCallback:
         self.enforce_budget = enforce_budget
         self.measured_peak_allocated_bytes = 0
         self.measured_peak_reserved_bytes = 0
+        self.cap_fraction: float | None = None  # of the device's memory, once training began on a GPU
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         return control
@@ -64,7 +65,7 @@ class MemoptCallback:
             from memopt.apply.budget import cap_allocator, outside_allocator_bytes
 
             outside = max(outside_allocator_bytes(), int(self.plan.prediction.get("runtime_bytes", 0)))
-            cap_allocator(self.plan.budget_bytes, outside)
+            self.cap_fraction = cap_allocator(self.plan.budget_bytes, outside)
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -99,13 +100,18 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
 def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
                  policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
                  forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True,
-                 recover: bool = True) -> Any:
+                 recover: bool = True, transaction: str = "auto") -> Any:
     """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it.
 
     ``recover``: the plan's micro-batches run inside the Trainer's ``training_step`` (one accumulation step over
     the process's global batch), so that an out-of-memory error in forward or backward is recovered: the plan is
-    escalated and the same batch retried (``memopt.integrations.trainer_recovery``). ``trainer.memopt_recovery``
-    holds the report."""
+    escalated and the same batch retried (``memopt.integrations.trainer_recovery``); and the optimizer step is
+    all-or-nothing under an OOM and retried (``memopt.integrations.trainer_optimizer_step``; ``transaction``:
+    when parameters and states are copied before the step, "auto", "always" or "never").
+    ``trainer.memopt_recovery`` holds the report."""
+    from memopt.guard.recovery import StepTransaction
+
+    StepTransaction.check_mode(transaction)
     profile = None
     if plan is None:
         if budget is None:
@@ -152,5 +158,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     if recover:
         from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 
-        trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile)).install()
+        trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile),
+                                                           transaction=transaction).install()
     return trainer

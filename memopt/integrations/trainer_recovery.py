@@ -15,14 +15,15 @@ Exactness: when the Trainer normalizes the loss by the number of loss tokens of 
 batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean loss is weighted by its
 share of the batch's loss tokens (samples, for per-sample labels) before backward.
 
-An OOM inside the Trainer's optimizer step is outside this retry (the Trainer owns that step); it propagates.
+The Trainer's optimizer step (outside ``training_step``) is made all-or-nothing and retried by
+``memopt.integrations.trainer_optimizer_step``, installed on the Trainer's optimizer at the first step; its
+failures and switches go into the same report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ from memopt.guard.recovery import (
     parse_oom_message,
     step_down,
 )
+from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, release_cache, torch_optimizer
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
 
@@ -69,7 +71,7 @@ class MicroBatchedTrainingStep:
     """``trainer.training_step`` over the plan's micro-batches, retried after an OOM with an escalated plan."""
 
     def __init__(self, trainer: Any, plan: Plan, *, escalate: Escalate | None = None, max_escalations: int = 3,
-                 causal_lm: bool | None = None) -> None:
+                 causal_lm: bool | None = None, transaction: str = "auto") -> None:
         self.trainer = trainer
         self.plan = plan
         self.escalate = escalate or trainer_escalator()
@@ -78,6 +80,8 @@ class MicroBatchedTrainingStep:
         self._original = trainer.training_step  # the Trainer's bound method
         model = trainer.model
         self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
+        self.transaction = transaction
+        self.optimizer_step: TransactionalOptimizerStep | None = None
 
     # -- installing ------------------------------------------------------------------------------
     def install(self) -> MicroBatchedTrainingStep:
@@ -87,16 +91,41 @@ class MicroBatchedTrainingStep:
     def uninstall(self) -> None:
         if self.trainer.__dict__.get("training_step") is self:
             del self.trainer.training_step
+        if self.optimizer_step is not None:
+            self.optimizer_step.uninstall()
+            self.optimizer_step = None
+
+    def _guard_optimizer(self) -> None:
+        """The Trainer creates its optimizer in ``train()``, before the first ``training_step``: guard its step."""
+        opt = getattr(self.trainer, "optimizer", None)
+        if opt is None:
+            return
+        inner = torch_optimizer(opt)
+        if self.optimizer_step is not None and self.optimizer_step.optimizer is inner:
+            return
+        if self.optimizer_step is not None:
+            self.optimizer_step.uninstall()
+        peak_at = str(self.plan.prediction.get("peak_at") or "")
+        self.optimizer_step = TransactionalOptimizerStep(
+            inner, report=self.report, mode=self.transaction, plan_at_risk="optimizer" in peak_at,
+            step_of=lambda: getattr(self.trainer.state, "global_step", 0), on_switch=self._optimizer_switched)
+
+    def _optimizer_switched(self, name: str | None) -> None:
+        """The optimizer step now runs one tensor at a time: the plan says so (same update, same states)."""
+        if name is not None and self.plan.strategy.optimizer != name:
+            self.plan = dataclasses.replace(self.plan, strategy=self.plan.strategy.replace(optimizer=name))
+            self.trainer.memopt_plan = self.plan
 
     # -- the step -----------------------------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self._guard_optimizer()
         attempt = 1
         while True:
             try:
                 return self._run(model, inputs, num_items_in_batch)
             except torch.OutOfMemoryError as exc:
                 failure = self._failure(exc, attempt)
-                self._free(model)
+                self._free(model)  # the gradients; the failed frames' tensors go when the handler ends
                 self.report.failures.append(failure)
                 if attempt > self.max_escalations:
                     self.report.final = f"gave up after {self.max_escalations} escalations"
@@ -109,7 +138,8 @@ class MicroBatchedTrainingStep:
                     raise MemoptOOMError(f"out of memory and no smaller plan: {esc}; the model, optimizer and data "
                                          "position are as before this step", self.report) from exc
                 self._apply(new, model, attempt)
-                attempt += 1
+            release_cache()  # outside the handler: the failed attempt's activations are free now
+            attempt += 1
 
     def _run(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         micro = split_batch(inputs, self.plan.strategy.micro_batch_size)
@@ -158,12 +188,9 @@ class MicroBatchedTrainingStep:
 
     @staticmethod
     def _free(model: torch.nn.Module) -> None:
-        """Drop what the failed attempt left: its gradients (the step started without any), then cached blocks."""
+        """Drop the failed attempt's gradients (the step started without any)."""
         for p in model.parameters():
             p.grad = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _apply(self, new: Plan, model: torch.nn.Module, attempt: int) -> None:
         old = self.plan.strategy

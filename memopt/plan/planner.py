@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memopt.estimate.estimator import Estimate, estimate_strategy
+from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
@@ -101,13 +102,18 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         pol = _calibrated(pol, prof, hw, budget_bytes, notes)
     global_batch = int(prof.sample["batch_size"])
     ctx = _context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
-    estimates = _Estimates(prof, hw)
+    store = EstimateStore(prof) if use_cache else None
+    estimates = _Estimates(prof, hw, store=store)
 
     def level_check(level: tuple) -> tuple[bool, int | None]:
         return _level_fits(prof, hw, pol, ctx, budget_bytes, level, estimates)
 
-    result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
-    return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start)
+    with prof.batched_saves():  # the traces this plan adds are written to the cache once, at the end
+        result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
+        plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store)
+    if store is not None:
+        store.save()
+    return plan
 
 
 def _calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, notes: list[str]) -> Policy:
@@ -190,8 +196,10 @@ class _Estimates:
     the infeasibility report asks for the same candidates under several policies, and the search has estimated
     some of them already. An estimate does not depend on the budget; ``fits`` is decided per call."""
 
-    def __init__(self, prof: Profile, hw: HardwareSpec, seed: Sequence[Evaluated] = ()) -> None:
+    def __init__(self, prof: Profile, hw: HardwareSpec, seed: Sequence[Evaluated] = (),
+                 store: EstimateStore | None = None) -> None:
         self.prof, self.hw = prof, hw
+        self.store = store  # estimates of earlier plans of this profile (memopt.estimate.store)
         self.quick: dict[Strategy, Estimate | None] = {}
         self.exact: dict[Strategy, Evaluated] = {}
         for ev in seed:  # the allocated peak and runtime of an exact estimate are those of the quick one
@@ -203,17 +211,30 @@ class _Estimates:
     def allocated_total(self, s: Strategy) -> int | None:
         """Allocated peak plus runtime bytes (a lower bound of the exact total), None if it cannot be estimated."""
         if s not in self.quick:
-            try:
-                self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
-            except ValueError:
-                self.quick[s] = None
+            stored = self.store.get(s, self.hw, exact=False) if self.store is not None else None
+            if stored is not None:
+                self.quick[s] = stored
+            else:
+                try:
+                    self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
+                except ValueError:
+                    self.quick[s] = None
+                if self.store is not None and self.quick[s] is not None:
+                    self.store.put(s, self.hw, False, self.quick[s])
         q = self.quick[s]
         return None if q is None else q.peak_allocated_bytes + q.runtime_bytes
 
     def evaluate(self, s: Strategy, budget: int, margin: int) -> Evaluated:
         ev = self.exact.get(s)
         if ev is None:
-            ev = self.exact[s] = evaluate(self.prof, s, self.hw, budget, margin)
+            stored = self.store.get(s, self.hw, exact=True) if self.store is not None else None
+            if stored is not None:
+                ev = Evaluated(s, stored, None, stored.total_bytes)
+            else:
+                ev = evaluate(self.prof, s, self.hw, budget, margin)
+                if self.store is not None and ev.estimate is not None:
+                    self.store.put(s, self.hw, True, ev.estimate)
+            self.exact[s] = ev
         if ev.estimate is None:
             return ev
         fits = ev.total_bytes + margin <= budget
@@ -306,7 +327,7 @@ def _method_notes(best: Evaluated, result: SearchResult, budget: int, notes: lis
 
 
 def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result: SearchResult, notes: list[str],
-                seconds: float) -> Plan:
+                seconds: float, store: EstimateStore | None = None) -> Plan:
     margin = pol.margin(budget)
     model = {"name": prof.model_name, "class": prof.model_class, "num_params": prof.num_params,
              "num_trainable_params": prof.num_trainable_params, "sample": prof.sample, "profile_key": prof.key}
@@ -326,7 +347,7 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
                     savings=savings, search=search_info, notes=notes)
     # nothing fits: report the smallest reachable footprint and what to allow to go lower
     ctx = _context(prof, hw, global_batch, pol, False)
-    estimates = _Estimates(prof, hw, result.evaluated)
+    estimates = _Estimates(prof, hw, result.evaluated, store=store)
     smallest = _min_footprint(prof, hw, pol, ctx, budget, estimates)
     relax = []
     for allowance in ALLOWANCES:

@@ -153,7 +153,7 @@ def candidates(ctx: SearchContext, policy: Policy,
 
 
 # -- optimistic times --------------------------------------------------------------------------
-_TERMS = ("matmul", "attention", "memory", "launches")
+_TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls")
 
 
 def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:

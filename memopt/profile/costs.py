@@ -1,8 +1,9 @@
 """What each traced op costs in arithmetic and memory traffic, for the step-time model.
 
 Per phase of a trace: matmul FLOPs by compute dtype, attention FLOPs, the bytes that non-matmul ops
-read and write (inputs + outputs; views and in-place metadata ops move nothing), and the op count
-(kernel launches). The time model turns these into seconds with the hardware's peaks.
+read and write (inputs + outputs; views and in-place metadata ops move nothing), the op count
+(kernel launches), and the calls of bitsandbytes' 4-bit linear (see ``BNB4_CALL_OPS``). The time model
+turns these into seconds with the hardware's peaks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["ATTENTION_OPS", "CostRecorder", "PhaseCost"]
+__all__ = ["ATTENTION_OPS", "BNB4_CALL_OPS", "CostRecorder", "PhaseCost"]
 
 ATTENTION_OPS = {
     "cuda_flash_attention", "cuda_efficient_attention", "cuda_cudnn_attention",
@@ -24,6 +25,12 @@ ATTENTION_OPS = {
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
 }
+# One of these per pass of a bitsandbytes 4-bit linear: ``dequantize_4bit`` in the unfused forward (more than 1536
+# rows, ``memopt.profile.quant_stand_ins``), in every backward (``MatMul4Bit.backward``) and in a recomputed
+# forward; ``gemm_4bit`` where the stand-in shows the GEMM as one op (under selective checkpointing). The fused
+# forward kernel (a few rows only) is traced as a plain ``linear`` and not counted. DoRA's per-forward
+# ``dequantize()`` counts as one more.
+BNB4_CALL_OPS = {"bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit"}
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addmv", "mv", "_grouped_mm", "convolution",
                "convolution_backward", "_scaled_mm"}
 _FREE_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "expand", "slice", "select", "as_strided",
@@ -46,10 +53,12 @@ class PhaseCost:
     attention_dtype: str = "bf16"
     memory_bytes: float = 0.0
     num_ops: int = 0
+    bnb4_calls: int = 0  # passes through a bitsandbytes 4-bit linear (BNB4_CALL_OPS)
 
     def to_dict(self) -> dict[str, Any]:
         return {"matmul_flops": dict(self.matmul_flops), "attention_flops": self.attention_flops,
-                "attention_dtype": self.attention_dtype, "memory_bytes": self.memory_bytes, "num_ops": self.num_ops}
+                "attention_dtype": self.attention_dtype, "memory_bytes": self.memory_bytes, "num_ops": self.num_ops,
+                "bnb4_calls": self.bnb4_calls}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseCost:
@@ -59,6 +68,7 @@ class PhaseCost:
         c.attention_dtype = d.get("attention_dtype", "bf16")
         c.memory_bytes = d.get("memory_bytes", 0.0)
         c.num_ops = d.get("num_ops", 0)
+        c.bnb4_calls = d.get("bnb4_calls", 0)
         return c
 
 
@@ -103,6 +113,8 @@ class CostRecorder:
             return
         cost = self.costs[self.phase_of()]
         cost.num_ops += 1
+        if packet is not None and getattr(packet, "_qualified_op_name", "") in BNB4_CALL_OPS:
+            cost.bnb4_calls += 1  # and, below, the bytes it moves like any memory-bound op
         if name in ATTENTION_OPS:
             cost.attention_flops += _attention_flops(name, args)
             q = args[0] if not name.endswith("_backward") else args[1]

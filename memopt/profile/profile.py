@@ -10,12 +10,13 @@ demand when the model is at hand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,8 @@ SCHEMA_VERSION = 1
 # 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;
 #    optimizer traces are keyed on those extras too; CUDA softmax kernels' temporaries (softmax backward's
 #    grad*output, _safe_softmax's mask) are recorded
-TRACE_REVISION = 4
+# 5: phase costs count the calls of bitsandbytes' 4-bit linear (``bnb4_calls``, the time model's host floor)
+TRACE_REVISION = 5
 
 
 def cache_dir() -> Path:
@@ -92,6 +94,8 @@ class Profile:
     _optimizer_spec: Any = field(default=None, repr=False, compare=False)
     _cache_path: Path | None = field(default=None, repr=False, compare=False)
     _failed: dict[VariantKey, str] = field(default_factory=dict, repr=False, compare=False)
+    _saves_held: int = field(default=0, repr=False, compare=False)  # > 0: inside batched_saves
+    _save_pending: bool = field(default=False, repr=False, compare=False)
 
     # -- derived facts -------------------------------------------------------------------------
     @property
@@ -247,7 +251,7 @@ class Profile:
         if version != SCHEMA_VERSION:
             raise ValueError(f"profile schema version {version} is not the supported {SCHEMA_VERSION}; "
                              "profile the model again")
-        variants = {VariantTrace.from_dict(v).key: VariantTrace.from_dict(v) for v in d["variants"]}
+        variants = {t.key: t for t in (VariantTrace.from_dict(v) for v in d["variants"])}
         optimizers = {}
         for o in d["optimizers"]:
             t = OptimizerTrace.from_dict(o)
@@ -271,7 +275,23 @@ class Profile:
     def load(cls, path: str | os.PathLike[str]) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    @contextlib.contextmanager
+    def batched_saves(self) -> Iterator[Profile]:
+        """Within this block, traces added to a cached profile are written to the cache once, when it ends (the
+        3 MB JSON of a 70B model is not rewritten after each of a plan's traces)."""
+        self._saves_held += 1
+        try:
+            yield self
+        finally:
+            self._saves_held -= 1
+            if not self._saves_held and self._save_pending:
+                self._save()
+
     def _save(self) -> None:
+        if self._saves_held:
+            self._save_pending = True
+            return
+        self._save_pending = False
         if self._cache_path is not None:
             try:
                 self.save(self._cache_path)

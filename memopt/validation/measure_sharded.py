@@ -125,8 +125,11 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
         if case.engine == "deepspeed":
             import deepspeed
 
+            from memopt.distributed.sharding import prepare_deepspeed_build_env
+
             config = case_deepspeed_config(case)
             result["deepspeed_config"] = config
+            prepare_deepspeed_build_env()
             engine, optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
             step = DistributedTrainStep(model=engine, optimizer=optimizer, strategy=strategy, device_type="cuda",

@@ -183,6 +183,7 @@ class ModelFacts:
     largest_module_params: int  # direct parameters of the largest module (DeepSpeed ZeRO-3 gathers per module)
     tied_params: int  # numel of parameters shared between modules (tied embedding and head)
     small_params: int  # parameters under DeepSpeed's persistence threshold (kept whole on every GPU)
+    num_tensors: int = 0  # unique parameter tensors (the engines' fixed work per micro-batch scales with them)
 
 
 @functools.lru_cache(maxsize=8)
@@ -206,7 +207,8 @@ def model_facts(model: str, persistence_threshold: int = 100_000) -> ModelFacts:
     return ModelFacts(num_params=total, unit_params=units, root_params=total - sum(units),
                       largest_param=max(p.numel() for p in params), largest_module_params=largest_module,
                       tied_params=tied,
-                      small_params=sum(p.numel() for p in params if p.numel() < persistence_threshold))
+                      small_params=sum(p.numel() for p in params if p.numel() < persistence_threshold),
+                      num_tensors=len(params))
 
 
 # -- the activation timeline ----------------------------------------------------------------------------
@@ -354,6 +356,11 @@ def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint |
     if point is None:
         return {"states": states, "buffers": 0}
     units = list(facts.unit_params)
+    if not offload and case.grad_accum == 1:
+        # the train step clears gradients with zero_grad(set_to_none=True): with one micro-batch per step the fp32
+        # sharded gradients (4 B per shard element) exist only for the units backward has reduce-scattered (the
+        # blocks after ``point``'s; the root's come last); with more, every micro-batch after the first has them all
+        states = shard * (4 + 8) + 4 * sum(-(-u // w) for u in _reduced_units(units, point))
     # a tied weight's gradient is an autograd temporary in the activation timeline (the head's grad_weight
     # waits for the embedding's): it is not counted again as the root's unsharded gradient
     root_grads = max(0, facts.root_params - facts.tied_params) * c
@@ -361,8 +368,8 @@ def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint |
     if point.block is None:
         if point.part == "forward":
             return {"states": states, "buffers": root}
-        if not point.after_blocks:  # head and loss backward: no block gathered yet
-            return {"states": states, "buffers": root + root_grads}
+        if not point.after_blocks:  # head and loss backward: the last block's all-gather is prefetched (its output)
+            return {"states": states, "buffers": root + root_grads + (units[-1] * c if units else 0)}
         # embedding backward: block 0's reduce-scatter input may still be in flight
         return {"states": states, "buffers": root + root_grads + (units[0] * r if units else 0)}
     k = point.block
@@ -376,6 +383,15 @@ def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint |
         return {"states": states, "buffers": root + gathered}
     inflight = units[k + 1] * r if k + 1 < len(units) else 0  # the previous unit's reduce-scatter on its stream
     return {"states": states, "buffers": root + root_grads + gathered + u * c + u * r + inflight}
+
+
+def _reduced_units(units: Sequence[int], point: TimelinePoint) -> Sequence[int]:
+    """The FSDP2 units whose gradients backward has reduce-scattered when ``point`` runs (one micro-batch)."""
+    if point.part == "forward" or (point.block is None and not point.after_blocks):
+        return ()
+    if point.block is None:  # embedding backward: every block is done
+        return units
+    return units[point.block + 1:]
 
 
 def _round_pages(n: int) -> int:
@@ -429,7 +445,13 @@ def predict_case(case: ShardedCase, *, with_time: bool = True, profile: Any = No
 
 def predict_step_time(case: ShardedCase, facts: ModelFacts | None = None) -> float:
     """Step time: memopt's single-GPU compute per micro-batch (forward, backward with recomputation), with the
-    sharded engine's collectives, host copies and CPU optimizer (``memopt.distributed.timing``)."""
+    sharded engine's collectives, host copies, CPU optimizer and fixed work per micro-batch
+    (``memopt.distributed.timing``)."""
+    return float(predict_step_breakdown(case, facts).step_s)
+
+
+def predict_step_breakdown(case: ShardedCase, facts: ModelFacts | None = None) -> Any:
+    """``predict_step_time``'s ``memopt.distributed.timing.ShardedTime`` (the step and its terms)."""
     import memopt
     from memopt.distributed.timing import sharded_step_time
     from memopt.hardware import load_hardware
@@ -450,8 +472,8 @@ def predict_step_time(case: ShardedCase, facts: ModelFacts | None = None) -> flo
                           param_bytes=4 if case.engine == "fsdp2" else 2, reduce_bytes=4 if case.engine == "fsdp2"
                           else 2, root_params=facts.root_params, root_forward_s=fwd / n, root_backward_s=bwd / n,
                           micro_batches=m, offload_optimizer=case.offload_optimizer,
-                          offload_params=case.offload_params)
-    return float(t.step_s)
+                          offload_params=case.offload_params, param_tensors=facts.num_tensors)
+    return t
 
 
 # -- memopt's choice of checkpointing and micro-batch ----------------------------------------------------
@@ -460,12 +482,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def choose_memopt_setting(case: ShardedCase, *, block_options: Sequence[int | None] | None = None,
-                          headroom: float = PLAN_HEADROOM, max_timed: int = 6) -> tuple[ShardedCase, dict[str, Any]]:
+                          headroom: float = PLAN_HEADROOM, max_timed: int | None = None
+                          ) -> tuple[ShardedCase, dict[str, Any]]:
     """The fastest predicted (checkpointing, micro-batch) of ``case``'s engine setting that fits its cap.
 
     Candidates: every micro-batch dividing the per-rank batch; no checkpointing, or full checkpointing of
     ``block_options`` blocks (default: all, 3/4, 1/2, 1/4 of them). Memory (cheap) is predicted for all;
-    the ``max_timed`` fitting candidates with the fewest recomputed blocks per micro-batch are timed.
+    the fitting candidates are timed (``max_timed``: only that many, those with the fewest recomputed blocks per
+    micro-batch first). All by default: the engines' fixed costs per micro-batch can make fewer, larger
+    micro-batches with more recomputation the faster choice (FSDP2 on two H200s: full checkpointing at 4 x 1 ran
+    0.564 s/step, no checkpointing at 2 x 2 0.584 s), which a cut at the least recomputation never times.
     Raises ``ValueError`` (with the smallest predicted peak) when nothing fits.
     """
     facts = model_facts(case.model)
@@ -497,7 +523,7 @@ def choose_memopt_setting(case: ShardedCase, *, block_options: Sequence[int | No
 
     fitting.sort(key=lambda cp: recompute(cp[0]))
     timed = []
-    for cand, pred in fitting[:max_timed]:
+    for cand, pred in fitting[:max_timed] if max_timed is not None else fitting:
         pred["predicted_step_s"] = predict_step_time(cand, facts)
         timed.append((pred["predicted_step_s"], cand, pred))
     timed.sort(key=lambda t: t[0])
@@ -539,16 +565,29 @@ def single_gpu_cases(model: str = "llama32_3b", *, cap_bytes: int = 16 * GiB, gl
 
 def two_gpu_cases(model: str = "llama32_3b", *, cap_bytes: int = 48 * GiB, global_batch: int = 8,
                   seq_len: int = 2048, steps: int = 3) -> list[ShardedCase]:
-    """Two H200s (``torchrun --nproc-per-node 2``): FSDP2 full shard and ZeRO-3 without offload, per-GPU cap.
+    """Two H200s (``torchrun --nproc-per-node 2``): FSDP2 full shard and ZeRO-3 without offload, per-GPU cap,
+    and the hand-written baselines of issue 5 at the same cap and global batch.
 
     llama32_3b's states are 16 B/param = 51 GB, 25.7 GB per GPU over two: a 48 GiB cap leaves room for
-    activations and the gathered units; memopt chooses checkpointing and micro-batch as on one GPU.
+    activations and the gathered units; memopt chooses checkpointing and micro-batch as on one GPU. Baselines:
+    FSDP2 ``fully_shard`` per block and root with ``MixedPrecisionPolicy(bf16, fp32)`` (the states fit, so no
+    ``CPUOffloadPolicy``), and DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` to pinned CPU
+    memory and its default buckets; both with Hugging Face checkpointing and the largest micro-batch that fits.
     """
     common: dict[str, Any] = {"model": model, "cap_bytes": cap_bytes, "global_batch": global_batch,
                               "seq_len": seq_len, "steps": steps, "world_size": 2}
+    mbs = tuple(sorted(_divisors(global_batch // 2), reverse=True))  # per rank
+    hf_full = Checkpointing(mode="full")
     return [
-        ShardedCase(id="memopt_fsdp2_x2", engine="fsdp2", stage=3, **common),
-        ShardedCase(id="memopt_zero3_x2", engine="deepspeed", stage=3, **common),
+        ShardedCase(id="memopt_fsdp2_x2", engine="fsdp2", stage=3, compare_to="baseline_fsdp2_x2", **common),
+        ShardedCase(id="memopt_zero3_x2", engine="deepspeed", stage=3, compare_to="baseline_zero3_offload_x2",
+                    **common),
+        ShardedCase(id="baseline_fsdp2_x2", engine="fsdp2", stage=3, role="baseline", ckpt_impl="hf",
+                    checkpointing=hf_full, expandable_segments=False, micro_batch=mbs[0], micro_batch_candidates=mbs,
+                    **common),
+        ShardedCase(id="baseline_zero3_offload_x2", engine="deepspeed", stage=3, offload_optimizer="cpu",
+                    offload_params="cpu", role="baseline", ds_defaults=True, ckpt_impl="hf", checkpointing=hf_full,
+                    expandable_segments=False, micro_batch=mbs[0], micro_batch_candidates=mbs, **common),
     ]
 
 

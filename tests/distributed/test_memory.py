@@ -126,6 +126,39 @@ def test_sharded_step_time_offload_is_slower():
     assert ds.comm_s > 0
 
 
+def test_sharded_step_time_engine_overhead_and_host_accumulation_by_hand():
+    """The two terms fitted to the H200 rows (benchmarks/sharding/README.md, session 5), computed by hand."""
+    hw = load_hardware("h200")
+    units = [100_000_000] * 4
+    kw = dict(stage=3, world_size=2, nodes=1, hw=hw, unit_params=units, forward_s=[0.01] * 4,
+              backward_s=[0.02] * 4, optimizer_s=0.01, root_params=50_000_000, root_forward_s=0.01,
+              root_backward_s=0.02, compute_bytes=2, param_bytes=4, reduce_bytes=4)
+    tp = TimingParams()
+    # without tensor counts the engines' fixed work is left out; with them, per tensor and micro-batch
+    plain = sharded_step_time(engine="fsdp2", micro_batches=3, **kw)
+    counted = sharded_step_time(engine="fsdp2", micro_batches=3, param_tensors=254, **kw)
+    assert plain.engine_overhead_s == 0.0
+    assert counted.engine_overhead_s == pytest.approx(254 * 3 * 0.31e-3)
+    assert counted.step_s - plain.step_s == pytest.approx(254 * 3 * 0.31e-3)
+    ds = sharded_step_time(engine="deepspeed", micro_batches=2, param_tensors=254, **kw)
+    ds0 = sharded_step_time(engine="deepspeed", micro_batches=2, **kw)
+    assert ds.step_s - ds0.step_s == pytest.approx(254 * 2 * 1.7e-3) == pytest.approx(0.8636)
+    assert tp.deepspeed_tensor_overhead_s == 1.7e-3 and tp.fsdp2_tensor_overhead_s == 0.31e-3
+    # FSDP2 + CPUOffloadPolicy: micro-batches 2..m accumulate the fp32 gradient shards on the host
+    off = dict(offload_optimizer="cpu", offload_params="cpu")
+    one = sharded_step_time(engine="fsdp2", micro_batches=1, **kw, **off)
+    four = sharded_step_time(engine="fsdp2", micro_batches=4, **kw, **off)
+    shard_bytes = (4 * 100_000_000 + 50_000_000) // 2 * 4  # 900 MB of fp32 gradient shard per rank
+    assert one.host_grad_accumulate_s == 0.0
+    assert four.host_grad_accumulate_s == pytest.approx(3 * shard_bytes / 1.9e9) == pytest.approx(1.42105, rel=1e-4)
+    assert four.step_s - 4 * (one.step_s - one.optimizer_s) - four.optimizer_s == pytest.approx(
+        four.host_grad_accumulate_s)
+    # no host accumulation without parameter/optimizer offload, nor for DeepSpeed (its own accumulation path)
+    assert sharded_step_time(engine="fsdp2", micro_batches=4, **kw).host_grad_accumulate_s == 0.0
+    assert sharded_step_time(engine="deepspeed", micro_batches=4, **kw, **off).host_grad_accumulate_s == 0.0
+    assert four.to_dict()["host_grad_accumulate_s"] == four.host_grad_accumulate_s
+
+
 def test_fit_advice_names_what_would_fit():
     text = mem.fit_advice(70_000_000_000, budget_bytes=80 * 10**9, world_size=8, other_bytes=20 * 10**9,
                           unit_params=856_000_000, host_ram_bytes=2 * 2**40)

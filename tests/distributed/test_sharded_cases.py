@@ -41,7 +41,13 @@ def test_single_gpu_cases_cover_the_issue() -> None:
     assert b.ds_defaults and b.ckpt_impl == "hf" and not b.expandable_segments
     assert b.micro_batch_candidates == (8, 4, 2, 1) and b.micro_batch == 8
     assert cases["baseline_fsdp2_offload"].offload_params == "cpu"
-    assert {c.id for c in sc.two_gpu_cases()} == {"memopt_fsdp2_x2", "memopt_zero3_x2"}
+    two = {c.id: c for c in sc.two_gpu_cases()}
+    assert set(two) == {"memopt_fsdp2_x2", "memopt_zero3_x2", "baseline_fsdp2_x2", "baseline_zero3_offload_x2"}
+    assert all(two[c.compare_to].role == "baseline" for c in two.values() if c.role == "memopt")
+    # the baselines as issue 5 describes them: HF checkpointing, the largest per-rank micro-batch first
+    zero = two["baseline_zero3_offload_x2"]
+    assert (zero.offload_optimizer, zero.offload_params, zero.ds_defaults) == ("cpu", "cpu", True)
+    assert two["baseline_fsdp2_x2"].micro_batch_candidates == (4, 2, 1) and zero.ckpt_impl == "hf"
 
 
 def test_case_round_trip_and_errors() -> None:
@@ -84,6 +90,7 @@ def test_model_facts_llama32_3b() -> None:
     assert f.tied_params == f.largest_param == f.largest_module_params == v * h  # tied embedding / head
     assert f.root_params == v * h + h
     assert f.num_params == 28 * block + v * h + h
+    assert f.num_tensors == 28 * 9 + 2  # 7 linears + 2 norms per block; the tied embedding/head and the final norm
 
 
 def _point(part: str, block: int | None, name: str = "x", after: bool = False) -> sc.TimelinePoint:
@@ -125,7 +132,10 @@ def test_engine_bytes_fsdp2_offload() -> None:
     bwd = sc.engine_bytes_at(case, f, _point("backward", 5))["buffers"]
     root_grads = (root - f.tied_params) * 2  # the tied embedding's gradient is an autograd temporary
     assert bwd == root * 2 + root_grads + 2 * u * 2 + u * 6 + u * 2 + u * 4 + u * 4
-    assert sc.engine_bytes_at(case, f, _point("backward", None, "backward[0]"))["buffers"] == root * 2 + root_grads
+    # head and loss backward: the root, and the last block's all-gather output (prefetched when the root's backward
+    # starts)
+    assert sc.engine_bytes_at(case, f, _point("backward", None, "backward[0]"))["buffers"] == \
+        root * 2 + root_grads + u * 2
 
 
 def test_engine_bytes_two_gpu_states() -> None:
@@ -134,6 +144,27 @@ def test_engine_bytes_two_gpu_states() -> None:
     shard = -(-f.num_params // 2)
     assert sc.engine_bytes_at(cases["memopt_fsdp2_x2"], f, _point("forward", 0))["states"] == shard * 16
     assert sc.engine_bytes_at(cases["memopt_zero3_x2"], f, _point("forward", 0))["states"] == shard * (2 + 2 + 12)
+
+
+def test_engine_bytes_fsdp2_sharded_grads_follow_grad_accum() -> None:
+    """zero_grad(set_to_none=True): at one micro-batch per step the fp32 sharded gradients appear as backward
+    reduce-scatters the blocks; with accumulation every micro-batch after the first holds them all."""
+    f = sc.model_facts("llama32_3b")
+    case = {c.id: c for c in sc.two_gpu_cases()}["memopt_fsdp2_x2"].replace(micro_batch=4)
+    assert case.grad_accum == 1
+    shard, n = -(-f.num_params // 2), len(f.unit_params)
+    ushard = -(-f.unit_params[0] // 2)
+    no_grads = shard * (4 + 8)  # fp32 parameters + Adam
+    assert sc.engine_bytes_at(case, f, _point("forward", 3))["states"] == no_grads
+    assert sc.engine_bytes_at(case, f, _point("backward", None, "backward[0]"))["states"] == no_grads
+    assert sc.engine_bytes_at(case, f, _point("backward", 20))["states"] == no_grads + (n - 21) * ushard * 4
+    assert sc.engine_bytes_at(case, f, _point("backward", None, "emb", after=True))["states"] == \
+        no_grads + n * ushard * 4
+    assert sc.engine_bytes_at(case, f, None)["states"] == shard * 16  # the optimizer step: all of them
+    accum = case.replace(micro_batch=2)
+    assert sc.engine_bytes_at(accum, f, _point("backward", None, "backward[0]"))["states"] == shard * 16
+    # the two-H200 rows at 4 x 1: 5.98 GiB of the 5.73 GiB over-prediction
+    assert (shard * 4) / GiB == pytest.approx(5.98, abs=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +300,20 @@ def test_script_run_with_fake_launch(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert launched == []
     (row,) = [json.loads(x) for x in (out2 / "results.jsonl").read_text().splitlines()]
     assert row["skipped"] and "deadline" in row["error"]
+
+
+def test_deepspeed_reads_the_arch_list_without_arch_specific_suffixes():
+    from memopt.distributed.sharding import plain_arch_list, prepare_deepspeed_build_env
+
+    assert plain_arch_list("9.0a") == "9.0"
+    assert plain_arch_list("8.0 9.0a;10.0a+PTX") == "8.0;9.0;10.0+PTX"
+    assert plain_arch_list("9.0;9.0a") == "9.0"
+    assert plain_arch_list(None) is None
+    env = {"TORCH_CUDA_ARCH_LIST": "9.0a"}
+    prepare_deepspeed_build_env(env)
+    # what DeepSpeed 0.19.8's builder does with each entry (op_builder/builder.py, compute_capability_args)
+    assert [tuple(int(p.split("+")[0]) for p in cc.split(".")) for cc in env["TORCH_CUDA_ARCH_LIST"].split(";")] \
+        == [(9, 0)]
+    empty: dict[str, str] = {}
+    prepare_deepspeed_build_env(empty)
+    assert empty == {}  # unset stays unset: DeepSpeed probes the devices

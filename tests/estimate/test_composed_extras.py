@@ -81,3 +81,53 @@ def test_extras_variant_key_round_trips_and_changes_the_trace():
     loaded = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
     assert loaded.variants[key.at(None)].model_state == traced.model_state
     assert loaded.optimizers == prof.optimizers
+
+
+def test_bnb4_calls_set_a_host_floor_on_the_step_time():
+    """Every pass through a bitsandbytes 4-bit linear (forward, recomputed forward, backward) is counted in the trace
+    and costs ``bnb4_call_s`` of host time; a micro-batch's pass takes max(GPU time, host time). Hand-counted:
+    3 blocks x 7 linears, 2 x 1024 = 2048 rows per micro-batch (the unfused forward: dequantize_4bit + linear)."""
+    from dataclasses import replace
+
+    from memopt.estimate.timing import DEFAULT_TIMING
+
+    layers, m = 3, 2
+    n = 7 * layers
+    frozen_input = 3  # the first block's q, k, v read the frozen embedding's output: no gradient, no backward call
+    prof = memopt.profile(with_overrides("tiny_llama", {"num_hidden_layers": layers}),
+                          sample={"batch_size": 4, "seq_len": 1024}, hardware="h200", use_cache=False)
+    full_ac = Checkpointing(mode="full")
+    expected = {"qlora4": n + (n - frozen_input),                     # forward + backward
+                "qlora4_full_ac": n + n + (n - frozen_input),         # forward + recomputed forward + backward
+                "lora": 0, "lora_full_ac": 0}
+    host_bound = replace(DEFAULT_TIMING, bnb4_call_s=1.0)
+    gpu_only = replace(DEFAULT_TIMING, bnb4_call_s=0.0)
+    for name, calls in expected.items():
+        s = CONFIGS[name].replace(checkpointing=full_ac) if name.endswith("full_ac") else CONFIGS[name]
+        est = memopt.estimate(prof, s, exact_reserved=False, timing=host_bound)
+        d = est.detail
+        assert d["time_terms"]["pass"]["bnb4_calls"] == calls, name
+        assert d["time_terms"]["micro_batches"] == m
+        gpu_s = d["forward_s"] + d["backward_s"]  # both already x m
+        plain = memopt.estimate(prof, s, exact_reserved=False, timing=gpu_only)
+        assert plain.step_time_s == pytest.approx(gpu_s + d["optimizer_s"], rel=1e-12), name
+        if calls:
+            # 1 s a call dwarfs the tiny model's GPU time: exactly m x calls x 1 s, plus the optimizer step
+            assert est.step_time_s == pytest.approx(m * calls * 1.0 + d["optimizer_s"], rel=1e-12), name
+            default = memopt.estimate(prof, s, exact_reserved=False)
+            assert default.step_time_s == pytest.approx(
+                max(gpu_s, m * calls * DEFAULT_TIMING.bnb4_call_s) + d["optimizer_s"], rel=1e-12), name
+        else:
+            assert est.step_time_s == plain.step_time_s, name  # LoRA on the bf16 base: no bitsandbytes call
+
+
+def test_bnb4_call_s_is_the_measured_h200_figure():
+    """``TimingModel.bnb4_call_s`` is benchmarks/quant/raw/dequant_h200.json's mean 4-bit forward + backward time over
+    its two dequantizing calls (see the field's comment)."""
+    from pathlib import Path
+
+    from memopt.estimate.timing import DEFAULT_TIMING
+
+    rows = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/quant/raw/dequant_h200.json").read_text())
+    nf4 = [r["nf4_fwd_bwd_s"] for r in rows["rows"]]
+    assert DEFAULT_TIMING.bnb4_call_s == pytest.approx(sum(nf4) / len(nf4) / 2, rel=0.01)

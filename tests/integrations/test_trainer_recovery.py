@@ -137,3 +137,160 @@ def test_recovery_gives_up_with_a_report_and_the_state_untouched(tmp_path):
     assert err.value.report.failures and all(torch.equal(trainer.model.get_parameter(k), v)
                                              for k, v in before.items())
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+# -- an OOM inside the Trainer's optimizer step -------------------------------------------------------------
+class _OOMInForeachSqrt:
+    """``torch._foreach_sqrt`` (AdamW's foreach update, after the weight decay and the moments were applied to
+    the first parameter group) raises an OOM at its ``call``-th call, ``times`` calls in a row."""
+
+    def __init__(self, monkeypatch, call: int, times: int = 1) -> None:
+        self.calls, self.fired = 0, 0
+        original = torch._foreach_sqrt
+
+        def sqrt(*args, **kwargs):
+            self.calls += 1
+            if call <= self.calls < call + times:
+                self.fired += 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB.")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "_foreach_sqrt", sqrt)
+
+
+def _foreach_trainer(path, plan, **wrap_kw):
+    """The test Trainer with AdamW forced to its foreach implementation (the CUDA default; a CPU's is the loop)
+    and weight decay, so that a failed update has changed parameters before it fails."""
+    trainer = _trainer(path)
+    trainer.args.weight_decay = 0.1
+    trainer.create_optimizer()
+    for group in trainer.optimizer.param_groups:
+        group["foreach"] = True
+    return _wrap(trainer, plan=plan, **wrap_kw)
+
+
+def _groups_per_step(trainer) -> int:
+    return sum(1 for g in trainer.optimizer.param_groups if g["params"])
+
+
+def test_an_oom_inside_the_optimizer_step_is_undone_and_the_step_rerun_one_tensor_at_a_time(tmp_path, monkeypatch,
+                                                                                           first_plan):
+    from transformers import TrainerCallback
+
+    faulty = _foreach_trainer(tmp_path / "a", first_plan, transaction="always")
+    groups = _groups_per_step(faulty)
+    assert groups == 2  # decay and no-decay: the fault below hits the second, after the first was updated
+    fault = _OOMInForeachSqrt(monkeypatch, call=2 * groups + 2)  # step 2, second parameter group
+    faulty.train()
+    assert fault.fired == 1 and faulty.state.global_step == STEPS
+    report = faulty.memopt_recovery.report
+    (failure,) = report.failures
+    assert (failure.step, failure.phase, failure.location) == (2, "optimizer", "optimizer")
+    (switch,) = report.replans
+    assert "foreach" in switch["from"] and "loop" in switch["to"] and switch["where"] == "optimizer"
+    assert faulty.memopt_plan.strategy.optimizer == "adamw"
+    assert all(g["foreach"] is False for g in faulty.optimizer.param_groups)
+    monkeypatch.undo()
+
+    # the reference: no error, the optimizer switched to the loop at step 2
+    reference = _foreach_trainer(tmp_path / "b", first_plan)
+
+    class Switch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                for g in reference.optimizer.param_groups:
+                    g["foreach"] = False
+
+    reference.add_callback(Switch())
+    reference.train()
+    for k, v in _params(reference.model).items():
+        assert torch.equal(faulty.model.get_parameter(k), v), k
+    ref_state = reference.optimizer.state_dict()["state"]
+    for i, st in faulty.optimizer.state_dict()["state"].items():
+        assert all(torch.equal(st[n], ref_state[i][n]) for n in ("step", "exp_avg", "exp_avg_sq")), i
+
+
+def test_an_optimizer_step_that_keeps_failing_gives_up_with_parameters_and_states_as_before(tmp_path, first_plan):
+    from transformers import TrainerCallback
+
+    from memopt.guard.recovery import MemoptOOMError
+
+    trainer = _foreach_trainer(tmp_path, first_plan, transaction="always")
+    seen = {}
+
+    def fail(optimizer, args, kwargs):  # inside the step, after memopt's copy: changes a parameter, then fails
+        with torch.no_grad():
+            optimizer.param_groups[0]["params"][0].add_(1.0)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB.")
+
+    class Keep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                seen["params"] = _params(trainer.model)
+                seen["state"] = {i: {k: v.clone() for k, v in st.items()}
+                                 for i, st in trainer.optimizer.state_dict()["state"].items()}
+                trainer.optimizer.optimizer.register_step_pre_hook(fail)
+
+    trainer.add_callback(Keep())
+    with pytest.raises(MemoptOOMError, match="as before the step") as err:
+        trainer.train()
+    assert len(err.value.report.failures) == 3 and trainer.state.global_step == 1
+    assert all(torch.equal(trainer.model.get_parameter(k), v) for k, v in seen["params"].items())
+    for i, st in trainer.optimizer.state_dict()["state"].items():
+        assert all(torch.equal(v, seen["state"][i][k]) for k, v in st.items()), i
+
+
+def test_an_optimizer_oom_without_a_copy_says_the_parameters_are_partly_updated(tmp_path, monkeypatch, first_plan):
+    from memopt.guard.recovery import MemoptOOMError
+
+    trainer = _foreach_trainer(tmp_path, first_plan, transaction="never")
+    _OOMInForeachSqrt(monkeypatch, call=_groups_per_step(trainer) + 2)  # step 1, the second group
+    with pytest.raises(MemoptOOMError, match="partly updated"):
+        trainer.train()
+
+
+def test_the_first_optimizer_step_is_copied_under_auto(tmp_path, monkeypatch, first_plan):
+    """Under "auto" the first step (the states are created then) is copied first: an OOM in it is undone."""
+    trainer = _foreach_trainer(tmp_path, first_plan)
+    fault = _OOMInForeachSqrt(monkeypatch, call=2)  # step 0, the second group
+    trainer.train()
+    assert fault.fired == 1 and trainer.state.global_step == STEPS
+    step = trainer.memopt_recovery.optimizer_step
+    assert step.transaction.mode == "auto" and step.oom_seen
+    assert [f.location for f in trainer.memopt_recovery.report.failures] == ["optimizer"]
+
+
+def test_an_unknown_transaction_mode_is_refused_with_the_choices(tmp_path, first_plan):
+    with pytest.raises(ValueError, match="auto, always, never"):
+        _wrap(_trainer(tmp_path), plan=first_plan, transaction="sometimes")
+
+
+def test_the_cache_is_released_after_the_failed_attempts_temporaries_are_gone(tmp_path, monkeypatch, first_plan):
+    """The allocator's cache is emptied once the failed attempt's frames are gone: a temporary the failing update
+    held is free by then (emptied while the error was being handled, its blocks would stay cached, fragmented)."""
+    import weakref
+
+    from transformers import TrainerCallback
+
+    from memopt.integrations import trainer_optimizer_step as tos
+
+    trainer = _foreach_trainer(tmp_path, first_plan, transaction="always")
+    temporaries, alive_at_release = [], []
+
+    def fail_once(optimizer, args, kwargs):
+        if not temporaries:
+            scratch = torch.empty(1 << 16)  # held by this frame when the error leaves it
+            temporaries.append(weakref.ref(scratch))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB.")
+
+    class Arm(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1 and not temporaries:
+                trainer.optimizer.optimizer.register_step_pre_hook(fail_once)
+
+    real_release = tos.release_cache
+    monkeypatch.setattr(tos, "release_cache", lambda: (alive_at_release.append(temporaries[0]() is not None),
+                                                       real_release()))
+    trainer.add_callback(Arm())
+    trainer.train()
+    assert trainer.state.global_step == STEPS and alive_at_release == [False]

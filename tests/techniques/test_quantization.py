@@ -371,22 +371,15 @@ def _real_step_peaks(model: nn.Module, strategy: Strategy, batch: dict, num_step
     the peak of each optimizer step. bitsandbytes' CPU GEMM runs op by op so its temporaries are seen."""
     from memopt.apply.prepare import prepare
     from memopt.profile.quant_stand_ins import quant_state_tensors, visible_bnb_kernels
+    from memopt.validation.real_step import real_step_peaks
 
     prepared = prepare(model, strategy, device_type="cpu")
-    tracker = MemoryTracker("cpu")
-    peaks = []
     try:
-        with tracker:
-            for t in [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *batch.values()]:
-                tracker.track(t)
-            with visible_bnb_kernels():
-                for _ in range(num_steps):
-                    tracker.reset_peak()
-                    prepared.step.step(batch)
-                    peaks.append(tracker.peak_bytes)
+        return real_step_peaks(lambda: prepared.step.step(batch),
+                               [*model.parameters(), *model.buffers(), *quant_state_tensors(model), *batch.values()],
+                               num_steps=num_steps, context=visible_bnb_kernels)
     finally:
         prepared.undo()
-    return peaks
 
 
 _VARIANTS = {
