@@ -117,8 +117,9 @@ class TransactionalOptimizerStep:
             self.report.final = f"the optimizer step ran out of memory {attempt} times"
             raise MemoptOOMError(
                 f"out of memory {attempt} times in the optimizer step; parameters and optimizer states are as "
-                "before the step. The plan's model states do not fit: plan with a smaller budget or allow "
-                "8-bit optimizer states or offload", self.report) from exc
+                "before the step. The optimizer step does not fit beside the model states: re-plan with more headroom "
+                "(a larger margin, or a smaller budget than the card's), or allow 8-bit optimizer states or "
+                "offload", self.report) from exc
         before = self._implementation()
         if self._to_loop():
             self.report.replans.append({"attempt": attempt, "step": int(self.step_of()), "from": before,
