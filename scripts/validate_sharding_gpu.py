@@ -106,7 +106,6 @@ def launch(case: ShardedCase, prefix: Path, timeout: float) -> list[dict[str, An
         # torchrun sets OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeed's CPUAdam (OpenMP) one core per
         # rank: the two-GPU ZeRO-3 offload baseline measured 6.7 s/step against ~1.9 s predicted (session 5)
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // case.world_size))
-    prepare_deepspeed_build_env(env)
     t = time.perf_counter()
     log = prefix.with_suffix(".log")
     with open(log, "w") as f:
@@ -200,12 +199,14 @@ def rebuild_results(run_dir: Path) -> int:
     """``results.jsonl`` of a run from its per-rank files: each row with today's CPU prediction of the case as it
     ran (checkpointing and micro-batch from the row, not re-chosen), marked ``rebuilt_from``. For runs whose own
     file did not come back, and to hold older rows against the current estimator."""
-    lines = []
+    lines, preds = [], {}
     for f in sorted(run_dir.glob("*.mb*.rank*.json")):
         row = json.loads(f.read_text())
         case = ShardedCase.from_dict({**row["case"], "id": row["case"]["id"].split("@")[0]})
-        pred = predict_case(case, with_time=True)
-        lines.append(json.dumps({**row, **pred, "rebuilt_from": f.name}))
+        key = json.dumps(case.to_dict(), sort_keys=True)
+        if key not in preds:  # every rank of a case shares its prediction
+            preds[key] = predict_case(case, with_time=True)
+        lines.append(json.dumps({**row, **preds[key], "rebuilt_from": f.name}))
     (run_dir / "results.jsonl").write_text("\n".join(lines) + "\n")
     return len(lines)
 

@@ -23,12 +23,13 @@ def set_expandable_segments(enabled: bool) -> bool:
         return True
     wanted = f"expandable_segments:{'True' if enabled else 'False'}"
     conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c]
+    updated = ",".join([*(c for c in conf if not c.startswith("expandable")), wanted])
     if not torch.cuda.is_initialized():
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*(c for c in conf if not c.startswith("expandable")), wanted])
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = updated
         return True
     if torch.cuda.memory_reserved() == 0:
         torch.cuda.memory._set_allocator_settings(wanted)
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join([*(c for c in conf if not c.startswith("expandable")), wanted])
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = updated
         return True
     current = [c for c in conf if c.startswith("expandable_segments")]
     if (current and current[-1] == wanted) or (not current and not enabled):  # in force since CUDA started

@@ -74,6 +74,7 @@ class EstimateStore:
         self.path = cache_dir() / "estimates" / f"{profile.key}.json"
         self.entries: dict[str, dict[str, Any]] = {}
         self.dirty = False
+        self._hw_ids: dict[int, str] = {}
         if self.enabled and self.path.exists():
             try:
                 data = json.loads(self.path.read_text())
@@ -82,9 +83,11 @@ class EstimateStore:
             except (OSError, ValueError, KeyError, TypeError):
                 self.entries = {}
 
-    @staticmethod
-    def _key(s: Strategy, hw: HardwareSpec, exact: bool) -> str:
-        return f"{'exact' if exact else 'quick'}|{_hardware_id(hw)}|{s!r}"
+    def _key(self, s: Strategy, hw: HardwareSpec, exact: bool) -> str:
+        hw_id = self._hw_ids.get(id(hw))
+        if hw_id is None:  # hashed once per spec object, not once per lookup
+            hw_id = self._hw_ids[id(hw)] = _hardware_id(hw)
+        return f"{'exact' if exact else 'quick'}|{hw_id}|{s!r}"
 
     def get(self, s: Strategy, hw: HardwareSpec, exact: bool) -> Estimate | None:
         if not self.enabled or s.optimizer == "user":

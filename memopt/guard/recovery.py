@@ -122,6 +122,7 @@ __all__ = [
     "is_oom",
     "parse_oom_message",
     "prediction_is_current",
+    "release_cache",
     "reprepare",
     "step_down",
 ]
@@ -202,6 +203,15 @@ def parse_oom_message(message: str) -> dict[str, int | None]:
 
 _OOM_TEXT = ("CUDA out of memory", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
              "HIP out of memory")
+
+
+def release_cache(*, empty_cache: bool = True) -> None:
+    """Free what nothing references any more, then hand the allocator's free blocks back, so that a retry finds
+    contiguous memory. Call it after the failed attempt's exception handler has ended: until then its frames hold
+    the attempt's temporaries, whose blocks would stay cached as holes."""
+    gc.collect()
+    if empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -1057,9 +1067,7 @@ class OOMGuard:
             offload.flush()
         if hasattr(step, "last_micro_losses"):
             step.last_micro_losses = []
-        gc.collect()
-        if self.empty_cache and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        release_cache(empty_cache=self.empty_cache)
         if self.memory is not None:
             self.memory.empty_cache()
 

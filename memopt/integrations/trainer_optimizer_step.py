@@ -25,15 +25,21 @@ nothing here touched; from then on every step is copied first.
 
 from __future__ import annotations
 
-import gc
 import types
 from typing import Any
 
 import torch
 
-from memopt.guard.recovery import MemoptOOMError, OOMMeasurement, RecoveryReport, StepTransaction, parse_oom_message
+from memopt.guard.recovery import (
+    MemoptOOMError,
+    OOMMeasurement,
+    RecoveryReport,
+    StepTransaction,
+    parse_oom_message,
+    release_cache,
+)
 
-__all__ = ["TransactionalOptimizerStep", "release_cache", "torch_optimizer"]
+__all__ = ["TransactionalOptimizerStep", "torch_optimizer"]
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -149,10 +155,3 @@ def _runs_foreach(group: dict[str, Any]) -> bool:
         return False
     return bool(group["foreach"]) or any(p.is_cuda for p in group["params"])
 
-
-def release_cache() -> None:
-    """Free what nothing references any more, then hand the allocator's free blocks back, so that the retry finds
-    contiguous memory (holes left by a failed attempt's temporaries would otherwise stay fragmented)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

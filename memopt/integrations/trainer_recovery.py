@@ -37,9 +37,10 @@ from memopt.guard.recovery import (
     PlanEscalator,
     RecoveryReport,
     parse_oom_message,
+    release_cache,
     step_down,
 )
-from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, release_cache, torch_optimizer
+from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
 

@@ -351,8 +351,9 @@ def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint |
                 "buffers": gathered + (buf["buckets"] if backward else 0)}
     # FSDP2, MixedPrecisionPolicy(bf16, fp32): fp32 shards; CPUOffloadPolicy puts them on the host
     c, r = 2, 4
+    param_and_optim, grad = 4 + 8, 4  # per shard element: fp32 parameter and Adam's two states; fp32 gradient
     offload = case.offload_params == "cpu"
-    states = 0 if offload else shard * (4 + 4 + 8)
+    states = 0 if offload else shard * (param_and_optim + grad)
     if point is None:
         return {"states": states, "buffers": 0}
     units = list(facts.unit_params)
@@ -360,7 +361,7 @@ def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint |
         # the train step clears gradients with zero_grad(set_to_none=True): with one micro-batch per step the fp32
         # sharded gradients (4 B per shard element) exist only for the units backward has reduce-scattered (the
         # blocks after ``point``'s; the root's come last); with more, every micro-batch after the first has them all
-        states = shard * (4 + 8) + 4 * sum(-(-u // w) for u in _reduced_units(units, point))
+        states = shard * param_and_optim + grad * sum(-(-u // w) for u in _reduced_units(units, point))
     # a tied weight's gradient is an autograd temporary in the activation timeline (the head's grad_weight
     # waits for the embedding's): it is not counted again as the root's unsharded gradient
     root_grads = max(0, facts.root_params - facts.tied_params) * c
