@@ -106,4 +106,8 @@ class Strategy:
             from memopt.techniques.quantization import extras_label  # the techniques know their settings' labels
 
             parts.append(extras_label(self))
+        if self.extra("sharding") is not None:
+            from memopt.distributed.sharding import ShardingSetting
+
+            parts.append(ShardingSetting.from_any(self.extra("sharding")).label())
         return " ".join(parts)

@@ -6,7 +6,8 @@
 wrap: for each architecture x budget, the CPU-made plan applied by memopt.wrap under the hard cap:
 plan_fits, fits_under_cap, predicted vs measured peaks, step time, throughput, the share of the budget used.
 speed: the plan against the hand-tuned grid and the Hugging Face Trainer baseline at the same budget and
-global batch.
+global batch; speed3 (one run: the search, then interleaved rounds): each configuration's best round and
+median, and memopt against the targets (>= 1.0x the best grid row, >= 1.2x the Trainer, micro-batch >= 1.3x).
 """
 
 from __future__ import annotations
@@ -93,6 +94,118 @@ def _speed_case(case: str, rows: list[dict], lines: list[str]) -> dict | None:
     return comp
 
 
+def _speed3_parts(label: str) -> tuple[str, int | None]:
+    """speed3/<case>/<configuration>[/r<k>] -> (configuration, k); the search's rows are find/<...>."""
+    parts = label.split("/")[2:]
+    if parts and parts[-1][:1] == "r" and parts[-1][1:].isdigit():
+        return "/".join(parts[:-1]), int(parts[-1][1:])
+    return "/".join(parts), None
+
+
+def _trained(r: dict) -> bool:
+    return bool(r.get("ok")) and not r.get("oom") and not r.get("skipped") and r.get("fits_under_cap", True)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
+
+
+def _fmt(x: float | None, target: float) -> str:
+    return "-" if x is None else f"{x:.2f}x ({'met' if x >= target else 'missed'})"
+
+
+def _speed3_case(case: str, rows: list[dict], lines: list[str]) -> dict | None:
+    """A speed3 case: the search (5 steps a row, one process each), the interleaved rounds (best round and
+    median per configuration) and memopt against the targets."""
+    predicted = any(r.get("dry_run") for r in rows)
+    lines += [f"## Speed: {case.split()[0]} (speed3: search, then interleaved rounds in one run)"
+              + (" -- DRY RUN: predicted on the CPU, not measured" if predicted else ""), ""]
+    found = [r for r in rows if _speed3_parts(r.get("label", ""))[0].startswith("find/")]
+    rounds: dict[str, list[dict]] = {}
+    for r in rows:
+        config, k = _speed3_parts(r.get("label", ""))
+        if k is not None:
+            rounds.setdefault(config, []).append(r)
+    if found:
+        lines += ["Search, largest first (5 steps a row, one process each; a series stops at the first that trains):",
+                  "", "| configuration | trained | step s | peak reserved GiB | allocator retries |",
+                  "|---|---|---|---|---|"]
+        for r in found:
+            trained = "yes" if _trained(r) else "no (OOM)" if r.get("oom") or r.get("fits_under_cap") is False \
+                else f"error: {str(r.get('error', ''))[:60]}"
+            lines.append(f"| {_speed3_parts(r['label'])[0][5:]} | {trained} | {r.get('measured_step_s', 0):.3f} | "
+                         f"{r.get('measured_peak_reserved_bytes', 0) / GiB:.2f} | {r.get('num_alloc_retries', '-')} |")
+        lines.append("")
+    stats = {}
+    for config, rs in rounds.items():
+        ok = [r for r in rs if _trained(r)]
+        times = [r["measured_step_s"] for r in ok]
+        stats[config] = {"rounds": len(rs), "trained": len(ok), "best_s": min(times) if times else None,
+                         "median_s": statistics.median(times) if times else None,
+                         "strategies": sorted({r.get("strategy") for r in ok if r.get("strategy")}),
+                         "items": ok[0]["row"]["batch_size"] * (ok[0]["row"].get("seq_len") or 1) if ok else 0}
+    memopt = stats.get("plan+autotune", {})
+    grid = {c: v for c, v in stats.items() if c.startswith("grid/") and v["best_s"]}
+    trainer = {c: v for c, v in stats.items() if c.startswith("trainer/") and v["best_s"]}
+    lines += [f"Interleaved rounds ({max((v['rounds'] for v in stats.values()), default=0)}), one process a row, "
+              "the order rotated each round:", "",
+              "| configuration | trained / rounds | best step s | median step s | throughput (best) | "
+              "memopt speed-up, best / median |", "|---|---|---|---|---|---|"]
+    for config, v in stats.items():
+        name = config + (f" ({', '.join(v['strategies'])})" if config == "plan+autotune" else "")
+        if not v["best_s"]:
+            lines.append(f"| {name} | 0 / {v['rounds']} | - | - | - | - |")
+            continue
+        up = [_ratio(v[k], memopt.get(k)) for k in ("best_s", "median_s")]
+        lines.append(f"| {name} | {v['trained']} / {v['rounds']} | {v['best_s']:.3f} | {v['median_s']:.3f} | "
+                     f"{v['items'] / v['best_s']:,.0f} | "
+                     + (" / ".join(f"{x:.2f}x" for x in up) if None not in up else "-") + " |")
+    if not memopt.get("best_s"):
+        lines += ["", "memopt.wrap did not train in any round.", ""]
+        return None
+    best_grid = {k: min((v[k] for v in grid.values()), default=None) for k in ("best_s", "median_s")}
+    best_trainer = {k: min((v[k] for v in trainer.values()), default=None) for k in ("best_s", "median_s")}
+    pd = next((r["per_device_batch"] for r in rows if "/trainer/" in r.get("label", "") and _trained(r)), None)
+    mine = [_micro_batch(r) for r in rows if _trained(r) and _speed3_parts(r["label"])[0] in ("find/plan",
+                                                                                             "plan+autotune")]
+    no_ac = [_micro_batch(r) for r in rows if _trained(r) and "/grid/ac=none/" in r.get("label", "")]
+    comp = {"memopt_strategies": memopt["strategies"], "memopt_best_s": memopt["best_s"],
+            "memopt_median_s": memopt["median_s"],
+            "best_grid_best_s": best_grid["best_s"], "best_grid_median_s": best_grid["median_s"],
+            "trainer_best_s": best_trainer["best_s"], "trainer_median_s": best_trainer["median_s"],
+            "vs_best_grid": _ratio(best_grid["best_s"], memopt["best_s"]),
+            "vs_best_grid_median": _ratio(best_grid["median_s"], memopt["median_s"]),
+            "vs_trainer": _ratio(best_trainer["best_s"], memopt["best_s"]),
+            "vs_trainer_median": _ratio(best_trainer["median_s"], memopt["median_s"]),
+            "memopt_largest_micro_batch": max((m for m in mine if m), default=None),
+            "trainer_per_device_batch": pd,
+            "no_checkpointing_largest_micro_batch": max((m for m in no_ac if m), default=None),
+            "global_batch": rows[0].get("row", {}).get("batch_size"), "predicted": predicted}
+    comp["micro_batch_vs_trainer"] = _ratio(comp["memopt_largest_micro_batch"], pd)
+    needs = ("no: the grid trained without checkpointing at micro-batch "
+             f"{comp['no_checkpointing_largest_micro_batch']}" if comp["no_checkpointing_largest_micro_batch"]
+             else "yes: no grid row trained without checkpointing" if found else "not searched in this run")
+    lines += ["", "Against the targets (best round; median of the rounds in brackets):", "",
+              f"- memopt vs the best grid row: {_fmt(comp['vs_best_grid'], 1.0)} "
+              f"[{_fmt(comp['vs_best_grid_median'], 1.0)}], target >= 1.0x",
+              f"- memopt vs the Trainer baseline: {_fmt(comp['vs_trainer'], 1.2)} "
+              f"[{_fmt(comp['vs_trainer_median'], 1.2)}], target >= 1.2x where the baseline needs checkpointing "
+              f"(does it here? {needs})",
+              f"- largest micro-batch memopt trained under the budget: {comp['memopt_largest_micro_batch']} vs the "
+              f"Trainer's per-device batch {pd}: {_fmt(comp['micro_batch_vs_trainer'], 1.3)}, target >= 1.3x"
+              + (" (the Trainer already runs the whole global batch: no larger micro-batch exists)"
+                 if pd and pd == comp["global_batch"] else ""), ""]
+    tuned = [r for r in rows if _speed3_parts(r.get("label", ""))[0] == "plan+autotune" and r.get("trials")]
+    for r in tuned[:1]:
+        lines += ["autotune trials of the first round (forward+backward passes + predicted optimizer time):", ""]
+        lines += [f"- {t['strategy']}: " + (f"{t['score_s']:.3f} s (predicted step {t['predicted_step_s']:.3f} s)"
+                                            if t.get("score_s") is not None else str(t.get("error")))
+                  for t in r["trials"]]
+        lines.append("")
+    lines += [f"Speed: {json.dumps(comp)}", ""]
+    return comp
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -142,10 +255,11 @@ def main() -> int:
     cases: dict[str, list[dict]] = {}
     for r in speed:
         head, case = r.get("label", "").split("/")[:2]
-        cases.setdefault(case if head == "speed" else f"{case} ({head}: interleaved rounds in one run)", []).append(r)
+        cases.setdefault(case if head == "speed" else f"{case} ({head})" if head == "speed3"
+                         else f"{case} ({head}: interleaved rounds in one run)", []).append(r)
     summary["speed"] = {}
     for case, rows in cases.items():
-        comp = _speed_case(case, rows, lines)
+        comp = (_speed3_case if case.endswith("(speed3)") else _speed_case)(case, rows, lines)
         if comp:
             summary["speed"][case] = comp
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -37,6 +37,7 @@ from memopt.units import GiB  # noqa: E402
 from memopt.validation.sharded_cases import (  # noqa: E402
     ShardedCase,
     choose_memopt_setting,
+    diagnostic_fsdp2_cases,
     predict_case,
     report_markdown,
     report_rows,
@@ -51,11 +52,13 @@ CASE_TIMEOUT_S = 300.0
 BASELINE_START_FACTOR = 1.25
 
 
-def all_cases(two_gpu: bool, model: str, cap_gib: float | None) -> list[ShardedCase]:
+def all_cases(two_gpu: bool, model: str, cap_gib: float | None, diag: bool = False) -> list[ShardedCase]:
     if two_gpu:
         cases = two_gpu_cases(model) if cap_gib is None else two_gpu_cases(model, cap_bytes=int(cap_gib * GiB))
     else:
         cases = single_gpu_cases(model) if cap_gib is None else single_gpu_cases(model, cap_bytes=int(cap_gib * GiB))
+    if diag:
+        cases += diagnostic_fsdp2_cases(model, world_size=2 if two_gpu else 1)
     # the fastest first, and each baseline next to the memopt case compared with it
     order = ["memopt_zero2_offload_opt", "baseline_zero3_offload", "memopt_zero3_offload_all", "memopt_fsdp2_offload",
              "baseline_fsdp2_offload", "memopt_fsdp2_x2", "memopt_zero3_x2"]
@@ -133,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     deadline = args.deadline
-    cases = all_cases(args.two_gpu, args.model, args.cap_gib)
+    cases = all_cases(args.two_gpu, args.model, args.cap_gib, args.diag)
+    if args.steps:
+        cases = [c.replace(steps=args.steps) for c in cases]
     if args.fsdp_optimizer != "fused":
         cases = [c.replace(fsdp_optimizer=args.fsdp_optimizer) if c.engine == "fsdp2" else c for c in cases]
     if args.cases:
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=0.0, help="seconds from start after which no case starts")
     ap.add_argument("--two-gpu", action="store_true", help="the 2-GPU cases (torchrun --nproc-per-node 2)")
     ap.add_argument("--model", default="llama32_3b")
+    ap.add_argument("--diag", action="store_true", help="also the fixed FSDP2 diagnostic cases (reserved per stream)")
+    ap.add_argument("--steps", type=int, default=0, help="steps per case (default: the case's own, 3)")
     ap.add_argument("--cap-gib", type=float, default=None, help="per-GPU hard cap (default: 16 / 48 GiB)")
     ap.add_argument("--fsdp-optimizer", choices=("fused", "foreach"), default="fused",
                     help="torch AdamW implementation on FSDP2's CPU shards (foreach if fused fails on DTensor)")

@@ -81,6 +81,7 @@ class PinsConfig:
     expandable_segments: Any = None  # true | false
     adapter_rank: Any = None  # LoRA rank (needs fidelity 'lora'); 0 = full fine-tuning, no adapters
     quant_bits: Any = None  # 4 | 8: frozen base quantized (needs fidelity 'qlora'); 0 = unquantized
+    offload: Any = None  # false: never offload model states (true: only plans that offload)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class ForbidConfig:
     expandable_segments: Any = None
     adapter_rank: Any = None
     quant_bits: Any = None
+    offload: Any = None
     loss_scaling: Any = None  # grad_scaler: forbids fp16 autocast, which needs it
 
 

@@ -413,8 +413,10 @@ def sharded_memory(num_params: int, *, engine: str, stage: int, world_size: int,
             if offload_optimizer == "cpu":
                 host += (opt_rank + grad_rank) * per_node
                 pinned += (opt_rank + grad_rank) * per_node
-            else:  # nvme: states swapped; fp32 grads and the swap buffers stay in pinned host memory
-                nvme += opt_rank * per_node
+            else:  # nvme: states swapped; fp32 grads and the swap buffers stay in pinned host memory, and the
+                # fp32 gradients are also written to NVMe at each accumulation boundary (counted on the CPU machine:
+                # tests/distributed/test_nvme_offload.py)
+                nvme += (opt_rank + grad_rank) * per_node
                 swap = DS_OPTIMIZER_SWAP_BUFFER_COUNT * min(DS_SUB_GROUP_SIZE, p_shard) * 4
                 host += (grad_rank + swap) * per_node
                 pinned += (grad_rank + swap) * per_node

@@ -50,6 +50,8 @@ __all__ = [
     "export_accelerate_config",
     "export_deepspeed_json",
     "mp_policy_for",
+    "nvme_swap_bytes",
+    "param_swap_buffer_elements",
     "sharding_of",
     "validate_offload",
 ]
@@ -307,12 +309,16 @@ DEFAULT_BUCKET_BYTES = 200 * 10**6
 def deepspeed_config(setting: ShardingSetting, *, precision: str = "bf16_autocast", micro_batch: int = 1,
                      grad_accum: int = 1, optimizer: dict[str, Any] | None = None,
                      gradient_clipping: float | None = None, torch_optimizer: bool = False,
-                     aio: dict[str, Any] | None = None) -> dict[str, Any]:
+                     aio: dict[str, Any] | None = None, largest_param: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict for a setting.
 
     ``optimizer``: DeepSpeed's ``{"type": "AdamW", "params": {...}}`` block (with CPU offload DeepSpeed
     then uses its CPUAdam); ``torch_optimizer=True`` when a torch optimizer instance is passed to
     ``deepspeed.initialize`` instead (``zero_force_ds_cpu_optimizer: false`` lets it run offloaded).
+    ``largest_param``: numel of the model's largest parameter. With parameters on NVMe each swap buffer must hold
+    its partition (DeepSpeed 0.19.8 asserts "More elements ... than buffer size" in ``get_buffer``: a 151936 x 896
+    embedding is 136M elements, over the 100M default), so ``buffer_size`` grows to it. ``max_in_cpu`` is 0 so that
+    the parameters stay on NVMe, as planned (DeepSpeed's default keeps a model under 1e9 parameters in host RAM).
     """
     if setting.engine != "deepspeed":
         raise ValueError(f"deepspeed_config needs engine 'deepspeed', got {setting.engine!r}")
@@ -326,7 +332,10 @@ def deepspeed_config(setting: ShardingSetting, *, precision: str = "bf16_autocas
         zero.update({"stage3_prefetch_bucket_size": int(bucket) if setting.prefetch else 0,
                      "stage3_param_persistence_threshold": 100_000,
                      "stage3_max_live_parameters": mem.DS_DEFAULT_MAX_LIVE,
-                     "stage3_max_reuse_distance": mem.DS_DEFAULT_MAX_LIVE if setting.reshard_after_forward else 0,
+                     # parameters swapped in from NVMe hold one swap buffer each until released: kept for reuse,
+                     # they exhaust the buffers ("Not enough buffers 0 for swapping 1", DeepSpeed 0.19.8)
+                     "stage3_max_reuse_distance": mem.DS_DEFAULT_MAX_LIVE
+                     if setting.reshard_after_forward and setting.offload_params != "nvme" else 0,
                      "stage3_gather_16bit_weights_on_model_save": True})
     if setting.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": setting.pin_memory}
@@ -339,7 +348,10 @@ def deepspeed_config(setting: ShardingSetting, *, precision: str = "bf16_autocas
     elif setting.offload_params == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": setting.nvme_path, "pin_memory": setting.pin_memory,
                                  "buffer_count": mem.DS_PARAM_SWAP_BUFFER_COUNT,
-                                 "buffer_size": mem.DS_PARAM_SWAP_BUFFER_SIZE, "max_in_cpu": 1_000_000_000}
+                                 "buffer_size": param_swap_buffer_elements(setting, largest_param),
+                                 # DeepSpeed's default (1e9) swaps the first 1e9 elements "permanently to CPU"
+                                 # (stage3.py): the parameters would take host RAM the plan gave to NVMe
+                                 "max_in_cpu": 0}
     if setting.stage == 3 and setting.offloads:
         zero["sub_group_size"] = mem.DS_SUB_GROUP_SIZE
     config: dict[str, Any] = {
@@ -366,6 +378,13 @@ def deepspeed_config(setting: ShardingSetting, *, precision: str = "bf16_autocas
         config["aio"] = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                          "overlap_events": True, **(aio or {})}
     return config
+
+
+def param_swap_buffer_elements(setting: ShardingSetting, largest_param: int | None = None) -> int:
+    """Elements of one ZeRO-Infinity parameter swap buffer: DeepSpeed's default (100M), or the largest parameter's
+    partition on one rank when that is larger."""
+    part = -(-int(largest_param) // setting.world_size) if largest_param else 0
+    return max(mem.DS_PARAM_SWAP_BUFFER_SIZE, part)
 
 
 def _optimizer_block(optimizer_cfg: Any, precision: str) -> dict[str, Any] | None:
@@ -405,7 +424,9 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
 
     ``optimizer_cfg``: DeepSpeed's optimizer block (dict; default AdamW lr 1e-4), a torch optimizer
     instance, or a callable taking the parameters. The process group is initialized by DeepSpeed when
-    it is not yet (``deepspeed.init_distributed``).
+    it is not yet (``deepspeed.init_distributed``). An offloading setting is checked first (``validate_offload``
+    with this machine's RAM): a missing or read-only NVMe path, too little disk or host RAM raise before DeepSpeed
+    starts.
     """
     import deepspeed
 
@@ -416,7 +437,8 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
             optimizer_cfg, torch.optim.Optimizer) else optimizer_cfg
     config = deepspeed_config(setting, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum,
                               optimizer=block, gradient_clipping=gradient_clipping,
-                              torch_optimizer=opt_instance is not None)
+                              torch_optimizer=opt_instance is not None,
+                              largest_param=max((p.numel() for p in model.parameters()), default=0))
     config.update(config_overrides or {})
     kwargs: dict[str, Any] = {"model": model, "config": config}
     if opt_instance is not None:
@@ -425,6 +447,9 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
         kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     if lr_scheduler is not None:
         kwargs["lr_scheduler"] = lr_scheduler
+    if setting.offloads:  # a missing or read-only NVMe path, too little disk or host RAM: fail before DeepSpeed starts
+        validate_offload(setting, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                         num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), precision=precision)
     prepare_deepspeed_build_env()
     engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
     return engine, optimizer
@@ -560,3 +585,26 @@ def validate_offload(setting: ShardingSetting, host_ram_bytes: int | None = None
                 f"({need.get('host_pinned_bytes', 0) / 1e9:.1f} GB pinned) but only {usable / 1e9:.1f} GB of "
                 f"{host_ram_bytes / 1e9:.1f} GB is usable: " + ", or ".join(fixes))
     return need
+
+
+def nvme_swap_bytes(nvme_path: str | os.PathLike[str]) -> dict[str, int]:
+    """Bytes of DeepSpeed's swap files under ``nvme_path`` (what ZeRO-Infinity wrote there), by kind.
+
+    DeepSpeed 0.19 writes ``zero_stage_3/<dtype>params/rank<r>/<id>_param.tensor.swp`` (one file per parameter
+    partition of at least 1 MiB, in the 16-bit dtype) and ``zero_stage_3/optimizer/rank<r>/<id>.tensor.swp`` (the
+    fp32 master partition and each optimizer state of a sub-group), each padded to 1 KiB (its I/O alignment).
+    Returns ``params``, ``optimizer``, ``other`` (e.g. gradient swap files) and ``total`` bytes, and ``files``.
+    """
+    out = {"params": 0, "optimizer": 0, "other": 0, "total": 0, "files": 0}
+    root = Path(nvme_path)
+    for f in root.rglob("*.swp"):
+        parts = f.relative_to(root).parts
+        kind = "optimizer" if "optimizer" in parts else "params" if any(p.endswith("params") for p in parts) else \
+            "other"
+        if kind == "optimizer" and "_gradient_" in f.name:
+            kind = "other"
+        size = f.stat().st_size
+        out[kind] += size
+        out["total"] += size
+        out["files"] += 1
+    return out

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "AllocatorConfig",
@@ -327,6 +327,7 @@ class AllocatorResult:
     final_allocated_bytes: int = 0
     num_device_frees: int = 0  # cudaFree / unmap calls during `events`
     peak_event_index: int | None = field(default=None)  # event at which peak_reserved_bytes was reached
+    stopped_at: int | None = None  # index in `events` where reserved bytes passed `stop_above` (replay ended)
 
 
 class CachingAllocatorSim:
@@ -899,6 +900,7 @@ def simulate_allocator(
     cap_bytes: int | None = None,
     initial_events: Iterable[Sequence[int]] | None = None,
     device_total_bytes: int | None = None,
+    stop_above: int | None = None,
 ) -> AllocatorResult:
     """Replay ``events`` through a fresh caching allocator and report its peaks.
 
@@ -906,7 +908,9 @@ def simulate_allocator(
     or -1 (free, of the earlier alloc with the same key; its size is ignored). Sizes are raw requested
     bytes. ``initial_events`` are replayed first (e.g. the weights and optimizer state alive before the
     step); the peaks are then reset, as ``torch.cuda.reset_peak_memory_stats()`` would, before ``events``.
-    Replay stops at the first allocation that cannot be served under ``cap_bytes``.
+    Replay stops at the first allocation that cannot be served under ``cap_bytes``, and (``stopped_at``) at the
+    first event after which the reserved peak exceeds ``stop_above``: the caller only needs to know that the
+    full replay's peak would be higher (peaks never decrease).
     """
     sim = CachingAllocatorSim(config, cap_bytes=cap_bytes, device_total_bytes=device_total_bytes)
     if initial_events is not None:
@@ -916,10 +920,17 @@ def simulate_allocator(
             return _result(sim, oom_index=-1, allocs0=0, frees0=0, peak_index=None)
         sim.reset_peak_stats()
     allocs0, frees0 = sim.num_device_allocs, sim.num_device_frees
+    limit = _NO_LIMIT if stop_above is None else stop_above
+    if sim.peak_reserved_bytes > limit:
+        return replace(_result(sim, oom_index=None, allocs0=allocs0, frees0=frees0, peak_index=None),
+                                   stopped_at=-1)
     try:
-        peak_index = _replay(sim, events)
+        peak_index = _replay(sim, events, limit)
     except _ReplayOOM as exc:
         return _result(sim, oom_index=exc.index, allocs0=allocs0, frees0=frees0, peak_index=exc.peak_index)
+    except _ReplayStopped as exc:
+        return replace(_result(sim, oom_index=None, allocs0=allocs0, frees0=frees0,
+                                           peak_index=exc.index), stopped_at=exc.index)
     return _result(sim, oom_index=None, allocs0=allocs0, frees0=frees0, peak_index=peak_index)
 
 
@@ -929,8 +940,15 @@ class _ReplayOOM(Exception):
         self.index, self.peak_index = index, peak_index
 
 
-def _replay(sim: CachingAllocatorSim, events: Iterable[Sequence[int]]) -> int | None:
-    """Feed events to ``sim``; returns the index of the event that set the reserved peak."""
+class _ReplayStopped(Exception):
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
+def _replay(sim: CachingAllocatorSim, events: Iterable[Sequence[int]], stop_above: int = _NO_LIMIT) -> int | None:
+    """Feed events to ``sim``; returns the index of the event that set the reserved peak (raises
+    ``_ReplayStopped`` once that peak exceeds ``stop_above``)."""
     malloc, free = sim.malloc, sim.free
     peak_index: int | None = None
     for i, ev in enumerate(events):
@@ -950,6 +968,8 @@ def _replay(sim: CachingAllocatorSim, events: Iterable[Sequence[int]]) -> int | 
                 raise _ReplayOOM(i, peak_index) from None
             if sim.peak_reserved_bytes > before:
                 peak_index = i
+                if sim.peak_reserved_bytes > stop_above:
+                    raise _ReplayStopped(i)
         elif kind < 0:
             free(key)
         else:

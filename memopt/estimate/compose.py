@@ -475,7 +475,7 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
     start = len(out)
     next_key = [10**12]
     grads_live: list[tuple[int, int]] = []
-    deferred_cache: dict[Instance, list] = {}
+    deferred_cache: dict[Instance, list | None] = {}
     alive: set[int] = set()  # fresh keys allocated and not yet freed, over the whole run
     for step in range(num_steps):
         for mb in range(m):
@@ -515,10 +515,12 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
                     pending, own = deferred_cache[inst], idx.core[inst.segment]
                 else:
                     role = idx.unit_of[inst.segment][2]
-                    if _has_releases(traces, layout, inst):
-                        if inst not in deferred_cache:
-                            deferred_cache[inst] = _released_for(traces, layout, inst)
-                        pending, own = deferred_cache[inst], idx.unit_core.get(inst.segment, events)
+                    if inst not in deferred_cache:  # None: the block makes no release frees
+                        deferred_cache[inst] = (_released_for(traces, layout, inst)
+                                                if _has_releases(traces, layout, inst) else None)
+                    released = deferred_cache[inst]
+                    if released is not None:
+                        pending, own = released, idx.unit_core.get(inst.segment, events)
                     else:
                         pending, own = [], events
                     sizes = _sizes(trace, inst.segment, b) if own is events else None

@@ -20,7 +20,7 @@ from memopt.strategy import Strategy
 from memopt.techniques.precision import weight_dtype
 from memopt.units import MiB
 
-__all__ = ["Estimate", "StepPlan", "estimate_strategy"]
+__all__ = ["Estimate", "StepPlan", "TotalAbove", "estimate_strategy"]
 
 Cat = MemoryCategory
 
@@ -167,10 +167,22 @@ def _input_size(trace: Any, lo_bytes: int, hi_bytes: int, global_batch: int) -> 
     return trace.size(lo_bytes, hi_bytes, global_batch)
 
 
+class TotalAbove(Exception):
+    """``estimate_strategy(stop_above=...)``: the total is above ``stop_above``; it is at least ``total_bytes``
+    (where the replay stopped)."""
+
+    def __init__(self, total_bytes: int) -> None:
+        super().__init__(total_bytes)
+        self.total_bytes = total_bytes
+
+
 def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | HardwareSpec | None = None,
                       exact_reserved: bool = True, timing: TimingModel = DEFAULT_TIMING,
-                      num_steps: int = 3) -> Estimate:
-    """Predict the peak memory and step time of ``strategy`` from ``profile``."""
+                      num_steps: int = 3, stop_above: int | None = None) -> Estimate:
+    """Predict the peak memory and step time of ``strategy`` from ``profile``.
+
+    ``stop_above`` (with ``exact_reserved``): raise :class:`TotalAbove` as soon as the allocator replay shows
+    that the total exceeds it (a caller looking for the smallest total needs no more of a loser)."""
     hw = load_hardware(hardware or profile.hardware)
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}
@@ -179,20 +191,25 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     b, m = strategy.micro_batch_size, strategy.grad_accum_steps
     static, static_events = _static(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
     peak = allocated_peak(traces, layout, b, m, opt, static)
+    runtime = hw.runtime_overhead_bytes + opt.host_state_bytes
+    if strategy.activation_offload:
+        runtime += _OFFLOAD_RUNTIME_BYTES
+    if stop_above is not None and peak.peak_bytes + runtime > stop_above:
+        raise TotalAbove(peak.peak_bytes + runtime)
     reserved_exact = False
     reserved = peak.peak_bytes
     if exact_reserved:
         events, start = event_stream(traces, layout, b, m, opt, static_events, num_steps=num_steps)
         result = simulate_allocator(events[start:],
                                     config=AllocatorConfig(expandable_segments=strategy.expandable_segments),
-                                    initial_events=events[:start])
+                                    initial_events=events[:start],
+                                    stop_above=None if stop_above is None else stop_above - runtime)
+        if result.stopped_at is not None:
+            raise TotalAbove(result.peak_reserved_bytes + runtime)
         reserved = max(result.peak_reserved_bytes, peak.peak_bytes)
         reserved_exact = True
     else:
         reserved = _approx_reserved(peak.peak_bytes)
-    runtime = hw.runtime_overhead_bytes + opt.host_state_bytes
-    if strategy.activation_offload:
-        runtime += _OFFLOAD_RUNTIME_BYTES
     breakdown = dict(peak.breakdown)
     breakdown[Cat.ALLOCATOR_OVERHEAD] = reserved - peak.peak_bytes
     breakdown[Cat.RUNTIME] = runtime

@@ -65,8 +65,9 @@ def _hardware_id(hw: HardwareSpec) -> str:
 
 
 class EstimateStore:
-    """Quick (allocated bytes) and exact (allocator simulated) estimates of one profile, read from and written
-    to the cache. ``get``/``put`` are no-ops (None / nothing) when the profile is not memoizable."""
+    """Quick (allocated bytes) and exact (allocator simulated) estimates of one profile, and totals that exact
+    ones are known to reach (replays stopped early), read from and written to the cache. ``get``/``put`` are
+    no-ops (None / nothing) when the profile is not memoizable."""
 
     def __init__(self, profile: Profile) -> None:
         self.enabled = (profile._cache_path is not None and profile._loss_fn is None
@@ -83,16 +84,19 @@ class EstimateStore:
             except (OSError, ValueError, KeyError, TypeError):
                 self.entries = {}
 
-    def _key(self, s: Strategy, hw: HardwareSpec, exact: bool) -> str:
+    def _key(self, s: Strategy, hw: HardwareSpec, kind: str) -> str:
         hw_id = self._hw_ids.get(id(hw))
         if hw_id is None:  # hashed once per spec object, not once per lookup
             hw_id = self._hw_ids[id(hw)] = _hardware_id(hw)
-        return f"{'exact' if exact else 'quick'}|{hw_id}|{s!r}"
+        return f"{kind}|{hw_id}|{s!r}"
+
+    def _usable(self, s: Strategy) -> bool:
+        return self.enabled and s.optimizer != "user"
 
     def get(self, s: Strategy, hw: HardwareSpec, exact: bool) -> Estimate | None:
-        if not self.enabled or s.optimizer == "user":
+        if not self._usable(s):
             return None
-        d = self.entries.get(self._key(s, hw, exact))
+        d = self.entries.get(self._key(s, hw, "exact" if exact else "quick"))
         if d is None:
             return None
         try:
@@ -101,11 +105,21 @@ class EstimateStore:
             return None
 
     def put(self, s: Strategy, hw: HardwareSpec, exact: bool, e: Estimate) -> None:
-        if not self.enabled or s.optimizer == "user":
+        if not self._usable(s):
             return
-        key = self._key(s, hw, exact)
+        key = self._key(s, hw, "exact" if exact else "quick")
         if key not in self.entries:
             self.entries[key] = estimate_to_json(e)
+            self.dirty = True
+
+    def get_bound(self, s: Strategy, hw: HardwareSpec) -> int | None:
+        """A total that ``s``'s exact total is known to reach (an allocator replay stopped there), or None."""
+        d = self.entries.get(self._key(s, hw, "above")) if self._usable(s) else None
+        return d if isinstance(d, int) else None
+
+    def put_bound(self, s: Strategy, hw: HardwareSpec, total_bytes: int) -> None:
+        if self._usable(s) and total_bytes > (self.get_bound(s, hw) or -1):
+            self.entries[self._key(s, hw, "above")] = total_bytes
             self.dirty = True
 
     def save(self) -> None:

@@ -7,12 +7,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from memopt.estimate.estimator import Estimate, estimate_strategy
+from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
 from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search, weights_floor
+from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
@@ -20,7 +21,7 @@ from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
-from memopt.units import format_bytes, parse_budget
+from memopt.units import format_bytes, parse_budget, parse_bytes
 
 __all__ = ["make_plan", "resolve_hardware", "resolve_policy"]
 
@@ -69,7 +70,9 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
 def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = "h100_80gb",
               policy: Policy | dict[str, Any] | None = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
               forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
-              profile: Profile | None = None, use_cache: bool = True, use_calibration: bool = True) -> Plan:
+              profile: Profile | None = None, use_cache: bool = True, use_calibration: bool = True,
+              world_size: int | None = None, nodes: int | None = None, host_memory: str | int | None = None,
+              nvme_path: str | None = None) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
@@ -79,6 +82,12 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     ``use_calibration``: where earlier runs of this model on this GPU kind measured more than was predicted
     (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio and
     say so in the plan's notes.
+
+    Beyond one GPU (``memopt.plan.sharded``): ``world_size`` GPUs over ``nodes`` nodes (default: the hardware
+    spec's ``gpus_per_node x num_nodes``) are planned with DDP, ZeRO-1/2/3, FSDP2 (hybrid across nodes) and CPU /
+    NVMe offload, the engine chosen by predicted speed; on one GPU, offload is planned when nothing else fits.
+    ``host_memory``: RAM per node (default: the spec's ``host_memory_bytes``, else this machine's); ``nvme_path``: a
+    directory on a local NVMe drive for ZeRO-Infinity (default: the spec's ``extra["nvme_path"]``; none: no NVMe).
     """
     start = time.perf_counter()
     hw = resolve_hardware(hardware)
@@ -108,12 +117,45 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     def level_check(level: tuple) -> tuple[bool, int | None]:
         return _level_fits(prof, hw, pol, ctx, budget_bytes, level, estimates)
 
+    world, n_nodes = world_of(hw)
+    world, n_nodes = world_size or world, nodes or (n_nodes if world_size is None else 1)
+    host = parse_bytes(host_memory) if host_memory is not None else None
+    nvme = nvme_path or hw.extra.get("nvme_path")
     with prof.batched_saves():  # the traces this plan adds are written to the cache once, at the end
-        result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
-        plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store)
+        if world > 1:  # every candidate is a sharded one (DDP included)
+            plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start)
+        else:
+            result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
+            plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store)
+            if not plan.fits and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
+                    and hw.supports_bf16:
+                plan = _with_offload(plan, prof, hw, budget_bytes, pol, notes, host, nvme, start)
     if store is not None:
         store.save()
     return plan
+
+
+def _sharded(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str], world: int, nodes: int,
+             host: int | None, nvme: str | None, start: float) -> Plan:
+    plan, _ = plan_sharded(prof, hw, budget, pol, world_size=world, nodes=nodes, host_memory_bytes=host,
+                           nvme_path=nvme, notes=notes)
+    plan.search["seconds"] = time.perf_counter() - start
+    return plan
+
+
+def _with_offload(single: Plan, prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str],
+                  host: int | None, nvme: str | None, start: float) -> Plan:
+    """One GPU where nothing fits on it alone: the fastest offloading plan (ZeRO-Offload, ZeRO-3 / FSDP2 with CPU
+    or NVMe offload) if one fits every tier; else the single-GPU report with what offload would need."""
+    offload = _sharded(prof, hw, budget, pol, notes, 1, 1, host, nvme, start)
+    if offload.fits:
+        offload.notes.append(f"nothing fits on one GPU alone ({(single.infeasible or {}).get('message', '')}); "
+                             "the model states are offloaded to the host")
+        return offload
+    if single.infeasible is not None:
+        single.infeasible["offload"] = (offload.infeasible or {}).get("message")
+        single.infeasible["message"] += f"; with offload: {single.infeasible['offload']}"
+    return single
 
 
 def _calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, notes: list[str]) -> Policy:
@@ -202,6 +244,7 @@ class _Estimates:
         self.store = store  # estimates of earlier plans of this profile (memopt.estimate.store)
         self.quick: dict[Strategy, Estimate | None] = {}
         self.exact: dict[Strategy, Evaluated] = {}
+        self.above: dict[Strategy, int] = {}  # lower bounds of exact totals (replays stopped early), -1: none
         for ev in seed:  # the allocated peak and runtime of an exact estimate are those of the quick one
             if ev.estimate is not None:
                 self.quick[ev.strategy] = ev.estimate
@@ -224,14 +267,32 @@ class _Estimates:
         q = self.quick[s]
         return None if q is None else q.peak_allocated_bytes + q.runtime_bytes
 
-    def evaluate(self, s: Strategy, budget: int, margin: int) -> Evaluated:
+    def _exceeds(self, s: Strategy) -> int:
+        """A total that ``s``'s exact total is known to reach (a replay stopped there, in this plan or a stored
+        earlier one), -1 when none is known."""
+        if s not in self.above:
+            stored = self.store.get_bound(s, self.hw) if self.store is not None else None
+            self.above[s] = -1 if stored is None else stored
+        return self.above[s]
+
+    def evaluate(self, s: Strategy, budget: int, margin: int, at_most: int | None = None) -> Evaluated | None:
+        """The exact estimate of ``s``; with ``at_most``, None when its total is provably above that (the
+        allocator replay stops there, and the bound it reached is kept for later calls)."""
         ev = self.exact.get(s)
         if ev is None:
+            if at_most is not None and self._exceeds(s) > at_most:
+                return None
             stored = self.store.get(s, self.hw, exact=True) if self.store is not None else None
             if stored is not None:
                 ev = Evaluated(s, stored, None, stored.total_bytes)
             else:
-                ev = evaluate(self.prof, s, self.hw, budget, margin)
+                try:
+                    ev = evaluate(self.prof, s, self.hw, budget, margin, stop_above=at_most)
+                except TotalAbove as exc:
+                    self.above[s] = max(self._exceeds(s), exc.total_bytes)
+                    if self.store is not None:
+                        self.store.put_bound(s, self.hw, self.above[s])
+                    return None
                 if self.store is not None and ev.estimate is not None:
                     self.store.put(s, self.hw, True, ev.estimate)
             self.exact[s] = ev
@@ -293,8 +354,11 @@ def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchCont
     for lower, i in bounds:
         if best is not None and (lower, i) > (best.total_bytes, best_i):
             break  # this and every later bound can only tie later in order or lose
-        ev = est.evaluate(head[i], budget, margin)
-        if ev.estimate is not None and (best is None or (ev.total_bytes, i) < (best.total_bytes, best_i)):
+        # to win, a total must be below the best's (or equal, earlier in order): the replay stops once it is not
+        at_most = None if best is None else best.total_bytes - int(i > best_i)
+        ev = est.evaluate(head[i], budget, margin, at_most)
+        if ev is not None and ev.estimate is not None and (best is None
+                                                           or (ev.total_bytes, i) < (best.total_bytes, best_i)):
             best, best_i = ev, i
     return best
 

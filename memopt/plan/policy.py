@@ -71,6 +71,7 @@ PINNABLE = {
     "expandable_segments": (True, False),
     "adapter_rank": None,  # an int >= 0: LoRA rank, 0 = full fine-tuning (no adapters)
     "quant_bits": (0, 4, 8),  # frozen base in 4 or 8 bits; 0 = unquantized
+    "offload": (True, False),  # model states on the host / NVMe where nothing fits on the GPUs (false: never)
 }
 
 

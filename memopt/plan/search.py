@@ -386,10 +386,12 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
     return evaluate(profile, s, hw, budget_bytes, margin)
 
 
-def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int) -> Evaluated:
-    """Exact memory (allocator simulated) and time of one candidate."""
+def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,
+             stop_above: int | None = None) -> Evaluated:
+    """Exact memory (allocator simulated) and time of one candidate (``stop_above``: see ``estimate_strategy``,
+    whose ``TotalAbove`` passes through)."""
     try:
-        exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2)
+        exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, stop_above=stop_above)
     except ValueError as exc:
         return Evaluated(s, None, False, 0, f"cannot be estimated: {exc}")
     fits = exact.total_bytes + margin <= budget_bytes

@@ -28,6 +28,7 @@ from memopt.blocks import find_block_stacks
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import UnsupportedAttention
 from memopt.profile.cuda_semantics import KernelPolicy
+from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
 from memopt.profile.trace import (
     PRECISION_GROUP,
     BatchFactory,
@@ -189,21 +190,38 @@ class Profile:
                 if self._policy is None:
                     raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision} "
                                      f"over {variant.key.label()}; profile the model again to trace it")
-                params, _ = self.model_state(variant)
-                trainable = [(shape, dtype) for shape, dtype, grad in params if grad]
-                trace = trace_optimizer(None, precision, optimizer, self._policy,
-                                        optimizer_spec=self._optimizer_spec, params=trainable)
+                layout = (variant.model_state, variant.traced_blocks, self.full_block_counts)
+                trace = self._trace_optimizer(precision, optimizer, layout)
                 self.optimizers[key] = dataclasses.replace(trace, extras=extras)
             else:
                 model = self.model()
                 if model is None or self._policy is None:
                     raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
                                      "profile the model again to trace it")
-                self.optimizers[key] = trace_optimizer(model, precision, optimizer, self._policy,
-                                                       optimizer_spec=self._optimizer_spec)
+                from memopt.techniques.precision import weight_dtype
+
+                layout = model_layout(model, weight_dtype(precision)) if optimizer != "user" else None
+                self.optimizers[key] = (trace_optimizer(model, precision, optimizer, self._policy,
+                                                        optimizer_spec=self._optimizer_spec)
+                                        if layout is None else self._trace_optimizer(precision, optimizer, layout))
             self.trace_s += time.perf_counter() - start
             self._save()
         return self.optimizers[key]
+
+    def _trace_optimizer(self, precision: str, optimizer: str,
+                         layout: tuple[dict[str, Any], list[int], list[int]]) -> OptimizerTrace:
+        """The optimizer step over the trainable parameters of a model state ``(state, traced_blocks,
+        full_counts)``: extrapolated from shallow copies (``memopt.profile.optimizer_scaling``) except for a user
+        optimizer, which is traced over the full list."""
+        assert self._policy is not None
+        policy, spec = self._policy, self._optimizer_spec
+
+        def trace(params: list[tuple[tuple[int, ...], str]]) -> OptimizerTrace:
+            return trace_optimizer(None, precision, optimizer, policy, optimizer_spec=spec, params=params)
+
+        if optimizer == "user":
+            return trace(trainable_params(*layout))
+        return scaled_optimizer_trace(*layout, trace)
 
     def _optimizer_twin(self, precision: str, optimizer: str, extras: str = "") -> OptimizerTrace | None:
         """A recorded trace of ``optimizer`` under a precision whose optimizer step is the same code on the same

@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from memopt.validation.measure import set_allocator_env
-from memopt.validation.sharded_cases import ShardedCase, case_deepspeed_config
+from memopt.validation.sharded_cases import ShardedCase, case_deepspeed_config, model_facts
 
 __all__ = ["RssSampler", "free_port", "run_case"]
 
@@ -101,6 +101,24 @@ def _checkpointing(model: Any, case: ShardedCase) -> None:
     apply_checkpointing(find_block_stacks(model), case.checkpointing)
 
 
+def pools_by_stream(torch: Any, device: int) -> dict[str, Any]:
+    """Reserved and allocated bytes per CUDA stream's allocator pool (``torch.cuda.memory._snapshot``'s segments),
+    the default stream's first. With expandable segments a pool keeps what it grew to (unless the allocator had to
+    release memory: ``num_alloc_retries`` > 0), so after the steps this is each pool's peak."""
+    default = torch.cuda.default_stream(device).cuda_stream
+    pools: dict[int, dict[str, int]] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        pool = pools.setdefault(int(seg["stream"]), {"reserved_bytes": 0, "allocated_bytes": 0, "segments": 0})
+        pool["reserved_bytes"] += int(seg["total_size"])
+        pool["allocated_bytes"] += int(seg["allocated_size"])
+        pool["segments"] += 1
+    ordered = sorted(pools.items(), key=lambda kv: (kv[0] != default, -kv[1]["reserved_bytes"]))
+    return {"reserved_by_stream": [{"stream": "default" if k == default else f"side{i}", **v}
+                                   for i, (k, v) in enumerate(ordered)]}
+
+
 def run_case(case: ShardedCase) -> dict[str, Any]:
     """Build, shard and train ``case.steps`` steps on this rank's GPU; the measured figures or the error."""
     set_allocator_env(case.expandable_segments)
@@ -125,7 +143,12 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
         if case.engine == "deepspeed":
             import deepspeed
 
-            from memopt.distributed.sharding import prepare_deepspeed_build_env
+            from memopt.distributed.sharding import prepare_deepspeed_build_env, validate_offload
+
+            if case.nvme_path:  # a missing or read-only swap directory fails here, not in the first swap
+                import setuptools  # noqa: F401  (DeepSpeed's libaio probe imports distutils: Python 3.12 has it so)
+
+                result["nvme_checked"] = validate_offload(case.setting(), num_params=model_facts(case.model).num_params)
 
             config = case_deepspeed_config(case)
             result["deepspeed_config"] = config
@@ -190,7 +213,12 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
             "tokens_per_s": case.tokens_per_step / steady,
             "fits_under_cap": reserved <= case.cap_bytes,
             "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            **pools_by_stream(torch, local),
         })
+        if case.nvme_path:
+            from memopt.distributed.sharding import nvme_swap_bytes
+
+            result["nvme_swap_bytes"] = nvme_swap_bytes(case.nvme_path)
     except torch.cuda.OutOfMemoryError as exc:
         result.update({"ok": True, "oom": True, "fits_under_cap": False, "error": str(exc)[:1500],
                        "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),

@@ -48,9 +48,10 @@ class TinyLM(nn.Module):
         return out
 
 
-def tiny_model(seed: int = 0) -> TinyLM:
+def tiny_model(seed: int = 0, dims: tuple[int, int, int] | list[int] | None = None) -> TinyLM:
+    """``TinyLM`` (``dims``: its ``(vocab, d, n)``, default ``(VOCAB, DIM, BLOCKS)``) with seeded weights."""
     torch.manual_seed(seed)
-    return TinyLM()
+    return TinyLM(*dims) if dims else TinyLM()
 
 
 def unit_sizes(model: TinyLM) -> tuple[list[int], int]:
@@ -181,6 +182,48 @@ class _TrafficCounter:
 
     def __exit__(self, *exc: Any) -> None:
         torch.Tensor.to = self._orig  # type: ignore[method-assign]
+
+
+class AioTraffic:
+    """Counts the bytes DeepSpeed's async I/O handles read from and write to the swap files (ZeRO-Infinity).
+
+    DeepSpeed's swappers create their handles from ``AsyncIOBuilder().load().aio_handle`` (the op module is loaded
+    once); this swaps that class for a wrapper that adds each request's tensor bytes before passing it on, so it must
+    be entered before ``deepspeed.initialize``. ``close`` restores the class.
+    """
+
+    READS = ("async_pread", "sync_pread", "pread")
+    WRITES = ("async_pwrite", "sync_pwrite", "pwrite")
+
+    def __init__(self) -> None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        self.bytes = {"read_bytes": 0, "write_bytes": 0, "reads": 0, "writes": 0}
+        self._op = AsyncIOBuilder().load(verbose=False)
+        self._real = real = self._op.aio_handle
+        counter = self
+
+        class Handle:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self._h = real(*args, **kwargs)
+
+            def __getattr__(self, name: str) -> Any:
+                attr = getattr(self._h, name)
+                if name not in AioTraffic.READS + AioTraffic.WRITES:
+                    return attr
+                kind = "read" if name in AioTraffic.READS else "write"
+
+                def counted(buffer: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                    counter.bytes[f"{kind}_bytes"] += buffer.numel() * buffer.element_size()
+                    counter.bytes[f"{kind}s"] += 1
+                    return attr(buffer, *args, **kwargs)
+
+                return counted
+
+        self._op.aio_handle = Handle
+
+    def close(self) -> None:
+        self._op.aio_handle = self._real
 
 
 def fsdp_checkpoint(rank: int, world: int, port: int, out: str, ckpt: str, steps: int) -> None:

@@ -508,6 +508,22 @@ def test_properties(events: list[tuple[int, ...]], cfg: AllocatorConfig, cap: in
 
 
 @settings(max_examples=100, deadline=None)
+@given(events=traces(), cfg=_configs, limit=st.integers(0, 600 * MiB))
+def test_a_replay_stops_exactly_when_the_full_peak_would_pass_the_limit(events: list[tuple[int, ...]],
+                                                                       cfg: AllocatorConfig, limit: int) -> None:
+    # without a cap reserved bytes never go back: a replay may stop at the first event that passes the limit
+    full = simulate_allocator(events, config=cfg)
+    stopped = simulate_allocator(events, config=cfg, stop_above=limit)
+    assert (stopped.stopped_at is not None) == (full.peak_reserved_bytes > limit)
+    if stopped.stopped_at is None:
+        assert stopped == full
+    else:
+        assert limit < stopped.peak_reserved_bytes <= full.peak_reserved_bytes
+        prefix = simulate_allocator(events[:stopped.stopped_at + 1], config=cfg)
+        assert prefix.peak_reserved_bytes == stopped.peak_reserved_bytes
+
+
+@settings(max_examples=100, deadline=None)
 @given(events=traces())
 def test_expandable_reserved_is_whole_pages(events: list[tuple[int, ...]]) -> None:
     # with expandable segments, reserved memory is 2 MiB pages for the small pool plus 20 MiB pages for

@@ -63,11 +63,17 @@ def test_the_ladder_goes_only_as_far_as_the_budget_forces(prof):
     assert tight.fits and _level(tight)[1] in (4, 8) and _level(tight)[0] == 16
     assert "lora(r=16,alpha=32): needs" in tight.rejected["extras"]
 
-    # without the allowances the same budget has no plan, and the report says what allowing them would reach
-    refused = _plan(prof, (full + lora) // 2, "8bit")
+    # without the allowances (and without offloading the states to the host) the same budget has no plan, and the
+    # report says what allowing them would reach
+    refused = _plan(prof, (full + lora) // 2, "8bit", offload=False)
     assert not refused.fits and _level(refused) == (0, 0)
     allow = {r["allow"]: r for r in refused.infeasible["relaxations"]}
     assert allow["adapters"]["fits"] and allow["adapters"]["reaches_bytes"] <= (full + lora) // 2
+    # offload keeps full fine-tuning exact: allowed (the default), it is the plan where the GPU alone has none
+    offloaded = _plan(prof, (full + lora) // 2, "8bit")
+    assert offloaded.fits and _level(offloaded) == (0, 0)
+    assert offloaded.strategy.extra("sharding")["offload_optimizer"] != "none"
+    assert any("offloaded to the host" in n for n in offloaded.notes)
 
 
 def test_pins_choose_the_rung(prof):

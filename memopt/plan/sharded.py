@@ -1,0 +1,274 @@
+"""The planner beyond one GPU's memory: data parallel, ZeRO-1/2/3, FSDP2 (hybrid across nodes), CPU and NVMe offload.
+
+``plan_sharded`` enumerates engine settings (``memopt.distributed.sharding.ShardingSetting``) x checkpointing x
+per-rank micro-batch, predicts each with the sharded estimate (``memopt.distributed.estimate``: the activation
+timeline joined with the engine's bytes, reserved per allocator pool, and the step time with collectives, host
+copies and the CPU optimizer), and returns the fastest candidate that fits every tier of the budget:
+
+* GPU: predicted reserved peak + the memory outside the allocator (CUDA runtime, NCCL) + the policy's margin
+  <= the per-GPU budget;
+* host RAM per node (shared by the node's ranks: offloaded states, pinned buffers, the CPU optimizer's states)
+  <= ``HOST_RAM_USABLE`` of the node's RAM (``HardwareSpec.host_memory_bytes``, else this machine's);
+* NVMe per node <= the free space at ``nvme_path`` (NVMe settings are tried only with a path).
+
+The engine is chosen by predicted speed where several can run a setting. A setting that fits the GPU but not host
+RAM is not a plan. When nothing fits, the plan is infeasible and says what would (more GPUs, offload, an NVMe path).
+Sharded plans run the engines' own mixed precision (bf16 compute, fp32 master weights and reductions), so they
+need the ``bf16_autocast`` allowance (the default where the GPU has bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from memopt.distributed import estimate as dest
+from memopt.distributed import memory as dmem
+from memopt.distributed.sharding import ShardingSetting
+from memopt.hardware import HardwareSpec
+from memopt.plan.policy import Policy
+from memopt.plan.schema import Plan
+from memopt.strategy import Checkpointing, Strategy
+from memopt.units import format_bytes
+
+__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "local_host_memory_bytes", "plan_sharded", "sharding_settings",
+           "world_of"]
+
+#: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
+HOST_RAM_USABLE = 0.9
+
+
+def world_of(hw: HardwareSpec) -> tuple[int, int]:
+    """(world size, nodes) a hardware spec describes."""
+    nodes = max(1, hw.num_nodes)
+    return max(1, hw.gpus_per_node) * nodes, nodes
+
+
+def local_host_memory_bytes() -> int:
+    """This machine's physical RAM (0 when the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def sharding_settings(world_size: int, nodes: int, *, nvme_path: str | None = None) -> Iterator[ShardingSetting]:
+    """Every engine setting worth planning on ``world_size`` GPUs over ``nodes`` nodes.
+
+    One GPU: only the offloading ones (ZeRO-Offload, ZeRO-3 with CPU/NVMe offload, FSDP2 ``CPUOffloadPolicy``);
+    without offload one GPU is the single-GPU search's. Several: DDP, ZeRO-1/2/3 (with and without offload),
+    FSDP2 full shard and, across nodes, hybrid shard (shard within a node, replicate across nodes).
+    """
+    common: dict[str, Any] = {"world_size": world_size, "nodes": nodes}
+    devices = ["cpu"] + (["nvme"] if nvme_path else [])
+    if world_size > 1:
+        yield ShardingSetting(engine="ddp", stage=0, **common)
+        for stage in (1, 2):
+            yield ShardingSetting(engine="deepspeed", stage=stage, **common)
+        yield ShardingSetting(engine="deepspeed", stage=3, **common)
+        yield ShardingSetting(engine="fsdp2", stage=3, **common)
+        if nodes > 1:
+            yield ShardingSetting(engine="fsdp2", stage=3, replicate_size=nodes, **common)
+    yield ShardingSetting(engine="deepspeed", stage=2, offload_optimizer="cpu", **common)
+    for dev in devices:
+        path = nvme_path if dev == "nvme" else None
+        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, nvme_path=path, **common)  # type: ignore[arg-type]
+        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, offload_params=dev,  # type: ignore[arg-type]
+                              nvme_path=path, **common)
+    yield ShardingSetting(engine="fsdp2", stage=3, offload_optimizer="cpu", offload_params="cpu", **common)
+
+
+@dataclass
+class ShardedCandidate:
+    """One (setting, checkpointing, micro-batch) with its prediction; ``fits`` over every tier."""
+
+    setting: ShardingSetting
+    strategy: Strategy
+    prediction: dict[str, Any]
+    fits: bool
+    reason: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.prediction["total_bytes"])
+
+    @property
+    def step_time_s(self) -> float:
+        return float(self.prediction.get("step_time_s", float("inf")))
+
+    def label(self) -> str:
+        return self.strategy.label()
+
+    def summary(self) -> dict[str, Any]:
+        """As the single-GPU planner's runners-up (``techniques``, ``label``, ``total_bytes``, ``step_time_s``)."""
+        return {"techniques": self.strategy.to_dict(), "label": self.label(), "fits": self.fits,
+                "total_bytes": self.total_bytes, "step_time_s": self.prediction.get("step_time_s"),
+                "host_bytes_per_node": self.prediction["host_bytes_per_node"], "reason": self.reason}
+
+
+def _checkpointings(n_blocks: int, policy: Policy) -> list[Checkpointing]:
+    """No checkpointing, and full checkpointing of all, 3/4, 1/2 and 1/4 of the blocks, as the policy allows."""
+    out = []
+    if policy.allows("checkpointing", "none"):
+        out.append(Checkpointing(mode="none"))
+    if policy.allows("checkpointing", "full"):
+        for k in sorted({n_blocks, (3 * n_blocks) // 4, n_blocks // 2, n_blocks // 4} - {0}, reverse=True):
+            out.append(Checkpointing(mode="full", num_blocks=None if k == n_blocks else k))
+    return out
+
+
+def _micro_batches(per_rank: int, policy: Policy) -> list[int]:
+    pinned = policy.pins.get("micro_batch_size")
+    out = [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and policy.allows("micro_batch_size", b)]
+    if policy.max_micro_batch:
+        out = [b for b in out if b <= policy.max_micro_batch]
+    return [pinned] if pinned in out else out
+
+
+class _Timer:
+    """Step times of candidates; the single-GPU compute per (micro-batch, checkpointing) is shared by engines."""
+
+    def __init__(self, profile: Any, facts: dest.ModelFacts, hw: HardwareSpec) -> None:
+        self.profile, self.facts, self.hw = profile, facts, hw
+
+    def __call__(self, strategy: Strategy, run: dest.EngineRun) -> float:
+        return float(dest.sharded_time(self.profile, strategy, run, self.facts, self.hw).step_s)
+
+
+def _predict(profile: Any, facts: dest.ModelFacts, hw: HardwareSpec, strategy: Strategy, setting: ShardingSetting,
+             ) -> dict[str, Any]:
+    run = dest.EngineRun.of(setting, strategy.grad_accum_steps)
+    pred = dest.predict_sharded(profile, strategy, run, facts)
+    allocated, reserved = pred["predicted_peak_allocated_bytes"], pred["predicted_peak_reserved_bytes"]
+    runtime = hw.runtime_overhead_bytes + pred["predicted_nccl_bytes"]
+    parts = pred["predicted_parts"]
+    per_node = setting.gpus_per_node
+    return {
+        "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, "runtime_bytes": runtime,
+        "total_bytes": reserved + runtime, "peak_at": pred["predicted_peak_at"],
+        "breakdown": {"model_states": parts["model_states"], "engine_buffers": parts["engine_buffers"],
+                      "activations": parts["activations"], "allocator_overhead": reserved - allocated,
+                      "runtime": runtime},
+        "host_bytes_per_node": pred["predicted_host_bytes_per_rank"] * per_node,
+        "nvme_bytes_per_node": pred["predicted_nvme_bytes_per_node"], "world_size": setting.world_size,
+        "reserved_exact": False,
+    }
+
+
+def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None) -> str:
+    """'' when the prediction fits every tier, else why not."""
+    if pred["total_bytes"] + margin > budget:
+        return f"needs {format_bytes(pred['total_bytes'])} per GPU (+ margin {format_bytes(margin)})"
+    if pred["host_bytes_per_node"] > HOST_RAM_USABLE * host_ram:
+        return (f"needs {format_bytes(pred['host_bytes_per_node'])} of host RAM per node, more than "
+                f"{HOST_RAM_USABLE:.0%} of {format_bytes(host_ram)}")
+    if pred["nvme_bytes_per_node"] and (nvme_free is None or pred["nvme_bytes_per_node"] > nvme_free):
+        return f"needs {format_bytes(pred['nvme_bytes_per_node'])} of NVMe per node"
+    return ""
+
+
+def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Policy, *, world_size: int, nodes: int,
+                 host_memory_bytes: int | None = None, nvme_path: str | None = None, notes: list[str] | None = None,
+                 settings: list[ShardingSetting] | None = None) -> tuple[Plan, list[ShardedCandidate]]:
+    """The fastest sharded / offloaded plan of ``profile`` on ``world_size`` GPUs that fits every tier.
+
+    The profile's sample batch is the global batch, split evenly over the data-parallel ranks. Returns the plan and
+    every candidate evaluated (fastest fitting first).
+    """
+    notes = list(notes or [])
+    if not policy.allows("precision", "bf16_autocast") or not hw.supports_bf16:
+        raise ValueError("sharded and offloaded plans run the engines' bf16 mixed precision (fp32 master weights): "
+                         "allow bf16 (fidelity 'default' on a GPU with bf16), or plan for one GPU")
+    global_batch = int(profile.sample["batch_size"])
+    if global_batch % world_size:
+        raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "
+                         f"a multiple of {world_size}, or fewer GPUs")
+    host_ram = host_memory_bytes or hw.host_memory_bytes or local_host_memory_bytes()
+    if not (host_memory_bytes or hw.host_memory_bytes):
+        notes.append(f"host RAM per node taken from this machine ({format_bytes(host_ram)}); set "
+                     "hardware.host_memory_bytes for the machine you plan for")
+    nvme_free = None
+    if nvme_path:
+        if not os.path.isdir(nvme_path):
+            raise ValueError(f"nvme_path {nvme_path!r} is not a directory: create it on a local NVMe drive or leave "
+                             "it unset (no NVMe offload)")
+        nvme_free = shutil.disk_usage(nvme_path).free
+    facts = dest.facts_of_profile(profile)
+    margin = policy.margin(budget_bytes)
+    per_rank = global_batch // world_size
+    timer = _Timer(profile, facts, hw)
+    candidates: list[ShardedCandidate] = []
+    if settings is None:
+        settings = [s for s in sharding_settings(world_size, nodes, nvme_path=nvme_path)
+                    if policy.allows("offload", s.offloads)]
+    for setting in settings:
+        for mb in _micro_batches(per_rank, policy):
+            for ck in _checkpointings(len(facts.unit_params), policy):
+                strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
+                                    grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
+                                    extras=(("sharding", setting.to_dict()),))
+                pred = _predict(profile, facts, hw, strategy, setting)
+                why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
+                candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
+    for c in candidates:
+        if c.fits:
+            c.prediction["step_time_s"] = timer(c.strategy, dest.EngineRun.of(c.setting, c.strategy.grad_accum_steps))
+            if profile.tokens_per_sample:
+                c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
+            else:
+                c.prediction["samples_per_s"] = global_batch / c.prediction["step_time_s"]
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+    plan = _plan_of(profile, hw, budget_bytes, policy, fitting, candidates, notes, host_ram, nvme_path, facts)
+    return plan, fitting + [c for c in candidates if not c.fits]
+
+
+def _plan_of(profile: Any, hw: HardwareSpec, budget: int, policy: Policy, fitting: list[ShardedCandidate],
+             candidates: list[ShardedCandidate], notes: list[str], host_ram: int, nvme_path: str | None,
+             facts: dest.ModelFacts) -> Plan:
+    world = candidates[0].setting.world_size if candidates else 1
+    model = {"name": profile.model_name, "class": profile.model_class, "num_params": profile.num_params,
+             "num_trainable_params": profile.num_trainable_params, "sample": profile.sample,
+             "profile_key": profile.key}
+    search = {"candidates": len(candidates), "evaluated": len(candidates), "pruned_as_slower": 0,
+              "pruned_as_too_big": 0, "fitting": len(fitting), "world_size": world,
+              "host_memory_bytes_per_node": host_ram, "profile_trace_s": profile.trace_s}
+    common = {"budget_bytes": budget, "margin_bytes": policy.margin(budget), "model": model, "hardware": hw.name,
+              "policy": policy.to_dict(), "global_batch": int(profile.sample["batch_size"]), "search": search}
+    if fitting:
+        best = fitting[0]
+        engines = {}
+        for c in fitting:  # the fastest of each engine, to say why the others lost
+            engines.setdefault(_engine_name(c.setting), c)
+        rejected = {name: f"{c.label()} predicted {c.step_time_s:.3f} s/step, slower than {best.step_time_s:.3f} s"
+                    for name, c in engines.items() if c is not best}
+        return Plan(fits=True, strategy=best.strategy, prediction=best.prediction,
+                    runners_up=[c.summary() for c in fitting[1:4]], rejected=rejected, notes=notes, **common)
+    smallest = min(candidates, key=lambda c: c.total_bytes) if candidates else None
+    message = _infeasible_message(smallest, budget, policy, world, nvme_path, facts, hw, host_ram)
+    return Plan(fits=False, strategy=smallest.strategy if smallest else Strategy(),
+                prediction=smallest.prediction if smallest else {}, notes=notes,
+                infeasible={"message": message, "smallest_total_bytes": smallest.total_bytes if smallest else None,
+                            "relaxations": []}, **common)
+
+
+def _engine_name(setting: ShardingSetting) -> str:
+    name = setting.engine if setting.engine != "deepspeed" else f"zero{setting.stage}"
+    return name + (" offload" if setting.offloads else "")
+
+
+def _infeasible_message(smallest: ShardedCandidate | None, budget: int, policy: Policy, world: int,
+                        nvme_path: str | None, facts: dest.ModelFacts, hw: HardwareSpec, host_ram: int) -> str:
+    if smallest is None:
+        return "no sharded candidate could be made (the policy forbids every checkpointing and micro-batch)"
+    head = (f"no sharding or offload on {world} GPU(s) fits: the smallest is {smallest.label()} at "
+            f"{format_bytes(smallest.total_bytes)} per GPU ({smallest.reason})")
+    other = smallest.prediction["runtime_bytes"] + smallest.prediction["breakdown"]["activations"]
+    advice = dmem.fit_advice(facts.num_params, budget_bytes=budget - policy.margin(budget), world_size=world,
+                             gpus_per_node=max(1, hw.gpus_per_node), other_bytes=other,
+                             unit_params=max(facts.unit_params, default=0), host_ram_bytes=host_ram)
+    if not nvme_path:
+        advice += "; NVMe offload is tried only with a path (hardware.extra.nvme_path=/mnt/nvme)"
+    return f"{head}. What would: {advice}"

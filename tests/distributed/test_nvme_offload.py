@@ -1,0 +1,177 @@
+"""NVMe offload (DeepSpeed ZeRO-Infinity) proven on the CPU, and its checks before training.
+
+The slow test trains ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on NVMe (``nvme_path`` a temporary
+directory) in one process with DeepSpeed's CPU accelerator: its async I/O op (libaio) really writes and reads the swap
+files. It is held against the same run with CPU offload (optimizer states on NVMe: identical losses, since swapping
+them is a byte-exact round trip; parameters too: within the bf16 rounding DeepSpeed stores them with), memopt's
+planned NVMe bytes (``sharded_memory(...).nvme_bytes``, the difference explained term by term) and the bytes the
+engine moved through its async I/O handles.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memopt.distributed import memory as mem
+from memopt.distributed.sharding import (
+    ShardingSetting,
+    deepspeed_config,
+    nvme_swap_bytes,
+    param_swap_buffer_elements,
+)
+
+from . import _workers as w
+from .test_deepspeed_cpu import _run
+
+#: TinyLM(vocab, d, n): 1024 x 512 matrices are 2 MiB in fp32, over DeepSpeed's 1 MiB swap minimum
+DIMS = (1024, 512, 2)
+#: DeepSpeed's swap files are padded to 1 KiB (AIO_ALIGNED_BYTES); they hold parameters of at least 1 MiB
+ALIGN_BYTES, MIN_SWAP_BYTES = 1024, 1024**2
+
+
+def _op_built(name: str) -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:
+        return False
+
+
+def _aio_missing() -> str | None:
+    """Why DeepSpeed's async I/O op cannot run here (None when it can)."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        return "no C++ compiler: DeepSpeed JIT-builds its async_io op"
+    if ctypes.util.find_library("aio") is None:
+        return "libaio is not installed (Debian: apt-get install libaio-dev)"
+    dirs = [Path("/usr/include"), *(Path(d) for d in os.environ.get("CPATH", "").split(os.pathsep) if d)]
+    if not any((d / "libaio.h").exists() for d in dirs):
+        return "libaio.h is missing (Debian: apt-get install libaio-dev)"
+    for op in ("async_io", "cpu_adam"):
+        if not _op_built(op):
+            return (f"DeepSpeed's {op} op is not built here (its JIT build takes 10-40 min on 2 cores): "
+                    "DS_ACCELERATOR=cpu python -c 'from deepspeed.ops.op_builder.cpu import AsyncIOBuilder, "
+                    "CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load()'")
+    return None
+
+
+def _unwritable(path: str) -> bool:
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return False
+    except OSError:
+        return Path(path).is_dir()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
+    """ZeRO-3 with parameters and optimizer on NVMe, against CPU offload and memopt's plan (one rank, fp32 run).
+
+    DeepSpeed 0.19.8 on its CPU accelerator stores swapped parameters in bf16 (``zero_stage_3/bfloat16params``: the
+    accelerator's preferred dtype) even in an fp32 run, so the forward sees bf16-rounded weights: the NVMe run's
+    first loss differs from CPU offload's by ~1e-5. The optimizer side (fp32 master, Adam states, fp32 gradients)
+    swaps without rounding: with only the optimizer on NVMe the losses are identical to CPU offload's.
+    """
+    pytest.importorskip("deepspeed")
+    reason = _aio_missing()
+    if reason:
+        pytest.skip(reason)
+    common = {"stage": 3, "pin_memory": False, "optimizer": "deepspeed", "dims": list(DIMS)}
+    paths = {name: tmp_path / name for name in ("nvme", "opt_nvme")}
+    for path in paths.values():
+        path.mkdir()
+    got = _run(tmp_path, [{"name": "nvme", "offload_optimizer": "nvme", "offload_params": "nvme",
+                           "nvme_path": str(paths["nvme"]), **common},
+                          {"name": "opt_nvme", "offload_optimizer": "nvme", "offload_params": "cpu",
+                           "nvme_path": str(paths["opt_nvme"]), **common},
+                          {"name": "cpu", "offload_optimizer": "cpu", "offload_params": "cpu", **common}])
+    run, opt_only, cpu = got["nvme"], got["opt_nvme"], got["cpu"]
+    assert run["inner"] == opt_only["inner"] == cpu["inner"] == "DeepSpeedCPUAdam"
+    # equivalence: optimizer states on NVMe instead of host RAM give the same numbers, bit for bit
+    assert opt_only["losses"] == cpu["losses"]
+    assert opt_only["nvme_swap_bytes"]["optimizer"] > 0 and opt_only["nvme_swap_bytes"]["params"] == 0
+    # parameters on NVMe too: bf16-rounded weights (measured 1.2e-5 on the first loss, 3.5e-3 by the third step)
+    assert run["losses"][0] == pytest.approx(cpu["losses"][0], rel=1e-4)
+    assert run["losses"] == pytest.approx(cpu["losses"], rel=2e-2)
+    assert (paths["nvme"] / "zero_stage_3" / "bfloat16params").is_dir()
+
+    # memopt's plan for this setting (one rank, fp32): parameters 4 B + optimizer side (master 0 + Adam 8) + the fp32
+    # gradient (4) per param
+    numels = run["param_numels"]
+    p = sum(numels)
+    plan = mem.sharded_memory(p, engine="deepspeed", stage=3, world_size=1, sb=mem.state_bytes("deepspeed", "fp32"),
+                              offload_optimizer="nvme", offload_params="nvme")
+    assert plan.nvme_bytes == 16 * p
+    files = run["nvme_swap_bytes"]
+    # DeepSpeed's layout: a bf16 file per parameter of >= 1 MiB (smaller ones stay in memory); for the optimizer's
+    # one sub-group the fp32 master, exp_avg and exp_avg_sq (4 B each per parameter) and, written at the accumulation
+    # boundary, the fp32 gradient of each swapped tensor
+    swapped = sum(n for n in numels if n * 2 >= MIN_SWAP_BYTES and n >= 100_000)
+    assert files["params"] == 2 * swapped
+    assert files["optimizer"] == 3 * _aligned(4 * p)
+    assert files["other"] == 4 * swapped  # the gradient files
+    # the difference from the plan, term by term: bf16 instead of fp32 parameters (and none under 1 MiB), the fp32
+    # master DeepSpeed keeps beside them, gradient files for the swapped tensors only
+    assert files["total"] == plan.nvme_bytes - 4 * p + 2 * swapped + 4 * p - 4 * p + 4 * swapped
+
+    # what the engine moved through its aio handles: each step writes every swap file once and reads the optimizer
+    # side and gradients once and the parameters per micro-batch
+    steps = run["aio_steps"]
+    assert steps["write_bytes"] == 3 * files["total"]
+    assert steps["read_bytes"] >= 3 * (files["optimizer"] + files["other"] + files["params"])
+
+
+def test_param_swap_buffer_holds_the_largest_partition():
+    s = ShardingSetting(engine="deepspeed", stage=3, world_size=1, offload_optimizer="nvme", offload_params="nvme",
+                        nvme_path="/nvme")
+    assert param_swap_buffer_elements(s) == mem.DS_PARAM_SWAP_BUFFER_SIZE
+    emb = 151936 * 896  # qwen25_0_5b's embedding: 136M elements, over DeepSpeed's 100M default
+    cfg = deepspeed_config(s, largest_param=emb)
+    assert cfg["zero_optimization"]["offload_param"]["buffer_size"] == emb
+    two = ShardingSetting(**{**s.to_dict(), "world_size": 2})
+    assert param_swap_buffer_elements(two, emb) == mem.DS_PARAM_SWAP_BUFFER_SIZE  # 68M per rank
+
+
+def test_nvme_swap_bytes_sorts_deepspeed_files(tmp_path):
+    files = {"zero_stage_3/bfloat16params/rank0/3_param.tensor.swp": 2048,
+             "zero_stage_3/optimizer/rank0/7.tensor.swp": 4096,
+             "zero_stage_3/optimizer/rank0/7_gradient_0_10.tensor.swp": 1024,
+             "zero_stage_3/optimizer/rank0/notes.txt": 99}
+    for rel, size in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"\0" * size)
+    assert nvme_swap_bytes(tmp_path) == {"params": 2048, "optimizer": 4096, "other": 1024, "total": 7168, "files": 3}
+
+
+def test_build_deepspeed_checks_offload_before_initialize(tmp_path, monkeypatch):
+    """A missing or read-only NVMe path and too little host RAM stop ``build_deepspeed`` before DeepSpeed starts."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from memopt.distributed import sharding
+
+    def no_initialize(**_: object) -> None:
+        raise AssertionError("deepspeed.initialize ran: the offload check came too late")
+
+    monkeypatch.setattr(deepspeed, "initialize", no_initialize)
+    nvme = {"engine": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}
+    with pytest.raises(ValueError, match="does not exist"):
+        sharding.build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path=str(tmp_path / "nope")), "fp32")
+    if _unwritable("/sys/kernel"):  # sysfs: no new files, root included
+        with pytest.raises(ValueError, match="not writable"):
+            sharding.build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path="/sys/kernel"), "fp32")
+    real = os.sysconf
+    monkeypatch.setattr(sharding.os, "sysconf", lambda k: 1 if k == "SC_PHYS_PAGES" else real(k))
+    cpu = ShardingSetting(engine="deepspeed", stage=3, offload_optimizer="cpu", offload_params="cpu")
+    with pytest.raises(ValueError, match="host RAM"):
+        sharding.build_deepspeed(w.tiny_model(), cpu, "fp32")

@@ -1,0 +1,101 @@
+"""The planner beyond one GPU (``memopt.plan.sharded``): engines, tiers of the budget, bad input.
+
+Small models on the CPU; every figure comes from the sharded estimate the GPU rows check
+(``tests/distributed/test_reserved_pools.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memopt.distributed.sharding import ShardingSetting
+from memopt.hardware import load_hardware
+from memopt.plan.planner import make_plan, resolve_policy
+from memopt.plan.sharded import plan_sharded, sharding_settings
+from memopt.units import GiB, MiB
+
+SAMPLE = {"batch_size": 8, "seq_len": 64}
+
+
+@pytest.fixture(scope="module")
+def profile():
+    import memopt
+
+    return memopt.profile("tiny_llama", sample=SAMPLE, hardware="h200")
+
+
+def test_settings_cover_the_engines() -> None:
+    two = [s.label() for s in sharding_settings(2, 1)]
+    assert "ddp x2" in two and "fsdp2 x2" in two and {"zero1 x2", "zero2 x2", "zero3 x2"} <= set(two)
+    assert any("offload(opt=cpu,params=cpu)" in label for label in two)
+    assert not any("nvme" in label for label in two)  # NVMe only with a path
+    one = list(sharding_settings(1, 1, nvme_path="/tmp"))
+    assert all(s.offloads for s in one)  # one GPU without offload is the single-GPU search's
+    assert any(s.offload_params == "nvme" for s in one)
+    hybrid = [s for s in sharding_settings(16, 2) if s.replicate_size > 1]
+    assert [(s.shard_size, s.replicate_size) for s in hybrid] == [(8, 2)]
+
+
+def test_chosen_plan_is_the_fastest_fitting_candidate(profile) -> None:
+    hw = load_hardware("h200")
+    plan, cands = plan_sharded(profile, hw, 8 * GiB, resolve_policy(None), world_size=2, nodes=1,
+                               host_memory_bytes=64 * GiB)
+    fitting = [c for c in cands if c.fits]
+    assert plan.fits and fitting
+    assert plan.step_time_s == min(c.step_time_s for c in fitting)  # brute force over what was evaluated
+    assert plan.strategy.extra("sharding")["world_size"] == 2
+    assert plan.strategy.global_batch * 2 == SAMPLE["batch_size"]  # per-rank micro-batches keep the global batch
+    for c in fitting:  # every tier checked: GPU total with the margin, host RAM
+        assert c.total_bytes + plan.margin_bytes <= 8 * GiB
+        assert c.prediction["host_bytes_per_node"] <= 0.9 * 64 * GiB
+    d = plan.to_dict()
+    assert d["total_bytes"] == d["peak_reserved_bytes"] + d["runtime_bytes"]
+    assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"]
+
+
+def test_tighter_budget_is_never_faster(profile) -> None:
+    hw = load_hardware("h200")
+    pol = resolve_policy(None)
+    times = []
+    for budget in (8 * GiB, 2 * GiB, 1200 * MiB):
+        plan, _ = plan_sharded(profile, hw, budget, pol, world_size=2, nodes=1, host_memory_bytes=64 * GiB)
+        if plan.fits:
+            times.append(plan.step_time_s)
+    assert times == sorted(times) and len(times) >= 2
+
+
+def test_host_ram_is_a_tier(profile) -> None:
+    """Offload that fits the GPU but not host RAM is not a plan, and the message says so and what would."""
+    hw = load_hardware("h200")
+    offload_only = [ShardingSetting(engine="fsdp2", stage=3, world_size=1, offload_optimizer="cpu",
+                                    offload_params="cpu")]
+    ok, _ = plan_sharded(profile, hw, 8 * GiB, resolve_policy(None), world_size=1, nodes=1,
+                         host_memory_bytes=64 * GiB, settings=offload_only)
+    assert ok.fits and ok.prediction["host_bytes_per_node"] > 0
+    tiny_host = ok.prediction["host_bytes_per_node"]  # 90% of it is too little
+    bad, cands = plan_sharded(profile, hw, 8 * GiB, resolve_policy(None), world_size=1, nodes=1,
+                              host_memory_bytes=tiny_host, settings=offload_only)
+    assert not bad.fits and all("host RAM" in c.reason for c in cands)
+    assert "host RAM" in bad.infeasible["message"] and "What would" in bad.infeasible["message"]
+
+
+def test_make_plan_world_size_and_bad_input(profile, tmp_path) -> None:
+    plan = make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, host_memory="64GiB",
+                     profile=profile)
+    assert plan.fits and "x2" in plan.strategy.label()
+    with pytest.raises(ValueError, match="does not split over 3 GPUs"):
+        make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=3, profile=profile)
+    with pytest.raises(ValueError, match=r"nvme_path .* is not a directory"):
+        make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, profile=profile,
+                  nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="bf16"):
+        make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, profile=profile,
+                  fidelity="exact")
+
+
+def test_saved_sharded_plan_round_trips(profile, tmp_path) -> None:
+    from memopt.plan.schema import Plan
+
+    plan = make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, host_memory="64GiB",
+                     profile=profile)
+    back = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert back.strategy == plan.strategy and back.strategy.extra("sharding") == plan.strategy.extra("sharding")
