@@ -138,6 +138,11 @@ class Wrapped:
         plan = self._replan(merged_pins)
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+        if plan.strategy.extra("sharding") is not None:
+            raise ValueError(f"nothing fits on this GPU alone: the plan offloads the model states "
+                             f"({plan.strategy.label()}). Save it (memopt.plan(...).save('plan.json')) and apply it "
+                             "with memopt.wrap(model, plan='plan.json') in a torch.distributed process, or pin "
+                             "offload=False to see what fits without offload")
         self._autotune_pending = self._autotune
         return plan
 
@@ -387,6 +392,10 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                          f"model spec), got {type(target).__name__}")
     if loaded is None and budget is None:
         raise ValueError("memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan=")
+    from memopt.distributed.wrapped import ShardedWrapped, is_sharded_plan
+
+    if is_sharded_plan(loaded):  # FSDP2 / DeepSpeed / DDP in each process of a torchrun job
+        return ShardedWrapped(target, loaded, optimizer_kwargs=kwargs, loss_fn=loss_fn, device=device)
     if budget is not None and loaded is None:
         hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
         parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early

@@ -448,7 +448,7 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
     if lr_scheduler is not None:
         kwargs["lr_scheduler"] = lr_scheduler
     if setting.offloads:  # a missing or read-only NVMe path, too little disk or host RAM: fail before DeepSpeed starts
-        validate_offload(setting, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        validate_offload(setting, machine_host_memory_bytes(),
                          num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), precision=precision)
     prepare_deepspeed_build_env()
     engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
@@ -534,6 +534,19 @@ def export_accelerate_config(plan_or_strategy: Any, path: str | os.PathLike[str]
 
 
 # -- checks before training ----------------------------------------------------------------------------
+def machine_host_memory_bytes() -> int:
+    """This machine's RAM: ``MEMOPT_HOST_MEMORY`` (e.g. "128GiB", for VMs whose reported memory grows on use) or
+    the OS's physical pages (0 when the OS does not say)."""
+    from memopt.units import parse_bytes
+
+    if os.environ.get("MEMOPT_HOST_MEMORY"):
+        return parse_bytes(os.environ["MEMOPT_HOST_MEMORY"])
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def validate_offload(setting: ShardingSetting, host_ram_bytes: int | None = None, *, num_params: int | None = None,
                      precision: str = "bf16_autocast", optimizer: str = "adamw_fused",
                      nvme_free_bytes: int | None = None, headroom: float = 0.9) -> dict[str, int]:

@@ -27,15 +27,15 @@ from typing import Any
 
 from memopt.distributed import estimate as dest
 from memopt.distributed import memory as dmem
-from memopt.distributed.sharding import ShardingSetting
+from memopt.distributed.sharding import ShardingSetting, machine_host_memory_bytes
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes
 
-__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "local_host_memory_bytes", "plan_sharded", "sharding_settings",
-           "world_of"]
+__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "local_host_memory_bytes", "plan_sharded",
+           "sharding_settings", "world_of"]
 
 #: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
 HOST_RAM_USABLE = 0.9
@@ -48,11 +48,8 @@ def world_of(hw: HardwareSpec) -> tuple[int, int]:
 
 
 def local_host_memory_bytes() -> int:
-    """This machine's physical RAM (0 when the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
+    """This machine's RAM (``MEMOPT_HOST_MEMORY`` overrides; 0 when the OS does not say)."""
+    return machine_host_memory_bytes()
 
 
 def sharding_settings(world_size: int, nodes: int, *, nvme_path: str | None = None) -> Iterator[ShardingSetting]:
@@ -245,13 +242,28 @@ def _plan_of(profile: Any, hw: HardwareSpec, budget: int, policy: Policy, fittin
         rejected = {name: f"{c.label()} predicted {c.step_time_s:.3f} s/step, slower than {best.step_time_s:.3f} s"
                     for name, c in engines.items() if c is not best}
         return Plan(fits=True, strategy=best.strategy, prediction=best.prediction,
-                    runners_up=[c.summary() for c in fitting[1:4]], rejected=rejected, notes=notes, **common)
+                    runners_up=[c.summary() for c in fitting[1:4]], rejected=rejected,
+                    notes=[*notes, launch_note(best.setting)], **common)
     smallest = min(candidates, key=lambda c: c.total_bytes) if candidates else None
     message = _infeasible_message(smallest, budget, policy, world, nvme_path, facts, hw, host_ram)
     return Plan(fits=False, strategy=smallest.strategy if smallest else Strategy(),
                 prediction=smallest.prediction if smallest else {}, notes=notes,
                 infeasible={"message": message, "smallest_total_bytes": smallest.total_bytes if smallest else None,
                             "relaxations": []}, **common)
+
+
+def launch_note(setting: ShardingSetting) -> str:
+    """How to run a sharded plan: the launcher line, and the exports for users who keep their own launcher."""
+    per_node = setting.gpus_per_node
+    if setting.nodes > 1:
+        cmd = (f"torchrun --nnodes {setting.nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+               "--rdzv-endpoint HEAD_NODE:29500 train.py")
+    else:
+        cmd = f"torchrun --nproc-per-node {per_node} train.py"
+    exports = ("memopt.distributed.export_deepspeed_json(plan, 'ds_config.json')" if setting.engine == "deepspeed"
+               else "memopt.distributed.export_accelerate_config(plan, 'accelerate.yaml')")
+    return (f"launch: {cmd} (memopt.wrap(model, plan=plan) applies {setting.label()} in each process); with your "
+            f"own launcher: {exports}")
 
 
 def _engine_name(setting: ShardingSetting) -> str:

@@ -101,6 +101,21 @@ def _checkpointing(model: Any, case: ShardedCase) -> None:
     apply_checkpointing(find_block_stacks(model), case.checkpointing)
 
 
+def timed_steps(step: Any, batch: Any, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` calls of ``step(batch)``, each timed between two CUDA synchronizations: (losses, seconds)."""
+    import torch
+
+    losses: list[float] = []
+    times: list[float] = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        losses.append(step(batch))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return losses, times
+
+
 def pools_by_stream(torch: Any, device: int) -> dict[str, Any]:
     """Reserved and allocated bytes per CUDA stream's allocator pool (``torch.cuda.memory._snapshot``'s segments),
     the default stream's first. With expandable segments a pool keeps what it grew to (unless the allocator had to
@@ -185,16 +200,9 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         result.update({"start_allocated_bytes": torch.cuda.memory_allocated(),
                        "start_reserved_bytes": torch.cuda.memory_reserved(), "device_total_bytes": total})
-        times: list[float] = []
-        losses: list[float] = []
         with RssSampler() as rss:
             try:
-                for _ in range(case.steps):
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    losses.append(step.step(batch))
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t)
+                losses, times = timed_steps(step.step, batch, case.steps)
             finally:
                 result["host_rss_peak_bytes"] = rss.peak
         steady = statistics.median(times[1:]) if len(times) > 1 else times[0]

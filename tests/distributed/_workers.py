@@ -306,3 +306,29 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
             "buffer_kept": buffer_kept}))
     finally:
         dist.destroy_process_group()
+
+
+def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """``memopt.wrap(model, plan=...)`` with a two-rank FSDP2 plan, fed the *global* batch on every rank."""
+    import torch.distributed as dist
+
+    import memopt
+    from memopt.distributed.sharding import ShardingSetting
+    from memopt.plan.schema import Plan
+
+    _init(rank, world, port)
+    try:
+        setting = ShardingSetting(engine="fsdp2", world_size=world, pin_memory=False)
+        per_rank = GLOBAL_BATCH // world
+        strategy = Strategy(precision="fp32", micro_batch_size=2, grad_accum_steps=per_rank // 2,
+                            extras=(("sharding", setting.to_dict()),))
+        plan = Plan(fits=True, strategy=strategy, budget_bytes=0, margin_bytes=0, prediction={}, model={},
+                    hardware="cpu", policy={}, global_batch=GLOBAL_BATCH)
+        wrapped = memopt.wrap(tiny_model(), plan=plan, lr=1e-2, weight_decay=0.01, device="cpu")
+        losses = [wrapped.step(global_batch(s * GLOBAL_BATCH)) for s in range(steps)]
+        sharded = all(type(p).__name__ == "DTensor" for p in wrapped.model.parameters())
+        if rank == 0:
+            Path(out).write_text(json.dumps({"losses": losses, "sharded": sharded,
+                                             "samples_seen": wrapped.samples_seen}))
+    finally:
+        dist.destroy_process_group()

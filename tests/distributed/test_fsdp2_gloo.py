@@ -108,3 +108,14 @@ def test_load_sharded_reads_only_each_ranks_rows(tmp_path):
         # below the model size from 3 ranks on, equal to it at 2
         assert got["rss_growth"] < full_bytes, got
         assert got["peak_growth"] < 2.2 * got["local_bytes"], got
+
+
+def test_wrap_applies_a_sharded_plan_with_the_same_trajectory(tmp_path):
+    """memopt.wrap(model, plan=<FSDP2 plan for 2 GPUs>) in each of 2 gloo processes: the model is sharded, step()
+    takes the global batch (split by rank), and the losses are the single-process run's."""
+    out = tmp_path / "wrapped.json"
+    _spawn(w.wrapped_sharded_trajectory, 2, str(out), 3)
+    got = json.loads(out.read_text())
+    assert got["sharded"]
+    assert got["losses"] == pytest.approx(w.reference_losses(3), rel=1e-5)
+    assert got["samples_seen"] == 3 * w.GLOBAL_BATCH

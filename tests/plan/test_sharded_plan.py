@@ -82,6 +82,7 @@ def test_make_plan_world_size_and_bad_input(profile, tmp_path) -> None:
     plan = make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, host_memory="64GiB",
                      profile=profile)
     assert plan.fits and "x2" in plan.strategy.label()
+    assert any(n.startswith("launch: torchrun --nproc-per-node 2 ") for n in plan.notes)
     with pytest.raises(ValueError, match="does not split over 3 GPUs"):
         make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=3, profile=profile)
     with pytest.raises(ValueError, match=r"nvme_path .* is not a directory"):
@@ -99,3 +100,23 @@ def test_saved_sharded_plan_round_trips(profile, tmp_path) -> None:
                      profile=profile)
     back = Plan.load(plan.save(tmp_path / "plan.json"))
     assert back.strategy == plan.strategy and back.strategy.extra("sharding") == plan.strategy.extra("sharding")
+
+
+def test_launch_note_names_the_launcher_and_the_export() -> None:
+    from memopt.plan.sharded import launch_note
+
+    multi = launch_note(ShardingSetting(engine="fsdp2", stage=3, world_size=16, nodes=2, replicate_size=2))
+    assert "--nnodes 2 --nproc-per-node 8" in multi and "export_accelerate_config" in multi
+    ds = launch_note(ShardingSetting(engine="deepspeed", stage=3, world_size=8, offload_optimizer="cpu"))
+    assert "--nproc-per-node 8" in ds and "export_deepspeed_json" in ds
+
+
+def test_wrap_refuses_a_plan_for_another_world_size(profile) -> None:
+    """A plan for 2 GPUs applied in one plain process: the error says how to launch it (or to re-plan)."""
+    import memopt
+    from memopt.models import build_model
+
+    plan = make_plan("tiny_llama", SAMPLE, budget="8GiB", hardware="h200", world_size=2, host_memory="64GiB",
+                     profile=profile)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2.*world_size=1"):
+        memopt.wrap(build_model("tiny_llama"), plan=plan)

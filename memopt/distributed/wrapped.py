@@ -1,0 +1,121 @@
+"""``memopt.wrap`` for a sharded or offloaded plan: the model sharded as planned, the same ``step(batch)``.
+
+Each process of a ``torchrun`` (or ``deepspeed`` / ``accelerate launch``) job calls ``memopt.wrap(model, plan=plan)``
+with a plan whose strategy carries a sharding setting (``memopt.plan`` with ``world_size=``/``hardware.gpus_per_node``,
+or one-GPU offload). What is applied, in this order (each step needs the one before):
+
+1. the run is checked against the plan: the world size the plan was made for, the process group;
+2. activation checkpointing on the planned blocks (``memopt.techniques.checkpointing``), before sharding, so FSDP2's
+   units wrap the checkpointed blocks as the estimate assumed;
+3. the engine: FSDP2 ``fully_shard`` per block and root with the plan's mixed-precision policy (and
+   ``CPUOffloadPolicy`` when offloading), then torch AdamW on the shards; or ``deepspeed.initialize`` with the
+   generated config (ZeRO stage, offload, buckets, micro-batch and accumulation); or DDP;
+4. ``DistributedTrainStep``: exact token-weighted accumulation over the plan's micro-batches.
+
+``step(batch)`` takes this rank's share of the global batch (what a ``DistributedSampler`` delivers), or the whole
+global batch, which it splits by rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.distributed.sharding import (
+    ShardingSetting,
+    apply_ddp,
+    apply_fsdp2,
+    build_deepspeed,
+    mp_policy_for,
+    sharding_of,
+)
+from memopt.distributed.train_step import DistributedTrainStep, shard_batch
+
+__all__ = ["ShardedWrapped", "is_sharded_plan"]
+
+
+def is_sharded_plan(plan: Any) -> bool:
+    """Whether ``plan`` (a ``Plan`` or ``None``) carries a sharding setting."""
+    strategy = getattr(plan, "strategy", None)
+    return strategy is not None and strategy.extra("sharding") is not None
+
+
+def _world() -> tuple[int, int, int]:
+    """(rank, local rank, world size) of this process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_world_size()
+    return 0, 0, 1
+
+
+class ShardedWrapped:
+    """The prepared pieces of a sharded run: ``.model`` (FSDP2 module, DDP module or DeepSpeed engine),
+    ``.optimizer``, ``.plan``, ``.setting``, ``.step(batch) -> float``."""
+
+    def __init__(self, model: nn.Module, plan: Any, *, optimizer_kwargs: dict[str, Any] | None = None,
+                 loss_fn: Any = None, device: Any = None) -> None:
+        strategy, setting = sharding_of(plan)
+        self.plan, self.setting = plan, setting
+        self.rank, local, world = _world()
+        if world != setting.world_size:
+            raise ValueError(f"the plan shards over {setting.world_size} GPU(s) but this run has {world} process(es): "
+                             f"launch with torchrun --nproc-per-node {setting.gpus_per_node}"
+                             + (f" --nnodes {setting.nodes}" if setting.nodes > 1 else "")
+                             + f", or re-plan with world_size={world}")
+        if setting.world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError("a sharded plan needs torch.distributed initialized (torchrun does it; or call "
+                                 "torch.distributed.init_process_group first)")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu"))
+        from memopt.blocks import find_block_stacks
+        from memopt.techniques.checkpointing import apply_checkpointing
+
+        stacks = find_block_stacks(model)
+        apply_checkpointing(stacks, strategy.checkpointing)
+        self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
+        self.model, self.optimizer, step_kw = self._engine(model, setting, strategy, stacks)
+        self._step = DistributedTrainStep(model=self.model, optimizer=self.optimizer, strategy=strategy,
+                                          device_type=self.device.type, device=self.device, loss_fn=loss_fn,
+                                          world_size=setting.world_size, **step_kw)
+
+    def _engine(self, model: nn.Module, setting: ShardingSetting, strategy: Any, stacks: Any
+                ) -> tuple[Any, Any, dict[str, Any]]:
+        if setting.engine == "deepspeed":
+            params = {k: list(v) if isinstance(v, tuple) else v for k, v in self._opt_kwargs.items()}
+            optimizer_cfg = {"type": "AdamW", "params": params}
+            engine, optimizer = build_deepspeed(model, setting, strategy.precision, optimizer_cfg,
+                                                micro_batch=strategy.micro_batch_size,
+                                                grad_accum=strategy.grad_accum_steps)
+            return engine, optimizer, {"engine": engine}
+        if setting.engine == "ddp":
+            model = apply_ddp(model.to(self.device), setting,
+                              device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            return model, self._adamw(model), {"kind": "ddp", "engine_precision": False}
+        if setting.offload_params == "none":
+            model.to(self.device)
+        apply_fsdp2(model, setting, mp_policy_for(strategy.precision), stacks, device_type=self.device.type)
+        return model, self._adamw(model), {"kind": "fsdp2"}
+
+    def _adamw(self, model: nn.Module) -> torch.optim.Optimizer:
+        on_gpu = self.device.type == "cuda" and self.setting.offload_params == "none"
+        return torch.optim.AdamW(model.parameters(), **self._opt_kwargs,
+                                 **({"fused": True} if on_gpu else {"foreach": True}))
+
+    def step(self, batch: dict[str, Any]) -> float:
+        """One optimizer step; ``batch`` is this rank's share of the global batch, or the whole global batch."""
+        global_batch = int(getattr(self.plan, "global_batch", 0))
+        sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
+        if self.setting.world_size > 1 and sizes == {global_batch}:
+            batch = shard_batch(batch, self.rank, self.setting.world_size)
+        return self._step.step(batch)
+
+    @property
+    def samples_seen(self) -> int:
+        return self._step.samples_seen

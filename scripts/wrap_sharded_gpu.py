@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""A sharded / offloaded plan made on the CPU, applied by ``memopt.wrap`` on the GPU under the hard cap.
+
+CPU (the dry run; one GPU that cannot hold the model states, so the planner offloads):
+
+    python scripts/wrap_sharded_gpu.py plan --model llama32_3b --budget 16GiB --batch 8 --seq-len 2048 \
+        --host-memory 128GiB --out benchmarks/sharding/plans/llama32_3b_16GiB_offload.json
+
+GPU (each process of the job; ``torchrun --nproc-per-node N`` for a plan over N GPUs):
+
+    torchrun --nproc-per-node 1 scripts/wrap_sharded_gpu.py run --plan PLAN.json --out $OUT/wrap_sharded --steps 3
+
+``run`` caps the allocator at the budget minus the memory outside it (DEVELOPERS.md's hard cap), builds the model,
+calls ``memopt.wrap(model, plan=PLAN)``, trains ``--steps`` steps on the global batch and writes, per rank, the
+measured peaks and step times next to the plan's predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def make(args: argparse.Namespace) -> int:
+    import memopt
+    from memopt.plan.planner import resolve_hardware, resolve_policy
+    from memopt.plan.sharded import plan_sharded
+    from memopt.units import parse_budget, parse_bytes
+
+    hw = resolve_hardware(args.hardware)
+    prof = memopt.profile(args.model, sample={"batch_size": args.batch, "seq_len": args.seq_len}, hardware=hw)
+    plan, _ = plan_sharded(prof, hw, parse_budget(args.budget, device_total_bytes=hw.memory_bytes),
+                           resolve_policy(None), world_size=args.world_size, nodes=1,
+                           host_memory_bytes=parse_bytes(args.host_memory))
+    plan.save(args.out)
+    print(json.dumps({"fits": plan.fits, "strategy": plan.strategy.label(), "total_bytes": plan.total_bytes,
+                      "step_time_s": plan.prediction.get("step_time_s")}))
+    return 0 if plan.fits else 3
+
+
+def run(args: argparse.Namespace) -> int:
+    from memopt.plan.schema import Plan
+    from memopt.validation.measure import set_allocator_env
+
+    plan = Plan.load(args.plan)
+    set_allocator_env(plan.strategy.expandable_segments)  # before CUDA initializes
+    import torch
+
+    import memopt
+    from memopt.hardware import load_hardware
+    from memopt.models import SampleSpec, build_model, make_batch
+    from memopt.validation.measure_sharded import timed_steps
+
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.strategy.extra("sharding")["engine"] == "fsdp2":
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+    total = torch.cuda.get_device_properties(local).total_memory
+    outside = load_hardware(plan.hardware).runtime_overhead_bytes
+    torch.cuda.set_per_process_memory_fraction(max(0.01, (plan.budget_bytes - outside) / total), local)
+    model_name = plan.model["name"]
+    model = build_model(model_name, device="cpu")
+    model.config.use_cache = False
+    t0 = time.perf_counter()
+    wrapped = memopt.wrap(model, plan=plan, lr=1e-5, weight_decay=0.0)
+    build_s = time.perf_counter() - t0
+    spec = SampleSpec.parse(plan.model["sample"], model_name)
+    batch = make_batch(model_name, spec, device="cpu", generator=torch.Generator().manual_seed(0))
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = timed_steps(wrapped.step, batch, args.steps)
+    alloc, res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    row = {"plan": plan.strategy.label(), "rank": rank, "losses": losses, "step_times_s": times, "build_s": build_s,
+           "measured_peak_allocated_bytes": alloc, "measured_peak_reserved_bytes": res,
+           "predicted_peak_allocated_bytes": plan.peak_allocated_bytes,
+           "predicted_peak_reserved_bytes": plan.peak_reserved_bytes, "predicted_step_s": plan.step_time_s,
+           "measured_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
+           "cap_bytes": plan.budget_bytes - outside, "fits_under_cap": res <= plan.budget_bytes - outside,
+           "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(row, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="make the plan on the CPU")
+    p.add_argument("--model", default="llama32_3b")
+    p.add_argument("--budget", default="16GiB")
+    p.add_argument("--hardware", default="h200")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--host-memory", default="128GiB")
+    p.add_argument("--out", required=True)
+    r = sub.add_parser("run", help="apply it with memopt.wrap on the GPU")
+    r.add_argument("--plan", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    return make(args) if args.cmd == "plan" else run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
