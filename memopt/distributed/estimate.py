@@ -51,6 +51,7 @@ __all__ = [
     "ModelFacts",
     "TimelinePoint",
     "activation_timeline",
+    "compute_estimate",
     "engine_bytes_at",
     "facts_of_module",
     "facts_of_profile",
@@ -60,6 +61,7 @@ __all__ = [
     "sharded_time",
     "side_pool_bytes",
     "side_pool_growth",
+    "timeline_grads",
 ]
 
 #: the precision memopt's profile is traced in for the engines' compute (bf16 weights, no autocast)
@@ -424,12 +426,20 @@ def pooled_reserved(points: Sequence[tuple[int, dict[str, int]]], growth: dict[s
     return _round(default_peak, LARGE_SEGMENT) + sum(_round(n, LARGE_SEGMENT) for n in side_peaks.values() if n)
 
 
-def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelFacts) -> dict[str, Any]:
+def timeline_grads(setting: ShardingSetting) -> str:
+    """How the activation timeline counts autograd's gradients under ``setting``'s engine (see the module doc)."""
+    return "skip" if setting.engine == "fsdp2" else "transient"
+
+
+def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelFacts,
+                    timeline: Sequence[TimelinePoint] | None = None) -> dict[str, Any]:
     """Per-GPU prediction of one sharded setting: allocated and reserved peaks, where, their parts, host RAM per
-    rank. ``strategy``: the per-rank micro-batch and checkpointing (its precision is the engines' own)."""
+    rank. ``strategy``: the per-rank micro-batch and checkpointing (its precision is the engines' own);
+    ``timeline``: its ``activation_timeline`` with ``timeline_grads(run.setting)``, when the caller has it."""
     s = run.setting
-    grads = "skip" if s.engine == "fsdp2" else "transient"
-    timeline = activation_timeline(profile, strategy.replace(precision=ENGINE_PRECISION), grads=grads)
+    if timeline is None:
+        timeline = activation_timeline(profile, strategy.replace(precision=ENGINE_PRECISION),
+                                       grads=timeline_grads(s))
     best: dict[str, Any] = {"total": -1}
     pooled: list[tuple[int, dict[str, int]]] = []
     for pt in timeline:
@@ -467,15 +477,24 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
     }
 
 
-def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelFacts, hw: Any) -> Any:
-    """The step's ``memopt.distributed.timing.ShardedTime``: memopt's single-GPU compute per micro-batch (forward,
-    backward with recomputation) with the engine's collectives, host copies, CPU optimizer and fixed work."""
+def compute_estimate(profile: Any, strategy: Strategy, hw: Any) -> Any:
+    """memopt's single-GPU estimate of ``strategy`` in the engines' precision: the compute ``sharded_time`` adds the
+    engine's work to (the same for every engine at one micro-batch and checkpointing)."""
     import memopt
+
+    return memopt.estimate(profile, strategy.replace(precision=ENGINE_PRECISION), hardware=hw, exact_reserved=False,
+                           num_steps=2)
+
+
+def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelFacts, hw: Any,
+                 compute: Any = None) -> Any:
+    """The step's ``memopt.distributed.timing.ShardedTime``: memopt's single-GPU compute per micro-batch (forward,
+    backward with recomputation; ``compute``: ``compute_estimate``'s result, when the caller has it) with the
+    engine's collectives, host copies, CPU optimizer and fixed work."""
     from memopt.distributed.timing import sharded_step_time
 
     s = run.setting
-    est = memopt.estimate(profile, strategy.replace(precision=ENGINE_PRECISION), hardware=hw, exact_reserved=False,
-                          num_steps=2)
+    est = compute if compute is not None else compute_estimate(profile, strategy, hw)
     m = run.grad_accum
     fwd = est.detail["forward_s"] / m
     bwd = est.detail["backward_s"] / m

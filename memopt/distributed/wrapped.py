@@ -57,7 +57,8 @@ class ShardedWrapped:
     ``.optimizer``, ``.plan``, ``.setting``, ``.step(batch) -> float``."""
 
     def __init__(self, model: nn.Module, plan: Any, *, optimizer_kwargs: dict[str, Any] | None = None,
-                 loss_fn: Any = None, device: Any = None) -> None:
+                 loss_fn: Any = None, device: Any = None, max_grad_norm: float | None = None,
+                 lr_scheduler: Any = None) -> None:
         strategy, setting = sharding_of(plan)
         self.plan, self.setting = plan, setting
         self.rank, local, world = _world()
@@ -80,7 +81,11 @@ class ShardedWrapped:
         stacks = find_block_stacks(model)
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
+        self._max_grad_norm, self._lr_scheduler = max_grad_norm, lr_scheduler
         self.model, self.optimizer, step_kw = self._engine(model, setting, strategy, stacks)
+        if "engine" not in step_kw:  # DeepSpeed clips and schedules inside its engine (its config / initialize)
+            step_kw.update(max_grad_norm=max_grad_norm,
+                           lr_scheduler=lr_scheduler(self.optimizer) if lr_scheduler is not None else None)
         self._step = DistributedTrainStep(model=self.model, optimizer=self.optimizer, strategy=strategy,
                                           device_type=self.device.type, device=self.device, loss_fn=loss_fn,
                                           world_size=setting.world_size, **step_kw)
@@ -92,7 +97,8 @@ class ShardedWrapped:
             optimizer_cfg = {"type": "AdamW", "params": params}
             engine, optimizer = build_deepspeed(model, setting, strategy.precision, optimizer_cfg,
                                                 micro_batch=strategy.micro_batch_size,
-                                                grad_accum=strategy.grad_accum_steps)
+                                                grad_accum=strategy.grad_accum_steps,
+                                                gradient_clipping=self._max_grad_norm, lr_scheduler=self._lr_scheduler)
             return engine, optimizer, {"engine": engine}
         if setting.engine == "ddp":
             model = apply_ddp(model.to(self.device), setting,

@@ -34,8 +34,7 @@ from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes
 
-__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "local_host_memory_bytes", "plan_sharded",
-           "sharding_settings", "world_of"]
+__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "sharding_settings", "world_of"]
 
 #: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
 HOST_RAM_USABLE = 0.9
@@ -45,11 +44,6 @@ def world_of(hw: HardwareSpec) -> tuple[int, int]:
     """(world size, nodes) a hardware spec describes."""
     nodes = max(1, hw.num_nodes)
     return max(1, hw.gpus_per_node) * nodes, nodes
-
-
-def local_host_memory_bytes() -> int:
-    """This machine's RAM (``MEMOPT_HOST_MEMORY`` overrides; 0 when the OS does not say)."""
-    return machine_host_memory_bytes()
 
 
 def sharding_settings(world_size: int, nodes: int, *, nvme_path: str | None = None) -> Iterator[ShardingSetting]:
@@ -125,20 +119,35 @@ def _micro_batches(per_rank: int, policy: Policy) -> list[int]:
     return [pinned] if pinned in out else out
 
 
-class _Timer:
-    """Step times of candidates; the single-GPU compute per (micro-batch, checkpointing) is shared by engines."""
+class _SharedWork:
+    """What candidates of different engines share at one (micro-batch, checkpointing): the activation timeline
+    (per way of counting gradients) and the single-GPU compute estimate; each made once per plan."""
 
     def __init__(self, profile: Any, facts: dest.ModelFacts, hw: HardwareSpec) -> None:
         self.profile, self.facts, self.hw = profile, facts, hw
+        self._timelines: dict[tuple[Any, ...], Any] = {}
+        self._compute: dict[tuple[Any, ...], Any] = {}
 
-    def __call__(self, strategy: Strategy, run: dest.EngineRun) -> float:
-        return float(dest.sharded_time(self.profile, strategy, run, self.facts, self.hw).step_s)
+    def timeline(self, strategy: Strategy, setting: ShardingSetting) -> Any:
+        grads = dest.timeline_grads(setting)
+        key = (strategy.micro_batch_size, strategy.checkpointing, grads)
+        if key not in self._timelines:
+            self._timelines[key] = dest.activation_timeline(
+                self.profile, strategy.replace(precision=dest.ENGINE_PRECISION), grads=grads)
+        return self._timelines[key]
+
+    def step_s(self, strategy: Strategy, setting: ShardingSetting) -> float:
+        key = (strategy.micro_batch_size, strategy.grad_accum_steps, strategy.checkpointing)
+        if key not in self._compute:
+            self._compute[key] = dest.compute_estimate(self.profile, strategy, self.hw)
+        run = dest.EngineRun.of(setting, strategy.grad_accum_steps)
+        return float(dest.sharded_time(self.profile, strategy, run, self.facts, self.hw, self._compute[key]).step_s)
 
 
-def _predict(profile: Any, facts: dest.ModelFacts, hw: HardwareSpec, strategy: Strategy, setting: ShardingSetting,
-             ) -> dict[str, Any]:
+def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) -> dict[str, Any]:
     run = dest.EngineRun.of(setting, strategy.grad_accum_steps)
-    pred = dest.predict_sharded(profile, strategy, run, facts)
+    pred = dest.predict_sharded(shared.profile, strategy, run, shared.facts, shared.timeline(strategy, setting))
+    hw = shared.hw
     allocated, reserved = pred["predicted_peak_allocated_bytes"], pred["predicted_peak_reserved_bytes"]
     runtime = hw.runtime_overhead_bytes + pred["predicted_nccl_bytes"]
     parts = pred["predicted_parts"]
@@ -183,7 +192,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     if global_batch % world_size:
         raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "
                          f"a multiple of {world_size}, or fewer GPUs")
-    host_ram = host_memory_bytes or hw.host_memory_bytes or local_host_memory_bytes()
+    host_ram = host_memory_bytes or hw.host_memory_bytes or machine_host_memory_bytes()
     if not (host_memory_bytes or hw.host_memory_bytes):
         notes.append(f"host RAM per node taken from this machine ({format_bytes(host_ram)}); set "
                      "hardware.host_memory_bytes for the machine you plan for")
@@ -196,7 +205,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     facts = dest.facts_of_profile(profile)
     margin = policy.margin(budget_bytes)
     per_rank = global_batch // world_size
-    timer = _Timer(profile, facts, hw)
+    shared = _SharedWork(profile, facts, hw)
     candidates: list[ShardedCandidate] = []
     if settings is None:
         settings = [s for s in sharding_settings(world_size, nodes, nvme_path=nvme_path)
@@ -207,12 +216,12 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
                 strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
                                     grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
                                     extras=(("sharding", setting.to_dict()),))
-                pred = _predict(profile, facts, hw, strategy, setting)
+                pred = _predict(shared, strategy, setting)
                 why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
                 candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
     for c in candidates:
         if c.fits:
-            c.prediction["step_time_s"] = timer(c.strategy, dest.EngineRun.of(c.setting, c.strategy.grad_accum_steps))
+            c.prediction["step_time_s"] = shared.step_s(c.strategy, c.setting)
             if profile.tokens_per_sample:
                 c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
             else:

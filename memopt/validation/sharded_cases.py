@@ -149,12 +149,8 @@ class ShardedCase:
 
 
 # -- predictions (memopt.distributed.estimate, for a case) ----------------------------------------------------
-def _profile(model: str, batch: int, seq_len: int, hardware: str) -> Any:
-    return _profile_cached(model, batch, seq_len, hardware)
-
-
 @functools.lru_cache(maxsize=4)
-def _profile_cached(model: str, batch: int, seq_len: int, hardware: str) -> Any:
+def _profile(model: str, batch: int, seq_len: int, hardware: str) -> Any:
     import memopt
 
     return memopt.profile(model, sample={"batch_size": batch, "seq_len": seq_len}, hardware=hardware)
