@@ -262,7 +262,8 @@ def _relaxations_table(plan: Any) -> Table | None:
     table.add_column("smallest total", justify="right")
     table.add_column("fits", justify="center")
     for r in relax:
-        table.add_row(r["allow"], format_bytes(r["reaches_bytes"]), "yes" if r.get("fits") else "no")
+        reach = ("at least " if r.get("lower_bound") else "") + format_bytes(r["reaches_bytes"])
+        table.add_row(r["allow"], reach, {True: "yes", None: "not estimated"}.get(r.get("fits"), "no"))
     return table
 
 

@@ -7,7 +7,9 @@
 In-process figures are ``time.perf_counter`` (and ``time.process_time``: ``*_cpu_s``) around the call
 (Python/torch imports excluded); CLI figures are the wall time of ``python -m memopt.plan ... output=json`` in a
 subprocess (imports included). Every measurement runs in a fresh process; "cold" ones get an empty cache
-directory. "warm" plans reuse the cold plan's cache (profile and estimate memo); "cached_profile" ones have the
+directory. "profile_then_plan_cold" profiles (cold) and then plans
+in one process: ``plan_after_profile_s`` is the cold plan's time beyond the profile's. "warm" plans reuse the cold
+plan's cache (profile and estimate memo); "cached_profile" ones have the
 profile in the cache but no estimate memo (``MEMOPT_NO_ESTIMATE_CACHE=1``): the estimates are computed afresh.
 Writes JSON (default ``benchmarks/planner_speed/<model>.json``).
 """
@@ -44,10 +46,16 @@ def _child(mode: str, model: str, budget: str, hardware: str) -> dict[str, Any]:
 
     estimator.simulate_allocator = counting
     start, cpu = time.perf_counter(), time.process_time()  # CPU time: less sensitive to other jobs on the cores
-    if mode == "profile":
+    if mode in ("profile", "profile_then_plan"):
         prof = profile_model(model, hardware=hardware)
-        return {"imports_s": imports_s, "profile_s": time.perf_counter() - start,
-                "profile_cpu_s": time.process_time() - cpu, "trace_s": prof.trace_s}
+        out = {"imports_s": imports_s, "profile_s": time.perf_counter() - start,
+               "profile_cpu_s": time.process_time() - cpu, "trace_s": prof.trace_s}
+        if mode == "profile_then_plan":  # the cold plan's time beyond the profile, in one process
+            start, cpu = time.perf_counter(), time.process_time()
+            plan = make_plan(model, budget=budget, hardware=hardware, profile=prof)
+            out.update({"plan_after_profile_s": time.perf_counter() - start,
+                        "plan_after_profile_cpu_s": time.process_time() - cpu, "fits": plan.fits})
+        return out
     plan = make_plan(model, budget=budget, hardware=hardware)
     seconds = time.perf_counter() - start
     search = plan.to_dict().get("search", {})
@@ -94,6 +102,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                               "cpus": os.cpu_count(), "src": str(args.src or ROOT), "load_before": _load()}
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c:
         result["profile_cold"] = _run_child("profile", args, a)
+        with tempfile.TemporaryDirectory() as d:
+            result["profile_then_plan_cold"] = _run_child("profile_then_plan", args, d)
         result["plan_cold"] = _run_child("plan", args, b)
         result["plan_cached_profile"] = _run_child("plan", args, b, memo=False)
         result["plan_warm"] = _run_child("plan", args, b)

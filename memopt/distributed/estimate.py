@@ -124,9 +124,12 @@ def model_facts(model: str, persistence_threshold: int = PERSISTENCE_THRESHOLD) 
 
 
 def facts_of_profile(profile: Any) -> ModelFacts:
-    """``ModelFacts`` of a profile's model: exact from the model when the profile can build it, else from the
-    profile's per-parameter sizes and block stacks (no tied parameters known; the largest module taken as the
-    largest parameter)."""
+    """``ModelFacts`` of a profile's model: as recorded when it was profiled, else exact from the model when the
+    profile can build it, else from the profile's per-parameter sizes and block stacks (no tied parameters known;
+    the largest module taken as the largest parameter)."""
+    recorded = getattr(profile, "engine_facts", None)
+    if recorded:
+        return ModelFacts(**{**recorded, "unit_params": tuple(recorded["unit_params"])})
     model = profile.model()
     if model is not None:
         return facts_of_module(model)
@@ -202,13 +205,16 @@ def activation_timeline(profile: Any, strategy: Strategy, *, grads: str = "trans
     base_trace = traces[sp.base]
     level = sum(allocator_size(_input_size(base_trace, b1, b2, b)) for b1, b2 in base_trace.input_sizes)
     out: list[TimelinePoint] = []
+    folded: dict[tuple[Any, int], tuple[int, int]] = {}  # a block segment folds the same at every position
     for part, insts in (("forward", layout.forward), ("backward", layout.backward)):
         seen_block = False
         for inst in insts:
             trace = traces[inst.variant]
             idx = _index(trace)
             if inst.block is not None:
-                net, peak = _fold(trace, trace.segments[inst.segment].events, b, grads)
+                if (inst.variant, inst.segment) not in folded:
+                    folded[inst.variant, inst.segment] = _fold(trace, trace.segments[inst.segment].events, b, grads)
+                net, peak = folded[inst.variant, inst.segment]
             else:
                 inserted = []
                 for pos, _s, _p, _role, _ai, lo, hi, mode, key in _deferred_for(traces, layout, inst):

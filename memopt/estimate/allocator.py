@@ -328,6 +328,7 @@ class AllocatorResult:
     num_device_frees: int = 0  # cudaFree / unmap calls during `events`
     peak_event_index: int | None = field(default=None)  # event at which peak_reserved_bytes was reached
     stopped_at: int | None = None  # index in `events` where reserved bytes passed `stop_above` (replay ended)
+    num_alloc_retries: int = 0  # as memory_stats()["num_alloc_retries"]: cache flushes to stay under the cap
 
 
 class CachingAllocatorSim:
@@ -990,4 +991,5 @@ def _result(
         final_allocated_bytes=sim.allocated_bytes,
         num_device_frees=sim.num_device_frees - frees0,
         peak_event_index=peak_index,
+        num_alloc_retries=sim.num_alloc_retries,
     )

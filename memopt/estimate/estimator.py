@@ -178,11 +178,17 @@ class TotalAbove(Exception):
 
 def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | HardwareSpec | None = None,
                       exact_reserved: bool = True, timing: TimingModel = DEFAULT_TIMING,
-                      num_steps: int = 3, stop_above: int | None = None) -> Estimate:
+                      num_steps: int = 3, stop_above: int | None = None, cap_bytes: int | None = None) -> Estimate:
     """Predict the peak memory and step time of ``strategy`` from ``profile``.
 
     ``stop_above`` (with ``exact_reserved``): raise :class:`TotalAbove` as soon as the allocator replay shows
-    that the total exceeds it (a caller looking for the smallest total needs no more of a loser)."""
+    that the total exceeds it (a caller looking for the smallest total needs no more of a loser).
+
+    ``cap_bytes`` (with ``exact_reserved``): the replay runs under the hard cap that ``memopt.wrap`` sets (what the
+    allocator may reserve), so the caching allocator flushes its cache and retries instead of growing past it, as
+    PyTorch's does; reserved bytes are then those of the capped run, ``detail["capped"]`` says how many retries
+    it took (each costs ``TimingModel.alloc_retry_s``), and an allocation the cap cannot serve raises
+    :class:`CappedOOM`."""
     hw = load_hardware(hardware or profile.hardware)
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}
@@ -202,10 +208,12 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
         events, start = event_stream(traces, layout, b, m, opt, static_events, num_steps=num_steps)
         result = simulate_allocator(events[start:],
                                     config=AllocatorConfig(expandable_segments=strategy.expandable_segments),
-                                    initial_events=events[:start],
+                                    initial_events=events[:start], cap_bytes=cap_bytes,
                                     stop_above=None if stop_above is None else stop_above - runtime)
         if result.stopped_at is not None:
             raise TotalAbove(result.peak_reserved_bytes + runtime)
+        if result.oom:
+            raise CappedOOM(f"{strategy.label()} does not train under a cap of {cap_bytes} reserved bytes")
         reserved = max(result.peak_reserved_bytes, peak.peak_bytes)
         reserved_exact = True
     else:
@@ -214,6 +222,10 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     breakdown[Cat.ALLOCATOR_OVERHEAD] = reserved - peak.peak_bytes
     breakdown[Cat.RUNTIME] = runtime
     step_s, detail = _step_time(profile, traces, layout, b, m, opt, hw, timing, strategy)
+    if exact_reserved and cap_bytes is not None:
+        retries = -(-result.num_alloc_retries // num_steps)  # per step (the first step's included)
+        step_s += retries * timing.alloc_retry_s
+        detail["capped"] = {"cap_bytes": cap_bytes, "alloc_retries_per_step": retries}
     tokens = profile.tokens_per_sample
     items = b * m * (tokens if tokens else 1)
     detail.update({"variants": sorted(k.label() for k in sp.variants), "gradient_bytes": peak.grad_bytes,
@@ -221,6 +233,10 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     return Estimate(peak_allocated_bytes=peak.peak_bytes, peak_reserved_bytes=reserved, runtime_bytes=runtime,
                     step_time_s=step_s, breakdown=breakdown, peak_at=peak.where, reserved_exact=reserved_exact,
                     items_per_step=items, item_unit="tokens" if tokens else "samples", detail=detail)
+
+
+class CappedOOM(ValueError):
+    """The allocator replay under ``cap_bytes`` ran out of memory: the strategy does not train under that cap."""
 
 
 def _approx_reserved(allocated: int) -> int:

@@ -56,6 +56,10 @@ class TimingModel:
     # forward + backward, is two dequantizing calls: 0.46 ms each (0.42 to 0.51 over the four shapes).
     # No 8-bit layer was timed: LLM.int8 calls get no such term.
     bnb4_call_s: float = 0.46e-3
+    # One allocator retry under the hard cap (the cache is flushed: a device synchronize, cudaFree / unmap of the
+    # free segments and pages, then their memory mapped again as it is reused). Not fitted: an assumption of a few
+    # milliseconds, so that among plans of equal compute the planner prefers one that does not lean on the cap.
+    alloc_retry_s: float = 5e-3
 
 
 DEFAULT_TIMING = TimingModel()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
+from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search, weights_floor
+from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search
 from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
@@ -126,10 +127,19 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start)
         else:
             result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
-            plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store)
-            if not plan.fits and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
-                    and hw.supports_bf16:
-                plan = _with_offload(plan, prof, hw, budget_bytes, pol, notes, host, nvme, start)
+            offload = result.best is None and pol.allows("offload", True) \
+                and pol.allows("precision", "bf16_autocast") and hw.supports_bf16
+
+            def build(floors_only: bool) -> Plan:
+                return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store,
+                                   floors_only=floors_only)
+
+            # where an offload plan may answer, the single-GPU report is only a note: its relaxations are given
+            # by their trace-free floors; it is estimated in full if offload does not fit either
+            plan = build(floors_only=offload)
+            if offload:
+                plan = _with_offload(plan, prof, hw, budget_bytes, pol, notes, host, nvme, start,
+                                     exact_report=lambda: build(floors_only=False))
     if store is not None:
         store.save()
     return plan
@@ -144,14 +154,16 @@ def _sharded(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: l
 
 
 def _with_offload(single: Plan, prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str],
-                  host: int | None, nvme: str | None, start: float) -> Plan:
+                  host: int | None, nvme: str | None, start: float, exact_report: Callable[[], Plan]) -> Plan:
     """One GPU where nothing fits on it alone: the fastest offloading plan (ZeRO-Offload, ZeRO-3 / FSDP2 with CPU
-    or NVMe offload) if one fits every tier; else the single-GPU report with what offload would need."""
-    offload = _sharded(prof, hw, budget, pol, notes, 1, 1, host, nvme, start)
+    or NVMe offload) if one fits every tier; else the single-GPU report (``exact_report()``) with what offload
+    would need."""
+    offload = _sharded(prof, hw, budget, pol, list(notes), 1, 1, host, nvme, start)
     if offload.fits:
         offload.notes.append(f"nothing fits on one GPU alone ({(single.infeasible or {}).get('message', '')}); "
                              "the model states are offloaded to the host")
         return offload
+    single = exact_report()
     if single.infeasible is not None:
         single.infeasible["offload"] = (offload.infeasible or {}).get("message")
         single.infeasible["message"] += f"; with offload: {single.infeasible['offload']}"
@@ -245,6 +257,7 @@ class _Estimates:
         self.quick: dict[Strategy, Estimate | None] = {}
         self.exact: dict[Strategy, Evaluated] = {}
         self.above: dict[Strategy, int] = {}  # lower bounds of exact totals (replays stopped early), -1: none
+        self.floors: dict = {}  # state_floor's cache
         for ev in seed:  # the allocated peak and runtime of an exact estimate are those of the quick one
             if ev.estimate is not None:
                 self.quick[ev.strategy] = ev.estimate
@@ -304,18 +317,17 @@ class _Estimates:
 
 def _level_fits(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int,
                 level: tuple, estimates: _Estimates) -> tuple[bool, int | None]:
-    """Whether anything of this extras level may fit, and the smallest total found: first from the trace-free
-    weights floor of its most memory-saving candidates, then from their estimates (``_min_footprint``)."""
+    """Whether anything of this extras level may fit, and the smallest total found (``_min_footprint``: the
+    trace-free floor of its model states when that exceeds the budget, else from estimates)."""
     margin = pol.margin(budget)
     cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol, level)
     if not cands:
         return False, None
-    floors = [weights_floor(prof, s, hw) for s in cands]
-    if min(floors) + margin > budget:
-        return False, min(floors)
     ev = _min_footprint(prof, hw, pol, ctx, budget, estimates, level=level)
     if ev is None:
         return False, None
+    if ev.floor_only:  # the level's model states alone exceed the budget
+        return False, ev.total_bytes
     # the extremes are near the level's smallest footprint, not provably at it (a plan without offload, or with
     # a larger micro-batch, can be a little smaller): a level within 5% of fitting is searched in full
     return ev.total_bytes + margin <= budget * _LEVEL_SKIP_SLACK, ev.total_bytes
@@ -325,18 +337,29 @@ _LEVEL_SKIP_SLACK = 1.05
 
 
 def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchContext, budget: int,
-                   estimates: _Estimates | None = None, level: tuple | None = None) -> Evaluated | None:
+                   estimates: _Estimates | None = None, level: tuple | None = None,
+                   floors_only: bool = False, first_fit: bool = False) -> Evaluated | None:
     """The smallest total the policy can reach at extras ``level`` (None: any level), from the most memory-saving
-    value of every technique.
+    value of every technique. When even the smallest model-state floor (``memopt.plan.floors``) of the policy's
+    candidates exceeds the budget (or with ``floors_only``), that floor, as a ``floor_only`` lower bound: nothing
+    is traced or simulated.
 
     Of the candidates considered, the one with the smallest exact total wins (the first in candidate order on a
     tie). Their allocated totals are lower bounds of the exact ones, so candidates are simulated in the order of
-    those bounds and the rest are skipped once a bound cannot beat the best found."""
+    those bounds and the rest are skipped once a bound cannot beat the best found.
+
+    ``first_fit`` (what allowing more would reach): the candidate likeliest to fit (bf16 compute, no activation
+    offload) is estimated first, and if it fits it is the answer: a footprint the policy reaches and that fits,
+    not necessarily its smallest (a 70B model's QLoRA candidates took 20 s to trace in full)."""
     cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol, level)
     if not cands:
         return None
     est = estimates if estimates is not None else _Estimates(prof, hw)
     margin = pol.margin(budget)
+    floor, at = min((state_floor(prof, s, hw, est.floors).total_bytes, i) for i, s in enumerate(cands))
+    if floor + margin > budget or floors_only:  # every candidate's model states exceed the budget: no trace
+        return Evaluated(cands[at], None, None if floor + margin <= budget else False, floor, FLOOR_REASON,
+                         floor_only=True)
 
     # memory-saving extremes only: the most saving extras level, full checkpointing (if any), smallest micro-batch,
     # the most chunked loss, 8-bit optimizer states. Activation offload and paged states are tried both ways: their
@@ -348,6 +371,11 @@ def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchCont
 
     cands.sort(key=rank)
     head = [c for c in cands if rank(c) == rank(cands[0])][:16]
+    if first_fit:
+        likeliest = min(head, key=lambda c: (c.activation_offload, _COMPUTE_ORDER.get(c.precision, 9)))
+        ev = est.evaluate(likeliest, budget, margin)
+        if ev is not None and ev.fits:
+            return ev
     bounds = sorted((b, i) for i, s in enumerate(head) if (b := est.allocated_total(s)) is not None)
     best: Evaluated | None = None
     best_i = -1
@@ -361,6 +389,10 @@ def _min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchCont
                                                            or (ev.total_bytes, i) < (best.total_bytes, best_i)):
             best, best_i = ev, i
     return best
+
+
+# precisions by how small their activations are, for ``_min_footprint(first_fit=True)``
+_COMPUTE_ORDER = {"bf16_pure": 0, "bf16_master": 1, "bf16_autocast": 2, "fp16_autocast": 3, "fp32": 4}
 
 
 def _level_name(level: tuple[tuple[str, Any], ...]) -> str:
@@ -391,7 +423,9 @@ def _method_notes(best: Evaluated, result: SearchResult, budget: int, notes: lis
 
 
 def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result: SearchResult, notes: list[str],
-                seconds: float, store: EstimateStore | None = None) -> Plan:
+                seconds: float, store: EstimateStore | None = None, floors_only: bool = False) -> Plan:
+    """The plan of a single-GPU search; where nothing fits, the report of the smallest footprint and of what
+    allowing more would reach (``floors_only``: those reaches as trace-free model-state floors, not estimated)."""
     margin = pol.margin(budget)
     model = {"name": prof.model_name, "class": prof.model_class, "num_params": prof.num_params,
              "num_trainable_params": prof.num_trainable_params, "sample": prof.sample, "profile_key": prof.key}
@@ -421,24 +455,39 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
         if allowance == "quantized_weights" and "adapters" not in pol.allow:
             relaxed, allowance = relaxed.relaxed("adapters"), "adapters+quantized_weights"  # QLoRA needs both
         try:
-            ev = _min_footprint(prof, hw, relaxed, ctx, budget, estimates)
+            ev = _min_footprint(prof, hw, relaxed, ctx, budget, estimates, floors_only=floors_only, first_fit=True)
         except ValueError:
             continue  # e.g. peft or bitsandbytes not installed
         if ev is not None and smallest is not None and ev.total_bytes < smallest.total_bytes:
-            relax.append({"allow": allowance, "reaches_bytes": ev.total_bytes, "fits": ev.fits})
+            # a floor under the budget says nothing of fitting: not estimated
+            fits = ev.fits if not ev.floor_only or ev.total_bytes + margin > budget else None
+            relax.append({"allow": allowance, "reaches_bytes": ev.total_bytes, "fits": fits,
+                          "lower_bound": ev.floor_only})
     reach = smallest.total_bytes if smallest is not None else None
-    message = (f"needs {format_bytes(reach)} with every allowed technique (budget {format_bytes(budget)}, "
+    bound = smallest is not None and smallest.floor_only
+    message = (f"needs {'at least ' if bound else ''}{format_bytes(reach)} with every allowed technique"
+               f"{', for its model states alone' if bound else ''} (budget {format_bytes(budget)}, "
                f"margin {format_bytes(margin)})" if reach is not None else "no candidate could be estimated")
     for r in relax:
-        message += f"; allowing {r['allow']} reaches {format_bytes(r['reaches_bytes'])}"
+        if not r["lower_bound"]:
+            message += f"; allowing {r['allow']} reaches {format_bytes(r['reaches_bytes'])}"
+        elif r["fits"] is None:
+            message += (f"; allowing {r['allow']}: its model states take {format_bytes(r['reaches_bytes'])} "
+                        "(not estimated further)")
+        else:
+            message += f"; allowing {r['allow']} still needs at least {format_bytes(r['reaches_bytes'])}"
     if not any(r["fits"] for r in relax):
         message += "; beyond that: more GPUs (sharding), CPU/NVMe offload of model states, or a smaller batch"
     chosen = smallest if smallest is not None else (result.evaluated[0] if result.evaluated else None)
-    prediction = chosen.estimate.to_dict() if chosen is not None and chosen.estimate is not None else {
-        "peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "runtime_bytes": 0, "total_bytes": 0,
-        "step_time_s": 0.0, "breakdown": {}}
+    if chosen is not None and chosen.estimate is not None:
+        prediction = chosen.estimate.to_dict()
+    elif chosen is not None and chosen.floor_only:
+        prediction = state_floor(prof, chosen.strategy, hw).prediction()
+    else:
+        prediction = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "runtime_bytes": 0, "total_bytes": 0,
+                      "step_time_s": 0.0, "breakdown": {}}
     return Plan(fits=False, strategy=chosen.strategy if chosen else Strategy(), budget_bytes=budget,
                 margin_bytes=margin, prediction=prediction, model=model, hardware=hw.name, policy=pol.to_dict(),
                 global_batch=global_batch, infeasible={"message": message, "smallest_total_bytes": reach,
-                                                       "relaxations": relax},
+                                                       "smallest_is_lower_bound": bound, "relaxations": relax},
                 search=search_info, notes=notes)

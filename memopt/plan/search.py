@@ -9,8 +9,8 @@ Candidates are evaluated in that order, so nothing is traced that cannot win:
   optimistic time (provably: its real time can only be higher);
 * a candidate is *pruned as too big* when one that needs no more memory in every respect (same
   precision and optimizer, no larger micro-batch, at least as much checkpointing, offload and chunking)
-  already exceeded the budget in allocated bytes, or when its weights alone (plus what the CUDA runtime
-  holds) exceed it: a floor of its allocated peak that needs no trace (``weights_floor``);
+  already exceeded the budget in allocated bytes, or when its model states alone (weights, gradients, optimizer
+  states, plus what the CUDA runtime holds) exceed it: a floor that needs no trace (``memopt.plan.floors``);
 * otherwise it is estimated exactly; the caching allocator is simulated only when its allocated bytes
   fit and it would enter the top ``runners_up + 1`` by time.
 
@@ -30,14 +30,14 @@ from typing import Any
 from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
+from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile
 from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
-__all__ = ["WEIGHTS_FLOOR_REASON", "Evaluated", "SearchResult", "candidates", "evaluate", "extras_levels", "search",
-           "weights_floor"]
+__all__ = ["Evaluated", "SearchResult", "candidates", "evaluate", "extras_levels", "search"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -49,7 +49,7 @@ class Evaluated:
     fits: bool | None  # None: allocated bytes fit but the allocator was not simulated (not a contender)
     total_bytes: int
     reason: str = ""
-    floor_only: bool = False  # total_bytes is only a lower bound (pruned by weights_floor, never estimated)
+    floor_only: bool = False  # total_bytes is only a lower bound (pruned by its state floor, never estimated)
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SearchResult:
     pruned_too_big: int
     seconds: float
     feasible: list[Evaluated] = field(default_factory=list)
-    floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by weights_floor (not estimated)
+    floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by their state floor (not estimated)
     levels_tried: list[tuple[tuple[str, Any], ...]] = field(default_factory=list)  # extras levels, in order
     # levels skipped because their smallest footprint (bytes, None: not estimable) does not fit
     level_minimums: dict[tuple[tuple[str, Any], ...], int | None] = field(default_factory=dict)
@@ -230,38 +230,6 @@ def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str
     return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
 
 
-# -- memory floor ------------------------------------------------------------------------------------
-WEIGHTS_FLOOR_REASON = "weights alone exceed the budget"
-
-
-def weights_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> int:
-    """A lower bound of ``s``'s allocated peak plus runtime bytes that needs no trace: its parameters and buffers
-    in the strategy's weight dtype plus the CUDA runtime (and offload's host-side overhead). With quantized
-    weights, every parameter counts at the quantized width (bits / 8 bytes): the unquantized ones take more.
-
-    Sound: ``estimate_strategy`` starts the allocated peak at its static bytes, which hold exactly these
-    parameter and buffer bytes (plus inputs and master weights, >= 0), and its runtime bytes add optimizer host
-    state (>= 0) to the same terms."""
-    from memopt.estimate.estimator import _OFFLOAD_RUNTIME_BYTES
-    from memopt.techniques.precision import weight_dtype
-
-    q = s.extra("quantization")
-    bits = int(dict(q).get("bits", 4)) if q is not None else 0
-    key = (s.precision, s.activation_offload, bits)
-    if cache is not None and key in cache:
-        return cache[key]
-    wd = weight_dtype(s.precision)
-    params = profile.param_bytes(wd)
-    if bits:
-        params = min(params, sum(n for n, _, _ in profile.param_sizes) * bits // 8)
-    floor = params + profile.buffer_bytes(wd) + hw.runtime_overhead_bytes
-    if s.activation_offload:
-        floor += _OFFLOAD_RUNTIME_BYTES
-    if cache is not None:
-        cache[key] = floor
-    return floor
-
-
 # -- memory dominance ----------------------------------------------------------------------------
 def _ac_level(c: Checkpointing, total: int) -> int:
     if c.mode == "none":
@@ -354,11 +322,11 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
         if any(_no_bigger(t, s, total_blocks) for t in too_big):
             pruned_big += 1
             continue
-        floor = weights_floor(profile, s, hw, floors)
+        floor = state_floor(profile, s, hw, floors).total_bytes
         if floor + margin > budget_bytes:  # its allocated bytes would exceed the budget: nothing to trace
             pruned_big += 1
             too_big.append(s)
-            floored.append(Evaluated(s, None, False, floor, WEIGHTS_FLOOR_REASON, floor_only=True))
+            floored.append(Evaluated(s, None, False, floor, FLOOR_REASON, floor_only=True))
             continue
         ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
         evaluated.append(ev)
@@ -383,7 +351,27 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
         return Evaluated(s, quick, False, allocated_total, "allocated bytes alone exceed the budget")
     if len(top) > runners_up and quick.step_time_s >= rank(top[runners_up]):
         return Evaluated(s, quick, None, allocated_total, "not a contender (slower than the runners-up)")
-    return evaluate(profile, s, hw, budget_bytes, margin)
+    ev = evaluate(profile, s, hw, budget_bytes, margin)
+    if ev.fits is False and ev.estimate is not None:
+        return _under_cap(profile, s, hw, budget_bytes, margin, ev)
+    return ev
+
+
+def _under_cap(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,
+               uncapped: Evaluated) -> Evaluated:
+    """A candidate whose uncapped reserved peak is over the budget while its allocated peak fits: ``memopt.wrap``
+    runs it under the hard cap, where the caching allocator flushes its cache and retries instead of growing (on
+    the H200, bert-large at 12 GiB trained at micro-batch 32 with 10.8 GiB reserved and 5 retries where the
+    uncapped replay reserves 11.9 GiB). Replayed under the cap less the margin: it fits if the replay never runs
+    out, with the capped run's reserved bytes and the retries' cost in its step time."""
+    from memopt.estimate.estimator import CappedOOM
+
+    cap = budget_bytes - margin - uncapped.estimate.runtime_bytes
+    try:
+        capped = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, cap_bytes=cap)
+    except CappedOOM:
+        return uncapped
+    return Evaluated(s, capped, True, capped.total_bytes, "")
 
 
 def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,

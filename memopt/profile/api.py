@@ -183,11 +183,24 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
     prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
                    family=spec.family if spec is not None else None, sample=sample_dict,
                    tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy_key,
-                   torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module), **facts)
+                   torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module),
+                   engine_facts=_engine_facts(module), **facts)
     for stack in prof.stacks:
         if not stack["uniform_tail"]:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
     return prof
+
+
+def _engine_facts(module: nn.Module) -> dict[str, Any] | None:
+    """The parameter counts the sharding planner needs (so it never rebuilds the model from a cached profile)."""
+    import dataclasses
+
+    from memopt.distributed.estimate import facts_of_module
+
+    try:
+        return dataclasses.asdict(facts_of_module(module))
+    except ValueError:  # no parameters: nothing to shard
+        return None
 
 
 def _vocab_size(module: nn.Module) -> int | None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 __all__ = ["ATTENTION_OPS", "BNB4_CALL_OPS", "CostRecorder", "PhaseCost"]
@@ -133,8 +132,16 @@ class CostRecorder:
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             cost.matmul_flops[_dtype_key(first.dtype) if first is not None else "fp32"] += float(flops)
             return
-        nbytes = 0
-        for t in tree_flatten((args, out))[0]:
-            if isinstance(t, torch.Tensor):
-                nbytes += t.numel() * t.element_size()
-        cost.memory_bytes += nbytes
+        cost.memory_bytes += _tensor_bytes(args) + _tensor_bytes(out)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested tuples, lists and dicts): pytree's flatten, without its cost per
+    op (this runs on every traced op)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0

@@ -86,6 +86,9 @@ class Profile:
     schema_version: int = SCHEMA_VERSION
     trace_s: float = 0.0
     vocab_size: int | None = None  # the model config's, when it has one (the planner's chunked-loss options)
+    # memopt.distributed.estimate.ModelFacts as a dict: what the sharding engines' memory depends on (None in
+    # profiles cached before it was recorded: the model is built again to count them)
+    engine_facts: dict[str, Any] | None = None
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -135,10 +138,15 @@ class Profile:
 
     def variant(self, key: VariantKey, micro_batch: int = 1) -> VariantTrace:
         """The trace of ``key`` that covers ``micro_batch`` (traced now if missing and the model is at hand)."""
-        if key.activation_offload:
-            # offload's bounded copy window makes the event sequence depend on the bytes: trace each size
+        if key.activation_offload or (micro_batch == 1 and self._one_sample()):
+            # offload's bounded copy window makes the event sequence depend on the bytes: trace each size. With a
+            # batch of one sample no plan has a larger micro-batch: one pass instead of the two of a linear trace
             exact = key.at(micro_batch)
-            return self.variants.get(exact) or self._trace(exact)
+            found = self.variants.get(exact)
+            if found is None and not key.activation_offload:
+                linear = self.variants.get(key.at(None))
+                found = linear if linear is not None and linear.covers(micro_batch) else None
+            return found or self._trace(exact)
         linear = key.at(None)
         trace = self.variants.get(linear)
         if trace is None:
@@ -147,6 +155,9 @@ class Profile:
             return trace
         exact = key.at(micro_batch)
         return self.variants.get(exact) or self._trace(exact)
+
+    def _one_sample(self) -> bool:
+        return int(self.sample.get("batch_size", 0)) == 1
 
     def _trace(self, key: VariantKey) -> VariantTrace:
         if not self.can_trace():
@@ -260,7 +271,7 @@ class Profile:
             "variants": [v.to_dict() for v in self.variants.values()],
             "optimizers": [o.to_dict() for o in self.optimizers.values()],
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
-            "vocab_size": self.vocab_size,
+            "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
         }
 
     @classmethod
@@ -281,7 +292,8 @@ class Profile:
                    stacks=d["stacks"], sample=d["sample"], tokens_per_sample=d.get("tokens_per_sample"),
                    hardware=d["hardware"], kernel_policy=d["kernel_policy"], torch_version=d["torch_version"],
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
-                   notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"))
+                   notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
+                   engine_facts=d.get("engine_facts"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import memopt
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.plan import Policy
-from memopt.plan.planner import _context
+from memopt.plan.planner import _context, _min_footprint
 from memopt.plan.search import extras_levels
 
 # wide and shallow: the weights and their optimizer states dominate, so every rung of the ladder saves memory
@@ -34,9 +34,12 @@ def _plan(prof, budget: int, fidelity: str, **pins):
 
 
 def _smallest(prof, fidelity: str) -> int:
-    plan = _plan(prof, 1, fidelity)
-    assert not plan.fits
-    return plan.infeasible["smallest_total_bytes"]
+    """The policy's smallest estimated total (a budget of 1 byte would report only its model-state floor)."""
+    pol = Policy.build(fidelity=fidelity, margin="0%", pins=FIXED)
+    ctx = _context(prof, HW, SAMPLE["batch_size"], pol, user_optimizer=False)
+    ev = _min_footprint(prof, HW, pol, ctx, 1 << 50)
+    assert not ev.floor_only
+    return ev.total_bytes
 
 
 def _level(plan) -> tuple[int, int]:

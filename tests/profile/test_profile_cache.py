@@ -29,6 +29,28 @@ def test_a_cached_spec_profile_is_loaded_without_building_the_model(monkeypatch)
     assert again.can_trace() and again._model is None  # attached as a builder: built when a trace is missing
 
 
+def test_a_sharded_plan_from_a_cached_profile_does_not_build_the_model(monkeypatch, tmp_path):
+    """The sharding planner's parameter counts are recorded in the profile (a 70B model's rebuild and the
+    transformers import took 7 s of every sharded plan): equal to the model's, and no build from the cache."""
+    from memopt.distributed.estimate import facts_of_module, facts_of_profile
+
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    tied = with_overrides(SPEC, {"tie_word_embeddings": True})
+    first = memopt.profile(tied, sample=SAMPLE, hardware=HW)
+    assert facts_of_profile(first) == facts_of_module(build_model(tied, device="meta"))
+    assert facts_of_profile(first).tied_params == 512 * 64
+    cold = memopt.plan(tied, SAMPLE, budget="40GB", hardware=HW, world_size=2)  # traces what it needs
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the sharded plan built the model")
+
+    monkeypatch.setattr("memopt.models.build_model", no_build)
+    monkeypatch.setattr("memopt.models.build.build_model", no_build)
+    plan = memopt.plan(tied, SAMPLE, budget="40GB", hardware=HW, world_size=2)
+    assert plan.fits and plan.techniques["extras"]["sharding"]["world_size"] == 2
+    assert plan.strategy == cold.strategy and plan.prediction == cold.prediction
+
+
 def test_the_spec_key_follows_what_decides_the_traces():
     base = memopt.profile(SPEC, sample=SAMPLE, hardware=HW, use_cache=False).key
     other_sample = memopt.profile(SPEC, sample={"batch_size": 2, "seq_len": 16}, hardware=HW, use_cache=False).key

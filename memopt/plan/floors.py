@@ -1,0 +1,97 @@
+"""Trace-free lower bounds of a candidate's footprint: what its model states alone must take.
+
+At the first optimizer step every trained parameter's gradient and optimizer state exist next to the weights, so
+the allocated peak of any strategy is at least
+
+    weights (in the strategy's weight dtype, or at the quantized width) + buffers
+    + per trained parameter: its gradient, its optimizer state and (``bf16_master``) its fp32 master copy
+
+and its total adds the memory the CUDA runtime holds outside the allocator. Each term is counted at the least the
+technique can take (an 8-bit optimizer at one byte per state, SGD and a user's optimizer at none,
+adapters' own parameters at none), so the floor needs no trace and never exceeds the estimate
+(``tests/plan/test_planner_speed.py`` checks it against every candidate of a model).
+
+The planner uses it twice: the search skips candidates whose floor exceeds the budget, and the infeasibility
+report skips a policy whose smallest floor does (a 70B model's full fine-tuning on one 80 GB GPU needs no trace
+to be ruled out), reporting the floor as a lower bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memopt.hardware import HardwareSpec
+from memopt.profile.profile import Profile, _is_float
+from memopt.profile.tracker import allocator_size
+from memopt.strategy import Strategy
+
+__all__ = ["FLOOR_REASON", "StateFloor", "state_floor"]
+
+FLOOR_REASON = "model states alone exceed the budget"
+
+# optimizer state bytes per trained parameter, per byte of the stepped parameter's dtype, at the least
+_STATES_PER_ITEM = {"adamw_fused": 2, "adamw_foreach": 2, "adamw": 2}
+# 8-bit states: two one-byte states a parameter (parameters below bitsandbytes' 8-bit size keep fp32 ones: more);
+# the paged variant's live in unified memory, outside the allocator, and count in the runtime bytes
+_EIGHT_BIT = {"adamw8bit": 2, "paged_adamw8bit": 2}
+
+
+@dataclass(frozen=True)
+class StateFloor:
+    """The bytes a strategy's model states take at the least, by category."""
+
+    weights_bytes: int  # parameters and buffers
+    gradients_bytes: int
+    optimizer_bytes: int  # states and fp32 master copies
+    runtime_bytes: int  # outside the allocator
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.runtime_bytes
+
+    def prediction(self) -> dict[str, Any]:
+        """The floor in the shape of an estimate's ``to_dict()``, marked as a lower bound (no step time)."""
+        allocated = self.total_bytes - self.runtime_bytes
+        return {"peak_allocated_bytes": allocated, "peak_reserved_bytes": allocated,
+                "runtime_bytes": self.runtime_bytes, "total_bytes": self.total_bytes, "step_time_s": 0.0,
+                "lower_bound": True,
+                "breakdown": {"parameters": self.weights_bytes, "gradients": self.gradients_bytes,
+                              "optimizer_states": self.optimizer_bytes, "runtime": self.runtime_bytes}}
+
+
+def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> StateFloor:
+    """The least ``s``'s model states take (see the module doc); ``cache``: a dict shared over calls."""
+    from memopt.estimate.estimator import _OFFLOAD_RUNTIME_BYTES
+    from memopt.techniques.precision import weight_dtype
+
+    q = s.extra("quantization")
+    bits = int(dict(q).get("bits", 4)) if q is not None else 0
+    frozen_base = bits or s.extra("adapters") is not None  # only the adapters train (their bytes counted as 0)
+    key = (s.precision, s.optimizer, s.activation_offload, bits, bool(frozen_base))
+    if cache is not None and key in cache:
+        return cache[key]
+    wd = weight_dtype(s.precision)
+    weights = profile.param_bytes(wd)
+    if bits:
+        weights = min(weights, sum(n for n, _, _ in profile.param_sizes) * bits // 8)
+    weights += profile.buffer_bytes(wd)
+    grads = states = 0
+    if not frozen_base:
+        # the optimizer steps fp32 tensors (the weights, or bf16_master's fp32 copies) except under bf16_pure
+        item = 2 if s.precision == "bf16_pure" else 4
+        trained = [n for n, dtype, trains in profile.param_sizes if trains and _is_float(dtype)]
+        grads = sum(allocator_size(n * item) for n in trained)
+        per_item = _STATES_PER_ITEM.get(s.optimizer, 0)
+        eight_bit = sum(allocator_size(n * _EIGHT_BIT.get(s.optimizer, 0)) for n in trained)
+        states = per_item * grads + (eight_bit if s.optimizer != "paged_adamw8bit" else 0)
+        if s.precision == "bf16_master":
+            states += grads  # the fp32 master copies
+    runtime = hw.runtime_overhead_bytes + (_OFFLOAD_RUNTIME_BYTES if s.activation_offload else 0)
+    if s.optimizer == "paged_adamw8bit" and not frozen_base:
+        runtime += eight_bit
+    floor = StateFloor(weights, grads, states, runtime)
+    if cache is not None:
+        cache[key] = floor
+    return floor
+
