@@ -118,11 +118,16 @@ def _print(res: dict) -> None:
           f"{str(res.get('error', ''))[:120]}", flush=True)
 
 
-def wrap_jobs() -> list[tuple]:
+def wrap_jobs(plans: Path | None = None) -> list[tuple]:
+    """The wrap rows: every case's plan in ``plans`` (default ``benchmarks/wrap/plans``; cases without one there
+    are skipped)."""
+    folder = plans or ROOT / "benchmarks" / "wrap" / "plans"
     jobs = []
     for model, sample in CASES:
         for budget in BUDGETS:
-            path = ROOT / "benchmarks" / "wrap" / "plans" / f"{plan_name(model, budget)}.json"
+            path = folder / f"{plan_name(model, budget)}.json"
+            if not path.exists():
+                continue
             row = Row(id=f"wrap/{plan_name(model, budget)}", model=model, steps=5, **sample)
             jobs.append((row.id, measure_wrap, (row, str(path))))
     return jobs
@@ -414,6 +419,8 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds: start nothing new after this")
     parser.add_argument("--parts", default="wrap,estimator,quant,speed,oplog")
+    parser.add_argument("--wrap-plans", type=Path, default=None,
+                        help="folder of the plans the wrap part runs (default benchmarks/wrap/plans)")
     parser.add_argument("--wrap-width", type=int, default=1, help="wrap rows at a time (>1 invalidates timings)")
     parser.add_argument("--speed-cases", default="llama32_1b:40GiB",
                         help="MODEL:BUDGET,... among the wrap cases (global batch from memopt.validation.wrap_cases)")
@@ -442,7 +449,7 @@ def main() -> int:
     deadline = START + args.deadline
     parts = args.parts.split(",")
     if "wrap" in parts:
-        run_pool(wrap_jobs(), args.wrap_width, out / "wrap.jsonl", deadline)
+        run_pool(wrap_jobs(args.wrap_plans), args.wrap_width, out / "wrap.jsonl", deadline)
     if "quant" in parts:
         run_pool(quant_jobs(), 1, out / "quant.jsonl", deadline)
     if "estimator" in parts:
