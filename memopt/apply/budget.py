@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-__all__ = ["cap_allocator", "outside_allocator_bytes", "set_expandable_segments"]
+__all__ = ["cap_allocator", "cap_to_plan", "outside_allocator_bytes", "set_expandable_segments"]
 
 
 def set_expandable_segments(enabled: bool) -> bool:
@@ -83,3 +83,11 @@ def cap_allocator(budget_bytes: int, outside_bytes: int, device: int | None = No
     fraction = min(1.0, allowed / total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
+
+
+def cap_to_plan(budget_bytes: int, runtime_bytes: int, device: torch.device) -> float:
+    """Start CUDA and cap the allocator for a plan: the budget less what the process holds outside the allocator
+    (measured now, and at least the plan's predicted runtime bytes). Returns the fraction set."""
+    torch.cuda.init()
+    outside = max(outside_allocator_bytes(device.index), runtime_bytes)
+    return cap_allocator(budget_bytes, outside, device.index)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.budget import cap_allocator, outside_allocator_bytes, set_expandable_segments
+from memopt.apply.budget import cap_to_plan, set_expandable_segments
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
 from memopt.guard.recovery import StepTransaction
@@ -156,8 +156,8 @@ class Wrapped:
         if cuda:
             torch.cuda.init()
             if self._enforce_budget:
-                outside = max(outside_allocator_bytes(self.device.index), int(plan.prediction.get("runtime_bytes", 0)))
-                self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
+                self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
+                                                self.device)
         if self._checkpoint is not None and any(p.device.type == "meta" for p in model.parameters()):
             self._load_checkpoint(strategy)
         prepare_kwargs = self._prepare_kwargs()

@@ -77,12 +77,11 @@ class ShardedWrapped:
             torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu"))
         self.cap_fraction: float | None = None
         if self.device.type == "cuda":  # the budget holds here as in memopt.wrap: allocator mode, then the hard cap
-            from memopt.apply.budget import cap_allocator, outside_allocator_bytes, set_expandable_segments
+            from memopt.apply.budget import cap_to_plan, set_expandable_segments
 
             set_expandable_segments(strategy.expandable_segments)
-            torch.cuda.init()
-            outside = max(outside_allocator_bytes(self.device.index), int(plan.prediction.get("runtime_bytes", 0)))
-            self.cap_fraction = cap_allocator(plan.budget_bytes, outside, self.device.index)
+            self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
+                                            self.device)
         from memopt.blocks import find_block_stacks
         from memopt.techniques.checkpointing import apply_checkpointing
 

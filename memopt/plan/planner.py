@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
@@ -127,19 +127,16 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start)
         else:
             result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
-            offload = result.best is None and pol.allows("offload", True) \
-                and pol.allows("precision", "bf16_autocast") and hw.supports_bf16
-
-            def build(floors_only: bool) -> Plan:
-                return _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store,
-                                   floors_only=floors_only)
-
-            # where an offload plan may answer, the single-GPU report is only a note: its relaxations are given
-            # by their trace-free floors; it is estimated in full if offload does not fit either
-            plan = build(floors_only=offload)
-            if offload:
-                plan = _with_offload(plan, prof, hw, budget_bytes, pol, notes, host, nvme, start,
-                                     exact_report=lambda: build(floors_only=False))
+            offload = None
+            if result.best is None and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
+                    and hw.supports_bf16:
+                offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start)
+            # where an offload plan answers, the single-GPU report is only a note: its relaxations are given by
+            # their trace-free floors
+            plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store,
+                               floors_only=offload is not None and offload.fits)
+            if offload is not None:
+                plan = _with_offload(plan, offload)
     if store is not None:
         store.save()
     return plan
@@ -153,17 +150,13 @@ def _sharded(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: l
     return plan
 
 
-def _with_offload(single: Plan, prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str],
-                  host: int | None, nvme: str | None, start: float, exact_report: Callable[[], Plan]) -> Plan:
+def _with_offload(single: Plan, offload: Plan) -> Plan:
     """One GPU where nothing fits on it alone: the fastest offloading plan (ZeRO-Offload, ZeRO-3 / FSDP2 with CPU
-    or NVMe offload) if one fits every tier; else the single-GPU report (``exact_report()``) with what offload
-    would need."""
-    offload = _sharded(prof, hw, budget, pol, list(notes), 1, 1, host, nvme, start)
+    or NVMe offload) if one fits every tier; else the single-GPU report with what offload would need."""
     if offload.fits:
         offload.notes.append(f"nothing fits on one GPU alone ({(single.infeasible or {}).get('message', '')}); "
                              "the model states are offloaded to the host")
         return offload
-    single = exact_report()
     if single.infeasible is not None:
         single.infeasible["offload"] = (offload.infeasible or {}).get("message")
         single.infeasible["message"] += f"; with offload: {single.infeasible['offload']}"
