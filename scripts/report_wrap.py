@@ -264,8 +264,43 @@ def main() -> int:
             summary["speed"][case] = comp
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "wrap": wrap, "speed": speed}, indent=1))
+    _plot([r for r in wrap if r.get("ok") and r.get("fits_under_cap")], out.with_suffix(".png"))
     print("\n".join(lines))
     return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Predicted vs measured allocated peak, and each case's measured total as a share of its budget."""
+    if not rows:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.6]})
+    xs = [r["measured_peak_allocated_bytes"] / GiB for r in rows]
+    ys = [r["predicted_peak_allocated_bytes"] / GiB for r in rows]
+    ax.scatter(xs, ys, s=20)
+    top = max(xs + ys) * 1.05
+    ax.plot([0, top], [0, top], color="grey", lw=0.8)
+    ax.set_xlabel("measured peak allocated (GiB)")
+    ax.set_ylabel("predicted on a CPU (GiB)")
+    ax.set_title("allocated peak per GPU")
+    labels = [r.get("label", "").split("/")[-1] for r in rows]
+    shares = [100 * r["measured_total_bytes"] / r["budget_bytes"] for r in rows]
+    bx.barh(range(len(rows)), shares, color=["tab:blue" if s >= 85 else "tab:orange" for s in shares])
+    bx.axvline(85, color="grey", lw=0.8, ls="--")
+    bx.axvline(100, color="black", lw=0.8)
+    bx.set_yticks(range(len(rows)), labels, fontsize=8)
+    bx.set_xlabel("measured total / budget (%)")
+    bx.set_title("budget used (orange: below 85%)")
+    fig.suptitle("memopt.wrap under the hard cap on an H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,14 @@ def make(args: argparse.Namespace) -> int:
 
     hw = resolve_hardware(args.hardware)
     prof = memopt.profile(args.model, sample={"batch_size": args.batch, "seq_len": args.seq_len}, hardware=hw)
+    from memopt.plan.sharded import sharding_settings
+
+    settings = [s for s in sharding_settings(args.world_size, 1) if args.setting in s.label()]
+    if not settings:
+        raise SystemExit(f"no sharding setting's label contains {args.setting!r}")
     plan, _ = plan_sharded(prof, hw, parse_budget(args.budget, device_total_bytes=hw.memory_bytes),
                            resolve_policy(None), world_size=args.world_size, nodes=1,
-                           host_memory_bytes=parse_bytes(args.host_memory))
+                           host_memory_bytes=parse_bytes(args.host_memory), settings=settings)
     plan.save(args.out)
     print(json.dumps({"fits": plan.fits, "strategy": plan.strategy.label(), "total_bytes": plan.total_bytes,
                       "step_time_s": plan.prediction.get("step_time_s")}))
@@ -72,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     model_name = plan.model["name"]
     model = build_model(model_name, device="cpu")
     model.config.use_cache = False
+    if args.history:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     t0 = time.perf_counter()
     wrapped = memopt.wrap(model, plan=plan, lr=1e-5, weight_decay=0.0)
     build_s = time.perf_counter() - t0
@@ -80,18 +87,73 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.reset_peak_memory_stats()
     losses, times = timed_steps(wrapped.step, batch, args.steps)
     alloc, res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    from memopt.apply.budget import process_device_bytes
+    from memopt.validation.measure_sharded import pools_by_stream
+
+    own = process_device_bytes(local)
+    free, _ = torch.cuda.mem_get_info(local)
+    outside_measured = (own if own is not None else total - free) - torch.cuda.memory_reserved(local)
+    step_s = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     row = {"plan": plan.strategy.label(), "rank": rank, "losses": losses, "step_times_s": times, "build_s": build_s,
            "measured_peak_allocated_bytes": alloc, "measured_peak_reserved_bytes": res,
            "predicted_peak_allocated_bytes": plan.peak_allocated_bytes,
            "predicted_peak_reserved_bytes": plan.peak_reserved_bytes, "predicted_step_s": plan.step_time_s,
-           "measured_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
+           "measured_step_s": step_s, "tokens_per_s": batch["input_ids"].numel() / step_s,
            "cap_bytes": plan.budget_bytes - outside, "fits_under_cap": res <= plan.budget_bytes - outside,
-           "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
+           "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+           "measured_outside_allocator_bytes": outside_measured,
+           "predicted_runtime_bytes": plan.prediction.get("runtime_bytes"),
+           "measured_total_bytes": res + outside_measured, "budget_bytes": plan.budget_bytes,
+           "predicted_tokens_per_s": plan.prediction.get("tokens_per_s"),
+           **pools_by_stream(torch, local)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.history:
+        row["live_at_peak"] = live_at_peak(torch.cuda.memory._snapshot(), local)
+        torch.cuda.memory._record_memory_history(enabled=None)
     (out / f"rank{rank}.json").write_text(json.dumps(row, indent=2) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
     return 0
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame in DeepSpeed, memopt, transformers or PyTorch's
+    distributed/autograd Python code (file:line function)."""
+    keys = ("deepspeed/", "memopt/", "transformers/", "torch/distributed/", "torch/utils/checkpoint", "torch/nn/")
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in keys):
+            short = name.split("site-packages/")[-1]
+            return f"{short}:{f.get('line')} {f.get('name')}"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+def live_at_peak(snapshot: dict, device: int, top: int = 30) -> dict:
+    """From the allocator's recorded history: the allocations live at the highest allocated point of the
+    recorded events, summed by the code that made them (``_site``)."""
+    events = snapshot["device_traces"][device]
+    cur = best = best_i = 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            cur += e["size"]
+        elif e["action"] == "free_completed":
+            cur -= e["size"]
+        if cur > best:
+            best, best_i = cur, i
+    live: dict[int, dict] = {}
+    for e in events[: best_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    sites: dict[str, list[int]] = {}
+    for e in live.values():
+        acc = sites.setdefault(_site(e.get("frames", [])), [0, 0])
+        acc[0] += e["size"]
+        acc[1] += 1
+    ordered = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"recorded_peak_bytes": best, "events": len(events), "peak_event": best_i,
+            "sites": [{"site": k, "bytes": v[0], "count": v[1]} for k, v in ordered]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--host-memory", default="128GiB")
+    p.add_argument("--setting", default="", help="only the sharding settings whose label contains this "
+                   "(e.g. 'zero3 x1 offload(opt=cpu,params=cpu)')")
     p.add_argument("--out", required=True)
     r = sub.add_parser("run", help="apply it with memopt.wrap on the GPU")
     r.add_argument("--plan", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--history", action="store_true",
+                   help="record the allocator's history and report what is live at the allocated peak")
     args = ap.parse_args(argv)
     return make(args) if args.cmd == "plan" else run(args)
 

@@ -267,7 +267,11 @@ def engine_bytes_at(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
     if s.engine == "ddp":  # replicated fp32 weights, gradients and Adam; DDP's buckets are views of the gradients
         return {"states": p * (4 + 4 + 8), "buffers": 0}
     if s.engine == "deepspeed" and s.stage in (1, 2):
-        ipg = (2 if overlap else 1) * min(rb, p) * 2 if backward else 0
+        # the reduce buckets are allocated at the first gradient hook (DeepSpeed's setup_buckets), after the loss
+        # backward's fp32 temporaries are gone: not at the head and loss backward (allocator history on the H200,
+        # raw/session8_call2: no bucket among the live allocations at that peak)
+        loss_backward = backward and point is not None and point.block is None and not point.after_blocks
+        ipg = (2 if overlap else 1) * min(rb, p) * 2 if backward and not loss_backward else 0
         if s.offload_optimizer != "none":
             states = p * 2  # the bf16 parameters (flat buffer), whole on every rank at stage 1/2
             staging = facts.largest_param * 2  # temp_grad_buffer_for_gpu_offload (persistent)
@@ -285,8 +289,13 @@ def engine_bytes_at(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
         persistent_small = facts.small_params * 2 if s.offload_params != "none" else 0
         if point is None:
             return {"states": m.model_states + persistent_small, "buffers": buf["step_grad"]}
-        return {"states": m.model_states + persistent_small,
-                "buffers": _zero3_gathered(run, facts) + (buf["buckets"] if backward else 0)}
+        # at the head and loss backward only ZeRO-3's flat reduce bucket exists (one bucket of 16-bit elements):
+        # its second, overlapping bucket comes with the first reduction. Measured on one H200 with the output
+        # released before backward (raw/session8_call5, wrap/raw/session8/base_z3): 10.96 GB with memopt's 1e8
+        # buckets (predicted 11.05), 9.52 GiB with DeepSpeed's 5e8 (9.51)
+        loss_backward = backward and point.block is None and not point.after_blocks
+        buckets = min(rb, p) * 2 if loss_backward else (buf["buckets"] if backward else 0)
+        return {"states": m.model_states + persistent_small, "buffers": _zero3_gathered(run, facts) + buckets}
     return _fsdp2_bytes_at(run, facts, point)
 
 
@@ -397,7 +406,8 @@ def side_pool_bytes(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
 def side_pool_growth(run: EngineRun, facts: ModelFacts) -> dict[str, int]:
     """What the engine's side pools hold beyond ``side_pool_bytes``' figures (not part of the allocated timeline):
     with FSDP2 gradient accumulation, a unit's new reduce-scatter output before it is added to the gradient, at
-    most the largest shard (the root's, for a large vocabulary); DeepSpeed ZeRO-3's all-gather and reduce pools."""
+    most the largest shard (the root's, for a large vocabulary); over two or more ranks, FSDP2's all-gather pool's
+    blocks in flight; DeepSpeed ZeRO-3's all-gather and reduce pools; DeepSpeed ZeRO-1/2's reduction pool."""
     s = run.setting
     if s.engine == "deepspeed" and s.stage == 3:
         # ZeRO-3 gathers parameters on its all-gather stream (up to the live bound) and reduces each gradient bucket
@@ -407,29 +417,71 @@ def side_pool_growth(run: EngineRun, facts: ModelFacts) -> dict[str, int]:
         # raw/session6_nvme): all-gather pool 1.388 GB (predicted 1.388 GB), reduce pool 0.317 GB (0.300 GB).
         return {"all_gather": _zero3_gathered(run, facts),
                 "reduce": 3 * min(run.reduce_bucket, facts.num_params) * 2 // 2}
-    if s.engine != "fsdp2" or s.offload_params == "cpu" or run.grad_accum == 1:
+    if s.engine == "deepspeed" and s.stage in (1, 2):
+        # the reduction stream's pool: 4 x the largest parameter's 16-bit gradient (a parameter over the bucket
+        # size is cloned and reduced on its own). Measured on one H200 with CPU offload: 2.12 GB for
+        # Llama-3.2-1B (262.7M-element tied embedding, 4 x 0.525 GB), 1.09 GB for Qwen2.5-0.5B (4 x 0.272 GB);
+        # raw/session8_call2. Not measured with every parameter under the bucket size.
+        return {"reduce": 4 * facts.largest_param * 2}
+    if s.engine != "fsdp2":
         return {}
-    w = s.shard_size
-    return {"reduce_scatter": _GRAD * max(-(-u // w) for u in (facts.root_params, *facts.unit_params))}
+    out: dict[str, int] = {}
+    if s.world_size > 1 and facts.unit_params:
+        # the all-gather stream runs ahead of compute: while the root's output waits for its copy-out, the current
+        # and the prefetched block's outputs are allocated too. Measured on two H200s (Llama-3.2-3B, FSDP2, 4 x 1,
+        # raw/session8_x2): all-gather pool 1.195 GB = the root's 0.788 GB + 2 blocks' 0.201 GB (1.189 GB)
+        out["all_gather"] = 2 * max(facts.unit_params) * _C
+    if s.offload_params != "cpu" and run.grad_accum > 1:
+        w = s.shard_size
+        out["reduce_scatter"] = _GRAD * max(-(-u // w) for u in (facts.root_params, *facts.unit_params))
+    return out
 
 
 def _round(n: int, granule: int) -> int:
     return -(-n // granule) * granule
 
 
-def pooled_reserved(points: Sequence[tuple[int, dict[str, int]]], growth: dict[str, int] | None = None) -> int:
+def pooled_reserved(points: Sequence[tuple[int, dict[str, int]]], growth: dict[str, int] | None = None,
+                    default_slack: int = 0) -> int:
     """Reserved bytes with expandable segments: each stream's pool grows to its own peak (in 20 MiB steps) and
     keeps it. ``points``: (allocated total, side pools' bytes within it) at each point of the step; ``growth``:
-    what a side pool holds briefly beyond its peak there."""
+    what a side pool holds briefly beyond its peak there; ``default_slack``: what the default stream's pool
+    reserves beyond its allocated peak (fragmentation, see ``default_pool_slack``)."""
     side_peaks: dict[str, int] = {}
-    default_peak = 0
+    default_peak = default_slack
     for total, side in points:
-        default_peak = max(default_peak, total - sum(side.values()))
+        default_peak = max(default_peak, total - sum(side.values()) + default_slack)
         for pool, n in side.items():
             side_peaks[pool] = max(side_peaks.get(pool, 0), n)
     for pool, n in (growth or {}).items():
         side_peaks[pool] = side_peaks.get(pool, 0) + n
     return _round(default_peak, LARGE_SEGMENT) + sum(_round(n, LARGE_SEGMENT) for n in side_peaks.values() if n)
+
+
+def default_pool_slack(profile: Any, strategy: Strategy) -> int:
+    """What the default stream's pool reserves beyond its allocated peak in a sharded run: half the largest
+    activation tensor of one micro-batch (for a language model the fp32 logits of the loss: half is their bf16
+    source), a hole that stays reserved once the pool has grown around it. The single-GPU allocator replay is not
+    run for sharded settings; this is its measured stand-in. On the H200 (Llama-3.2-3B, FSDP2; largest tensor 3.91
+    GiB at 4 x 2048, 1.96 GiB at 2 x 2048) the default pool's reserved exceeded its predicted allocated peak by 2.02
+    and 2.38 GiB (one GPU, 4 x 1), 1.12 GiB (one GPU, 2 x 2) and 2.14 GiB (two GPUs, 4 x 1): 0.52 to 0.61 of the
+    largest tensor (raw/session6_x1, raw/session8_x2)."""
+    from memopt.estimate.estimator import step_plan
+    from memopt.profile.tracker import ALLOC, allocator_size
+
+    b = strategy.micro_batch_size
+    base = step_plan(profile, strategy).base
+    memo = profile.derived
+    if ("pool_slack", base, b) in memo:
+        return memo["pool_slack", base, b]
+    trace = profile.variant(base, b)
+    largest = 0
+    for seg in trace.segments:
+        for kind, key, lo, hi in seg.events:
+            if kind == ALLOC and key not in trace.persistent_keys and key not in trace.grad_keys:
+                largest = max(largest, allocator_size(trace.size(lo, hi, b)))
+    memo["pool_slack", base, b] = largest // 2
+    return largest // 2
 
 
 def timeline_grads(setting: ShardingSetting) -> str:
@@ -469,7 +521,8 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
     allocated = int(best["total"])
     # the pools are per stream with the default allocator too (measured within 1.5% of expandable segments' on
     # FSDP2); its extra fragmentation between segments is not modelled
-    reserved = pooled_reserved(pooled, side_pool_growth(run, facts))
+    reserved = pooled_reserved(pooled, side_pool_growth(run, facts),
+                               default_pool_slack(profile, strategy.replace(precision=ENGINE_PRECISION)))
     return {
         "predicted_peak_allocated_bytes": allocated,
         "predicted_peak_reserved_bytes": max(reserved, _round(allocated, PAGE)),

@@ -33,8 +33,10 @@ staging buffers of NVMe swapping.
 NCCL's own memory (outside PyTorch's allocator): ``NCCL_BYTES_PER_COMMUNICATOR`` per process and
 communicator. Source: NVIDIA/nccl#964 (PyTorch on 4 x A100 with NVLink: 544 MB for a 2-rank group,
 688 MB for a group of more than 2 ranks, per process); NCCL's maintainer in NVIDIA/nccl#986: the
-amount grows with the channels (bandwidth) used and stops growing beyond 2 nodes. We take 688 MB (1
-communicator for full sharding, 2 for hybrid: the shard group and the replicate group).
+amount grows with the channels (bandwidth) used and stops growing beyond 2 nodes. Measured on two H200s
+with NVLink (torch 2.11, FSDP2, ``benchmarks/sharding/raw/session8_x2``): 1600 MiB outside the allocator per
+process, less the 804 MB CUDA runtime of one H200 process: 874 MB. We take that (1 communicator for full
+sharding, 2 for hybrid: the shard group and the replicate group).
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "DEEPSPEED_EXTRA_BYTES",
     "DS_DEFAULT_ALLGATHER_BUCKET",
     "DS_DEFAULT_REDUCE_BUCKET",
+    "NCCL_BYTES_ONE_RANK",
     "NCCL_BYTES_PER_COMMUNICATOR",
     "ShardedMemory",
     "StateBytes",
     "deepspeed_buffer_bytes",
+    "deepspeed_extra_bytes",
     "dtype_bytes",
     "fit_advice",
     "fsdp2_buffer_bytes",
@@ -64,8 +69,17 @@ __all__ = [
     "zero_paper_model_states",
 ]
 
-#: NCCL memory per process and communicator, outside PyTorch's allocator (NVIDIA/nccl#964: 688 MB on A100 NVLink).
-NCCL_BYTES_PER_COMMUNICATOR = 688 * 10**6
+#: NCCL memory per process and communicator, outside PyTorch's allocator: measured on 2 x H200 NVLink (874 MB;
+#: NVIDIA/nccl#964 reports 544-688 MB on A100 NVLink)
+NCCL_BYTES_PER_COMMUNICATOR = 874 * 10**6
+#: one process alone in its NCCL group (DeepSpeed and memopt's FSDP2 create one at world size 1 too): 1316 MiB
+#: outside the allocator on one H200 (raw/session6_x1, session7 ZeRO-2 offload rows) less the 804 MB runtime
+NCCL_BYTES_ONE_RANK = 576 * 10**6
+#: what a DeepSpeed engine's process holds outside the allocator beyond an FSDP2 process of the same world size
+#: (its own process groups and ops), measured on H200s: 1708 MiB at one rank against FSDP2's 1316 (ZeRO-2 and
+#: ZeRO-3, CPU and NVMe offload alike: raw/call1, call3_zero3_rerun, session6_nvme, session8_call5), 2092 MiB at
+#: two ranks against 1600 (ZeRO-3, raw/session5_x2_*)
+DEEPSPEED_EXTRA_BYTES = {1: 411 * 10**6, 2: 516 * 10**6}
 #: DeepSpeed's defaults, in elements (deepspeed/runtime/zero/config.py: reduce_bucket_size, allgather_bucket_size).
 DS_DEFAULT_REDUCE_BUCKET = 500_000_000
 DS_DEFAULT_ALLGATHER_BUCKET = 500_000_000
@@ -287,11 +301,18 @@ def deepspeed_buffer_bytes(num_params: int, *, stage: int, shard_size: int, sb: 
     return {"buckets": reduce, "step_grad": step, "gathered_params": gathered, "peak": max(gathered + reduce, step)}
 
 
+def deepspeed_extra_bytes(engine: str, world_size: int) -> int:
+    """``DEEPSPEED_EXTRA_BYTES`` for a DeepSpeed engine (the two-rank figure beyond two ranks), else 0."""
+    if engine != "deepspeed":
+        return 0
+    return DEEPSPEED_EXTRA_BYTES[1] if world_size <= 1 else DEEPSPEED_EXTRA_BYTES[2]
+
+
 def nccl_bytes(world_size: int, replicate_size: int = 1, *, per_communicator: int = NCCL_BYTES_PER_COMMUNICATOR
                ) -> int:
     """NCCL's memory per process outside PyTorch's allocator: one communicator per process group used."""
     if world_size <= 1:
-        return 0
+        return NCCL_BYTES_ONE_RANK
     groups = 1 if replicate_size <= 1 or replicate_size >= world_size else 2
     return groups * per_communicator
 
@@ -305,7 +326,7 @@ class ShardedMemory:
     grads: int
     optimizer: int
     buffers: int
-    nccl: int  # outside PyTorch's allocator
+    nccl: int  # outside PyTorch's allocator (NCCL; DeepSpeed's own groups and ops)
     host_bytes: int  # host RAM per node for the offloaded states and staging buffers
     host_pinned_bytes: int  # of host_bytes, page-locked
     nvme_bytes: int  # per node
@@ -440,7 +461,8 @@ def sharded_memory(num_params: int, *, engine: str, stage: int, world_size: int,
         if offload_optimizer != "none" or offload_params != "none":
             raise ValueError("DDP does not offload; use engine 'fsdp2' or 'deepspeed'")
     return ShardedMemory(params=params, grads=grads, optimizer=optim, buffers=buffers,
-                         nccl=nccl_bytes(world_size, replicate_size), host_bytes=host, host_pinned_bytes=pinned,
+                         nccl=nccl_bytes(world_size, replicate_size) + deepspeed_extra_bytes(engine, world_size),
+                         host_bytes=host, host_pinned_bytes=pinned,
                          nvme_bytes=nvme, detail=detail)
 
 

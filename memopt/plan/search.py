@@ -335,9 +335,55 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
         if ev.fits:
             top.append(ev)
             top.sort(key=rank)
+    if top and policy.allows("checkpointing", "full"):
+        for ev in _refine_blocks(profile, hw, budget_bytes, margin, top[0], cands, total_blocks):
+            evaluated.append(ev)
+            if ev.fits:
+                top.append(ev)
+        top.sort(key=rank)
     return SearchResult(best=top[0] if top else None, evaluated=evaluated, num_candidates=len(cands),
                         pruned_slower=pruned_slower, pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
                         feasible=top, floored=floored)
+
+
+def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin: int, best: Evaluated,
+                   cands: list[Strategy], total_blocks: int) -> list[Evaluated]:
+    """The options checkpoint 1/8, 2/8, ... of the blocks. When the fastest plan checkpoints k of them and the
+    next coarser option below k (fewer blocks) did not fit, the fewest blocks between the two that still fit, by
+    bisection (memory falls as blocks are checkpointed; each block left alone saves its recomputation). Found
+    on gpt2_medium at 12 GiB: every block checkpointed at 78% of the budget where 22 of 24 would have fitted."""
+    ck = best.strategy.checkpointing
+    if ck.mode != "full" or total_blocks < 2:
+        return []
+    k_best = ck.num_blocks if ck.num_blocks is not None else total_blocks
+
+    def blocks(c: Checkpointing) -> int | None:
+        if c.mode == "none":
+            return 0
+        return (c.num_blocks if c.num_blocks is not None else total_blocks) if c.mode == "full" else None
+
+    same = best.strategy.replace(checkpointing=Checkpointing())
+    coarse = {blocks(c.checkpointing) for c in cands if c.replace(checkpointing=Checkpointing()) == same}
+    lo0 = max((k for k in coarse if k is not None and k < k_best), default=None)
+    done: dict[int, Evaluated] = {}
+
+    def at(k: int) -> Evaluated:
+        if k not in done:
+            done[k] = _evaluate(profile, best.strategy.replace(checkpointing=Checkpointing(mode="full", num_blocks=k)),
+                                hw, budget_bytes, margin, [], 0)
+        return done[k]
+
+    # twice: the fewest that fit outright, and the fewest that fit under the hard cap (whose allocator retries
+    # cost time, so either may be the faster)
+    for ok in (lambda e: bool(e.fits) and not (e.estimate and e.estimate.detail.get("capped")), lambda e: bool(e.fits)):
+        lo, hi = lo0, k_best
+        while lo is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(at(mid)):
+                hi = mid
+            else:
+                lo = mid
+    return list(done.values())
 
 
 def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,

@@ -111,6 +111,33 @@ def _checkpointings(n_blocks: int, policy: Policy) -> list[Checkpointing]:
     return out
 
 
+def _fits_uncapped(c: ShardedCandidate) -> bool:
+    return c.fits and "capped" not in c.prediction
+
+
+def _bisect_blocks(fits_at: dict[int, bool], fits: Any) -> None:
+    """Between the fewest checkpointed blocks that fit in ``fits_at`` and the next fewer that do not, find the
+    fewest that fit, calling ``fits(k)`` (which evaluates k)."""
+    fit_ks = [k for k, ok in fits_at.items() if ok and k > 0]
+    if not fit_ks:
+        return
+    hi = min(fit_ks)
+    lo = max((k for k, ok in fits_at.items() if not ok and k < hi), default=None)
+    while lo is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+
+
+def _blocks_of(ck: Checkpointing, n_blocks: int) -> int:
+    """How many blocks ``ck`` checkpoints."""
+    if ck.mode == "none":
+        return 0
+    return n_blocks if ck.num_blocks is None else ck.num_blocks
+
+
 def _micro_batches(per_rank: int, policy: Policy) -> list[int]:
     pinned = policy.pins.get("micro_batch_size")
     out = [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and policy.allows("micro_batch_size", b)]
@@ -164,6 +191,30 @@ def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) 
     }
 
 
+#: an allocator retry at the cap: a synchronization and the cache's release (PyTorch's alloc_retry cost) ...
+RETRY_FIXED_S = 5e-3
+#: ... then the pools re-map what was released as they regrow. Fitted to two H200s (Llama-3.2-3B, FSDP2, 4 x 1,
+#: 48 GiB, raw/session8_x2): about one retry a step, 0.080 s over the uncapped prediction, for 9.5 GB that the
+#: uncapped pools hold beyond the allocated peak
+REMAP_BYTES_PER_S = 1.0e11
+
+
+def under_cap(pred: dict[str, Any], limit: int, micro_batches: int) -> dict[str, Any] | None:
+    """``pred`` run under the hard cap when its uncapped reserved total exceeds ``limit`` (budget less margin) but
+    its allocated peak fits: with expandable segments the allocator frees its cache and retries instead of growing,
+    so reserved stays at the cap. Counts one retry per micro-batch, each re-mapping what the pools held beyond the
+    allocated peak. ``None`` when even the allocated peak does not fit."""
+    room = limit - pred["runtime_bytes"]
+    allocated, reserved = pred["peak_allocated_bytes"], pred["peak_reserved_bytes"]
+    if allocated > room:
+        return None
+    retry_s = micro_batches * (RETRY_FIXED_S + max(0, reserved - allocated) / REMAP_BYTES_PER_S)
+    out = {**pred, "peak_reserved_bytes": room, "total_bytes": room + pred["runtime_bytes"],
+           "capped": {"uncapped_reserved_bytes": reserved, "retries_per_step": micro_batches, "retry_s": retry_s}}
+    out["breakdown"] = {**pred["breakdown"], "allocator_overhead": room - allocated}
+    return out
+
+
 def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None) -> str:
     """'' when the prediction fits every tier, else why not."""
     if pred["total_bytes"] + margin > budget:
@@ -210,22 +261,59 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     if settings is None:
         settings = [s for s in sharding_settings(world_size, nodes, nvme_path=nvme_path)
                     if policy.allows("offload", s.offloads)]
-    for setting in settings:
-        for mb in _micro_batches(per_rank, policy):
-            for ck in _checkpointings(len(facts.unit_params), policy):
-                strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
-                                    grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
-                                    extras=(("sharding", setting.to_dict()),))
-                pred = _predict(shared, strategy, setting)
+    n_blocks = len(facts.unit_params)
+
+    def evaluate(setting: ShardingSetting, mb: int, ck: Checkpointing) -> ShardedCandidate:
+        strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
+                            grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
+                            extras=(("sharding", setting.to_dict()),))
+        pred = _predict(shared, strategy, setting)
+        why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
+        if why and pred["total_bytes"] + margin > budget_bytes and strategy.expandable_segments:
+            capped = under_cap(pred, budget_bytes - margin, strategy.grad_accum_steps)
+            if capped is not None:
+                pred = capped
                 why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
-                candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
+        candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
+        return candidates[-1]
+
+    def timed(c: ShardedCandidate) -> None:
+        c.prediction["step_time_s"] = shared.step_s(c.strategy, c.setting) + c.prediction.get(
+            "capped", {}).get("retry_s", 0.0)
+        if profile.tokens_per_sample:
+            c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
+        else:
+            c.prediction["samples_per_s"] = global_batch / c.prediction["step_time_s"]
+
+    coarse: dict[tuple[int, int], dict[int, ShardedCandidate]] = {}
+    for i, setting in enumerate(settings):
+        for mb in _micro_batches(per_rank, policy):
+            coarse[i, mb] = {_blocks_of(ck, n_blocks): evaluate(setting, mb, ck)
+                             for ck in _checkpointings(n_blocks, policy)}
     for c in candidates:
         if c.fits:
-            c.prediction["step_time_s"] = shared.step_s(c.strategy, c.setting)
-            if profile.tokens_per_sample:
-                c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
-            else:
-                c.prediction["samples_per_s"] = global_batch / c.prediction["step_time_s"]
+            timed(c)
+    if policy.allows("checkpointing", "full"):
+        # the coarse grid checkpoints all, 3/4, 1/2 or 1/4 of the blocks: between the fewest that fit and the next
+        # fewer that do not, the fewest that fit (memory falls as blocks are checkpointed), by bisection; once for
+        # fitting outright and once for fitting under the cap (with allocator retries). Only for the engine and
+        # micro-batch of the two fastest coarse plans: a finer count saves at most a fraction of one forward pass
+        ranked = sorted(((c.step_time_s, key) for key, grid in coarse.items() for c in grid.values() if c.fits))
+        best_keys = list(dict.fromkeys(key for _, key in ranked))[:2]
+        for key in best_keys:
+            grid = coarse[key]
+            setting, mb = settings[key[0]], key[1]
+
+            def at(k: int, grid: dict = grid, setting: ShardingSetting = setting, mb: int = mb) -> ShardedCandidate:
+                if k not in grid:
+                    grid[k] = evaluate(setting, mb, Checkpointing(mode="full", num_blocks=k))
+                return grid[k]
+
+            for ok in (_fits_uncapped, lambda c: c.fits):
+                _bisect_blocks({k: ok(c) for k, c in grid.items()}, lambda k, ok=ok, at=at: ok(at(k)))
+        for c in candidates:
+            if c.fits and "step_time_s" not in c.prediction:
+                timed(c)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
     plan = _plan_of(profile, hw, budget_bytes, policy, fitting, candidates, notes, host_ram, nvme_path, facts)
     return plan, fitting + [c for c in candidates if not c.fits]

@@ -100,6 +100,8 @@ class Profile:
     _failed: dict[VariantKey, str] = field(default_factory=dict, repr=False, compare=False)
     _saves_held: int = field(default=0, repr=False, compare=False)  # > 0: inside batched_saves
     _save_pending: bool = field(default=False, repr=False, compare=False)
+    # facts computed from the traces by other modules, kept for the profile's life (not saved): name -> value
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # -- derived facts -------------------------------------------------------------------------
     @property

@@ -29,8 +29,11 @@ def test_reserved_against_h200_pools(path: Path) -> None:
     alloc_err = (pred["predicted_peak_allocated_bytes"] - row["measured_peak_allocated_bytes"]) / row[
         "measured_peak_allocated_bytes"]
     assert abs(alloc_err) <= 0.01
-    if case.expandable_segments:
-        assert abs(err) <= 0.04  # measured -1.6% .. -3.2%: the default pool's fragmentation is not modelled
+    # measured -0.1% .. -0.5% with expandable segments, -1.6% with the default allocator (were -1.6% .. -4.6%
+    # before the default pool's slack was modelled)
+    assert abs(err) <= (0.01 if case.expandable_segments else 0.025)
+    # NCCL's memory at world size 1 and the CUDA runtime: what the process holds outside the allocator
+    assert abs(pred["predicted_runtime_bytes"] - row["measured_outside_allocator_bytes"]) <= 8 * 2**20
     # the side pool (the reduce-scatter stream's: the fp32 gradients) exactly, to the 20 MiB segment
     facts = sc.model_facts(case.model)
     from memopt.distributed import estimate as est
@@ -61,3 +64,46 @@ def test_zero_infinity_row_on_the_h200() -> None:
     assert abs(pred["predicted_peak_reserved_bytes"] - res) / res <= 0.08  # measured -7.3%: DeepSpeed's pools, roughly
     pools = {p["stream"]: p["reserved_bytes"] for p in row["reserved_by_stream"]}
     assert len(pools) == 3  # default, all-gather, reduce
+
+
+X2 = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "raw" / "session8_call2"
+
+
+@pytest.mark.slow
+def test_two_gpu_rows_and_their_all_gather_pool() -> None:
+    """Two H200s, FSDP2, Llama-3.2-3B at 48 GiB: the hand-written baseline (default allocator) and memopt's plan
+    applied by ``memopt.wrap`` (expandable segments, no allocator retries), each re-predicted today: allocated,
+    reserved as the sum of the pools' peaks (the all-gather pool included), and the memory outside the allocator
+    (NCCL over two ranks)."""
+    from memopt.distributed import estimate as est
+    from memopt.distributed.sharding import ShardingSetting
+    from memopt.hardware import load_hardware
+    from memopt.plan import sharded as sh
+    from memopt.plan.schema import Plan
+
+    base = json.loads((X2 / "base_r1" / "baseline_fsdp2_x2.mb4.rank0.json").read_text())
+    pred = sc.predict_case(sc.ShardedCase.from_dict(base["case"]), with_time=False)
+    assert abs(pred["predicted_peak_allocated_bytes"] / base["measured_peak_allocated_bytes"] - 1) <= 0.01
+    assert abs(pred["predicted_peak_reserved_bytes"] / base["measured_peak_reserved_bytes"] - 1) <= 0.025  # -1.8%
+    assert abs(pred["predicted_runtime_bytes"] - base["measured_outside_allocator_bytes"]) <= 8 * 2**20
+
+    row = json.loads((X2 / "wrap_r1" / "rank0.json").read_text())
+    assert row["num_alloc_retries"] == 0 and row["fits_under_cap"]
+    plan = Plan.load(Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "plans"
+                     / "llama32_3b_48GiB_x2.json")
+    hw = load_hardware(plan.hardware)
+    prof = sc._profile(plan.model["name"], plan.strategy.micro_batch_size, int(plan.model["sample"]["seq_len"]),
+                       plan.hardware)
+    facts = est.facts_of_profile(prof)
+    got = sh._predict(sh._SharedWork(prof, facts, hw), plan.strategy,
+                      ShardingSetting.from_any(plan.strategy.extra("sharding")))
+    assert abs(got["peak_allocated_bytes"] / row["measured_peak_allocated_bytes"] - 1) <= 0.01  # -0.2%
+    assert abs(got["peak_reserved_bytes"] / row["measured_peak_reserved_bytes"] - 1) <= 0.02  # -1.0%
+    assert abs(got["runtime_bytes"] - row["measured_outside_allocator_bytes"]) <= 8 * 2**20
+    pools = {p["stream"]: p["reserved_bytes"] for p in row["reserved_by_stream"]}
+    grads = 4 * -(-facts.num_params // 2)  # the fp32 gradient shard: the reduce-scatter stream's pool
+    gathered = facts.root_params * 2 + est.side_pool_growth(est.EngineRun.of(
+        ShardingSetting.from_any(plan.strategy.extra("sharding"))), facts)["all_gather"]
+    side = sorted(v for k, v in pools.items() if k != "default")
+    assert abs(side[1] - grads) <= 2 * est.LARGE_SEGMENT
+    assert abs(side[0] - gathered) <= 2 * est.LARGE_SEGMENT

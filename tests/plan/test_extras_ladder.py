@@ -72,10 +72,33 @@ def test_the_ladder_goes_only_as_far_as_the_budget_forces(prof):
     assert not refused.fits and _level(refused) == (0, 0)
     allow = {r["allow"]: r for r in refused.infeasible["relaxations"]}
     assert allow["adapters"]["fits"] and allow["adapters"]["reaches_bytes"] <= (full + lora) // 2
+    # offload would keep full fine-tuning exact, but on this 34M-parameter model its engine's own memory outside
+    # the allocator (NCCL and DeepSpeed: ~1 GB) is more than the states it moves: no plan either
+    assert not _plan(prof, (full + lora) // 2, "8bit").fits
+
+
+# wide and deeper: 0.67 B parameters whose states (8+ GB) dwarf the offload engine's fixed memory
+WIDE = with_overrides("tiny_llama", {"num_hidden_layers": 8, "hidden_size": 2048, "intermediate_size": 8192,
+                                     "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000})
+
+
+def test_offload_is_the_plan_where_the_gpu_alone_has_none():
+    from memopt.plan.sharded import plan_sharded
+
+    prof = memopt.profile(WIDE, sample=SAMPLE, hardware=HW, use_cache=False)
+    full = _smallest(prof, "8bit")
+    _, cands = plan_sharded(prof, HW, 1 << 50, Policy.build(fidelity="8bit", margin="0%", pins=FIXED),
+                            world_size=1, nodes=1, host_memory_bytes=1 << 40)
+    offload_min = min(c.total_bytes for c in cands)
+    assert 2 * offload_min < full  # the fixed cost (NCCL, DeepSpeed) is small next to these states
+    budget = offload_min + (full - offload_min) // 8
+    refused = _plan(prof, budget, "8bit", offload=False)
+    assert not refused.fits
     # offload keeps full fine-tuning exact: allowed (the default), it is the plan where the GPU alone has none
-    offloaded = _plan(prof, (full + lora) // 2, "8bit")
+    offloaded = _plan(prof, budget, "8bit")
     assert offloaded.fits and _level(offloaded) == (0, 0)
     assert offloaded.strategy.extra("sharding")["offload_optimizer"] != "none"
+    assert offloaded.total_bytes <= budget
     assert any("offloaded to the host" in n for n in offloaded.notes)
 
 

@@ -120,3 +120,78 @@ def test_wrap_refuses_a_plan_for_another_world_size(profile) -> None:
                      profile=profile)
     with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2.*world_size=1"):
         memopt.wrap(build_model("tiny_llama"), plan=plan)
+
+
+DEEP = {"num_hidden_layers": 10, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
+        "num_key_value_heads": 8}
+
+
+@pytest.fixture(scope="module")
+def deep_profile():
+    import memopt
+    from memopt.models import with_overrides
+
+    return memopt.profile(with_overrides("tiny_llama", DEEP), sample={"batch_size": 8, "seq_len": 1024},
+                          hardware="h200", use_cache=False)
+
+
+def _fsdp2_totals(prof, hw, mb: int) -> dict[int, int]:
+    """Every checkpointed-block count's predicted total (FSDP2 on 2 GPUs), by brute force."""
+    from memopt.distributed import estimate as dest
+    from memopt.plan import sharded as sh
+    from memopt.strategy import Checkpointing, Strategy
+
+    setting = ShardingSetting(engine="fsdp2", world_size=2)
+    shared = sh._SharedWork(prof, dest.facts_of_profile(prof), hw)
+    out = {}
+    for k in range(11):
+        ck = Checkpointing(mode="none") if k == 0 else Checkpointing(mode="full", num_blocks=None if k == 10 else k)
+        s = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb, grad_accum_steps=4 // mb,
+                     optimizer="adamw_fused", extras=(("sharding", setting.to_dict()),))
+        out[k] = sh._predict(shared, s, setting)["total_bytes"]
+    return out
+
+
+def test_block_counts_between_the_coarse_quarters_are_searched(deep_profile) -> None:
+    """10 blocks: the coarse grid checkpoints 10, 7, 5 or 2 of them; with a budget where the fewest that fit is 9
+    (or 8), the plan checkpoints exactly that many (found by bisection, checked here by brute force)."""
+    from memopt.plan.policy import Policy
+
+    hw = load_hardware("h200")
+    pol = Policy.build(margin="0%", pins={"micro_batch_size": 4})
+    totals = _fsdp2_totals(deep_profile, hw, 4)
+    assert all(totals[k] > totals[k + 1] for k in range(1, 10))  # memory falls as blocks are checkpointed
+    for want in (9, 8):
+        budget = (totals[want] + totals[want - 1]) // 2  # k = want fits, k = want - 1 does not
+        plan, _ = plan_sharded(deep_profile, hw, budget, pol, world_size=2, nodes=1, host_memory_bytes=64 * GiB,
+                               settings=[ShardingSetting(engine="fsdp2", world_size=2)])
+        assert plan.fits and plan.strategy.checkpointing.num_blocks == want, plan.strategy.label()
+        assert plan.total_bytes <= budget
+
+
+def test_under_cap_keeps_reserved_at_the_cap_and_charges_the_retries() -> None:
+    from memopt.plan.sharded import REMAP_BYTES_PER_S, RETRY_FIXED_S, under_cap
+
+    pred = {"peak_allocated_bytes": 10 * GiB, "peak_reserved_bytes": 13 * GiB, "runtime_bytes": 1 * GiB,
+            "total_bytes": 14 * GiB, "breakdown": {"allocator_overhead": 3 * GiB}}
+    capped = under_cap(pred, 12 * GiB, micro_batches=4)
+    assert capped["peak_reserved_bytes"] == 11 * GiB and capped["total_bytes"] == 12 * GiB
+    assert capped["capped"]["retry_s"] == pytest.approx(4 * (RETRY_FIXED_S + 3 * GiB / REMAP_BYTES_PER_S))
+    assert capped["breakdown"]["allocator_overhead"] == 1 * GiB
+    assert under_cap(pred, 11 * GiB - 1, micro_batches=4) is None  # the allocated peak itself does not fit
+
+
+def test_one_rank_engines_count_nccl_and_deepspeed_outside_the_allocator() -> None:
+    """Measured on H200s: an FSDP2 process alone in its NCCL group holds 1316 MiB outside the allocator, a
+    DeepSpeed one 1708 MiB; the runtime (context, cuBLAS) is 804 MB of it."""
+    from memopt.distributed import memory as dmem
+
+    sb = dmem.state_bytes("deepspeed", "bf16_autocast")
+    runtime = load_hardware("h200").runtime_overhead_bytes
+    ds = dmem.sharded_memory(10**8, engine="deepspeed", stage=2, world_size=1, sb=sb, offload_optimizer="cpu")
+    fsdp = dmem.sharded_memory(10**8, engine="fsdp2", stage=3, world_size=1, sb=dmem.state_bytes("fsdp2"),
+                               offload_optimizer="cpu", offload_params="cpu")
+    assert abs(runtime + fsdp.nccl - 1316 * MiB) < 8 * MiB
+    assert abs(runtime + ds.nccl - 1708 * MiB) < 8 * MiB
+    two = dmem.sharded_memory(10**8, engine="fsdp2", stage=3, world_size=2, sb=dmem.state_bytes("fsdp2"))
+    assert abs(runtime + two.nccl - 1600 * MiB) < 8 * MiB
