@@ -62,6 +62,7 @@ __all__ = [
     "engine_overhead_time",
     "host_transfer_time",
     "nvme_time",
+    "nvme_traffic",
     "overlapped_pass",
     "reduce_scatter_time",
     "sharded_step_time",
@@ -148,6 +149,22 @@ def cpu_optimizer_time(params_per_rank: int, ranks_per_node: int, hw: HardwareSp
         tp.host_memory_bandwidth
     eff = tp.cpu_optimizer_efficiency if deepspeed_cpu_adam else tp.torch_cpu_optimizer_efficiency
     return params_per_rank * ranks_per_node * tp.cpu_adam_bytes_per_param / (bw * eff)
+
+
+def nvme_traffic(params: int, *, optimizer: bool, param_bytes: int = 0, param_reads: int = 0) -> tuple[int, int]:
+    """Bytes read and written on a node's NVMe in one step (ZeRO-Infinity), for ``params`` parameters there.
+
+    Optimizer on NVMe: the fp32 master weights and Adam's two states are read and written back (12 B/param each
+    way), and the fp32 gradients are written and read back (4 B/param each way; ``test_nvme_offload`` counts the
+    files). Parameters on NVMe (``param_bytes`` each): read again for every gathered pass (``param_reads``:
+    forward and, when resharded, backward, per micro-batch) and written once after the update. On the H200
+    (qwen25_0_5b, raw/session6_nvme) the swap files held 8.859 GB, each rewritten once a step; this counts 8.893 GB
+    written a step."""
+    read = write = 16 * params if optimizer else 0
+    if param_bytes:
+        read += param_bytes * params * param_reads
+        write += param_bytes * params
+    return read, write
 
 
 def nvme_time(read_bytes: float, write_bytes: float, hw: HardwareSpec | None = None,
@@ -278,7 +295,7 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
             h2d = host_transfer_time(p_rank * compute_bytes, hw, tp)  # updated 16-bit params back
             cpu_opt = cpu_optimizer_time(p_rank, per_node, hw, tp, deepspeed_cpu_adam=True)
             if offload_optimizer == "nvme":
-                nvme = nvme_time(p_rank * 12 * per_node, p_rank * 12 * per_node, hw, tp)
+                nvme = nvme_time(*nvme_traffic(p_rank * per_node, optimizer=True), hw, tp)
             host_s = d2h + h2d
             opt = cpu_opt + h2d + nvme + max(0.0, d2h - bwd_compute)
         overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp)
@@ -321,9 +338,10 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
                 p_rank * compute_bytes, hw, tp)
             cpu_opt += host_transfer_time(p_rank * compute_bytes, hw, tp)
         if "nvme" in (offload_optimizer, offload_params):
-            moved = p_rank * per_node * ((12 if offload_optimizer == "nvme" else 0)
-                                         + (param_bytes if offload_params == "nvme" else 0))
-            nvme = nvme_time(moved, moved, hw, tp)
+            passes = micro_batches * (2 if reshard_after_forward else 1)
+            nvme = nvme_time(*nvme_traffic(p_rank * per_node, optimizer=offload_optimizer == "nvme",
+                                           param_bytes=param_bytes if offload_params == "nvme" else 0,
+                                           param_reads=passes), hw, tp)
         opt = cpu_opt + nvme
     else:
         opt = optimizer_s / max(1, shard)

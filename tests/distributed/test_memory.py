@@ -10,6 +10,8 @@ from memopt.distributed.timing import (
     TimingParams,
     all_gather_time,
     all_reduce_time,
+    nvme_time,
+    nvme_traffic,
     overlapped_pass,
     sharded_step_time,
 )
@@ -212,3 +214,21 @@ def test_setting_validation_messages():
     s = ShardingSetting(engine="fsdp2", world_size=16, nodes=2, replicate_size=2)
     assert s.shard_size == 8 and s.gpus_per_node == 8
     assert ShardingSetting.from_any(s.to_dict()) == s
+
+
+def test_nvme_traffic_counts_every_swap_by_hand():
+    """ZeRO-Infinity's bytes per step: the optimizer's fp32 master, two Adam states and fp32 gradient go out and
+    back (16 B/param each way); parameters on NVMe are read for every gathered pass and written once."""
+    p = 1_000_000
+    assert nvme_traffic(p, optimizer=True) == (16 * p, 16 * p)
+    assert nvme_traffic(p, optimizer=False, param_bytes=2, param_reads=4) == (8 * p, 2 * p)
+    hw = load_hardware("h200")
+    units = [10_000_000] * 4
+    kw = dict(engine="deepspeed", stage=3, world_size=1, nodes=1, hw=hw, unit_params=units, forward_s=[0.01] * 4,
+              backward_s=[0.02] * 4, optimizer_s=0.1, compute_bytes=2, param_bytes=2, offload_optimizer="nvme",
+              offload_params="nvme")
+    one, four = sharded_step_time(micro_batches=1, **kw), sharded_step_time(micro_batches=4, **kw)
+    total = sum(units)
+    assert one.nvme_s == pytest.approx(nvme_time(16 * total + 2 * total * 2, 16 * total + 2 * total, hw))
+    # each micro-batch gathers the parameters twice (forward, and backward after resharding): read again
+    assert four.nvme_s - one.nvme_s == pytest.approx(nvme_time(2 * total * 2 * 3, 0, hw))
