@@ -160,6 +160,8 @@ def _train_wrapped(wrapped: Any, row: Row, batch: dict[str, Any], result: dict[s
         "measured_total_bytes": reserved + outside, "measured_device_used_bytes": max(used),
         "measured_step_s": steady, "step_times_s": times,
         ("tokens_per_s" if row.seq_len else "samples_per_s"): items / steady,
+        # each retry at the cap flushes the cache and synchronizes: a slow row with retries explains itself
+        "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
     })
 
 
