@@ -41,6 +41,10 @@ class Checkpointing:
         # evenly spread: block i is checkpointed when floor((i+1)*n/total) > floor(i*n/total)
         return [i for i in range(total) if ((i + 1) * n) // total > (i * n) // total]
 
+    def count(self, total: int) -> int:
+        """How many blocks of a stack of ``total`` are checkpointed."""
+        return len(self.blocks(total))
+
     def label(self) -> str:
         if self.mode == "none" or self.num_blocks == 0:
             return "none"

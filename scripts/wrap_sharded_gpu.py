@@ -32,16 +32,16 @@ if str(ROOT) not in sys.path:
 def make(args: argparse.Namespace) -> int:
     import memopt
     from memopt.plan.planner import resolve_hardware, resolve_policy
-    from memopt.plan.sharded import plan_sharded
+    from memopt.plan.sharded import plan_sharded, sharding_settings
     from memopt.units import parse_budget, parse_bytes
 
+    every = list(sharding_settings(args.world_size, 1))
+    settings = [s for s in every if args.setting in s.label()]
+    if not settings:  # before profiling: the error comes at once
+        raise SystemExit(f"no sharding setting's label contains {args.setting!r}; at world size {args.world_size} "
+                         f"they are: {', '.join(s.label() for s in every)}")
     hw = resolve_hardware(args.hardware)
     prof = memopt.profile(args.model, sample={"batch_size": args.batch, "seq_len": args.seq_len}, hardware=hw)
-    from memopt.plan.sharded import sharding_settings
-
-    settings = [s for s in sharding_settings(args.world_size, 1) if args.setting in s.label()]
-    if not settings:
-        raise SystemExit(f"no sharding setting's label contains {args.setting!r}")
     plan, _ = plan_sharded(prof, hw, parse_budget(args.budget, device_total_bytes=hw.memory_bytes),
                            resolve_policy(None), world_size=args.world_size, nodes=1,
                            host_memory_bytes=parse_bytes(args.host_memory), settings=settings)

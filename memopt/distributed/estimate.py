@@ -270,8 +270,7 @@ def engine_bytes_at(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
         # the reduce buckets are allocated at the first gradient hook (DeepSpeed's setup_buckets), after the loss
         # backward's fp32 temporaries are gone: not at the head and loss backward (allocator history on the H200,
         # raw/session8_call2: no bucket among the live allocations at that peak)
-        loss_backward = backward and point is not None and point.block is None and not point.after_blocks
-        ipg = (2 if overlap else 1) * min(rb, p) * 2 if backward and not loss_backward else 0
+        ipg = (2 if overlap else 1) * min(rb, p) * 2 if backward and not _loss_backward(point) else 0
         if s.offload_optimizer != "none":
             states = p * 2  # the bf16 parameters (flat buffer), whole on every rank at stage 1/2
             staging = facts.largest_param * 2  # temp_grad_buffer_for_gpu_offload (persistent)
@@ -293,10 +292,14 @@ def engine_bytes_at(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
         # its second, overlapping bucket comes with the first reduction. Measured on one H200 with the output
         # released before backward (raw/session8_call5, wrap/raw/session8/base_z3): 10.96 GB with memopt's 1e8
         # buckets (predicted 11.05), 9.52 GiB with DeepSpeed's 5e8 (9.51)
-        loss_backward = backward and point.block is None and not point.after_blocks
-        buckets = min(rb, p) * 2 if loss_backward else (buf["buckets"] if backward else 0)
+        buckets = min(rb, p) * 2 if _loss_backward(point) else (buf["buckets"] if backward else 0)
         return {"states": m.model_states + persistent_small, "buffers": _zero3_gathered(run, facts) + buckets}
     return _fsdp2_bytes_at(run, facts, point)
+
+
+def _loss_backward(point: TimelinePoint | None) -> bool:
+    """``point`` is the head and loss backward (the first segment of backward, before any block's)."""
+    return point is not None and point.part == "backward" and point.block is None and not point.after_blocks
 
 
 def _zero3_gathered(run: EngineRun, facts: ModelFacts) -> int:
@@ -358,7 +361,7 @@ def _copy_in(u: int, offload: bool) -> int:
 
 def _reduced_units(units: Sequence[int], point: TimelinePoint) -> Sequence[int]:
     """The FSDP2 units whose gradients backward has reduce-scattered when ``point`` runs (one micro-batch)."""
-    if point.part == "forward" or (point.block is None and not point.after_blocks):
+    if point.part == "forward" or _loss_backward(point):
         return ()
     if point.block is None:  # embedding backward: every block is done
         return units

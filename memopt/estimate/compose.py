@@ -26,6 +26,7 @@ Two products:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -580,10 +581,11 @@ def _free_leftovers(out: list[tuple[int, int, int]], mb_start: int, block_backwa
     if not left:
         return
     inserts: dict[int, list[int]] = {}
-    owner = {k: i for i, (_, keys) in enumerate(block_backwards) for k in keys if k in transient}
+    starts = [keys.start for _, keys in block_backwards]
     for k in left:
-        i = owner.get(k)
-        pos = block_backwards[i + 1][0] if i is not None and i + 1 < len(block_backwards) else len(out)
+        i = bisect_right(starts, k) - 1  # the block backward that allocated k, if any
+        owned = i >= 0 and k in block_backwards[i][1]
+        pos = block_backwards[i + 1][0] if owned and i + 1 < len(block_backwards) else len(out)
         inserts.setdefault(pos, []).append(k)
         alive.discard(k)
     tail = out[mb_start:]

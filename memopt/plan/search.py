@@ -37,7 +37,7 @@ from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
-__all__ = ["Evaluated", "SearchResult", "candidates", "evaluate", "extras_levels", "search"]
+__all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -234,8 +234,7 @@ def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str
 def _ac_level(c: Checkpointing, total: int) -> int:
     if c.mode == "none":
         return 0
-    n = c.num_blocks if c.num_blocks is not None else total
-    return n * (2 if c.mode == "full" else 1)  # selective keeps more than full for the same blocks
+    return c.count(total) * (2 if c.mode == "full" else 1)  # selective keeps more than full for the same blocks
 
 
 def _no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
@@ -355,16 +354,11 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
     ck = best.strategy.checkpointing
     if ck.mode != "full" or total_blocks < 2:
         return []
-    k_best = ck.num_blocks if ck.num_blocks is not None else total_blocks
-
-    def blocks(c: Checkpointing) -> int | None:
-        if c.mode == "none":
-            return 0
-        return (c.num_blocks if c.num_blocks is not None else total_blocks) if c.mode == "full" else None
-
+    k_best = ck.count(total_blocks)
     same = best.strategy.replace(checkpointing=Checkpointing())
-    coarse = {blocks(c.checkpointing) for c in cands if c.replace(checkpointing=Checkpointing()) == same}
-    lo0 = max((k for k in coarse if k is not None and k < k_best), default=None)
+    coarse = {c.checkpointing.count(total_blocks) for c in cands
+              if c.checkpointing.mode != "selective" and c.replace(checkpointing=Checkpointing()) == same}
+    lo = max((k for k in coarse if k < k_best), default=None)
     done: dict[int, Evaluated] = {}
 
     def at(k: int) -> Evaluated:
@@ -376,14 +370,20 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
     # twice: the fewest that fit outright, and the fewest that fit under the hard cap (whose allocator retries
     # cost time, so either may be the faster)
     for ok in (lambda e: bool(e.fits) and not (e.estimate and e.estimate.detail.get("capped")), lambda e: bool(e.fits)):
-        lo, hi = lo0, k_best
-        while lo is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(at(mid)):
-                hi = mid
-            else:
-                lo = mid
+        bisect_blocks(lo, k_best, lambda k, ok=ok: ok(at(k)))
     return list(done.values())
+
+
+def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:
+    """The fewest checkpointed blocks in (``lo``, ``hi``] that fit, given that ``hi`` fits and ``lo`` does not
+    (memory falls as blocks are checkpointed), by bisection; ``fits(k)`` evaluates k. ``lo`` None: ``hi``."""
+    while lo is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,

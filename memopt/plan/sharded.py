@@ -31,6 +31,7 @@ from memopt.distributed.sharding import ShardingSetting, machine_host_memory_byt
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
+from memopt.plan.search import bisect_blocks
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes
 
@@ -119,23 +120,9 @@ def _bisect_blocks(fits_at: dict[int, bool], fits: Any) -> None:
     """Between the fewest checkpointed blocks that fit in ``fits_at`` and the next fewer that do not, find the
     fewest that fit, calling ``fits(k)`` (which evaluates k)."""
     fit_ks = [k for k, ok in fits_at.items() if ok and k > 0]
-    if not fit_ks:
-        return
-    hi = min(fit_ks)
-    lo = max((k for k, ok in fits_at.items() if not ok and k < hi), default=None)
-    while lo is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-
-
-def _blocks_of(ck: Checkpointing, n_blocks: int) -> int:
-    """How many blocks ``ck`` checkpoints."""
-    if ck.mode == "none":
-        return 0
-    return n_blocks if ck.num_blocks is None else ck.num_blocks
+    if fit_ks:
+        hi = min(fit_ks)
+        bisect_blocks(max((k for k, ok in fits_at.items() if not ok and k < hi), default=None), hi, fits)
 
 
 def _micro_batches(per_rank: int, policy: Policy) -> list[int]:
@@ -288,7 +275,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     coarse: dict[tuple[int, int], dict[int, ShardedCandidate]] = {}
     for i, setting in enumerate(settings):
         for mb in _micro_batches(per_rank, policy):
-            coarse[i, mb] = {_blocks_of(ck, n_blocks): evaluate(setting, mb, ck)
+            coarse[i, mb] = {ck.count(n_blocks): evaluate(setting, mb, ck)
                              for ck in _checkpointings(n_blocks, policy)}
     for c in candidates:
         if c.fits:
