@@ -40,14 +40,19 @@ def plan_row(plan_path: Path, row_path: Path) -> dict[str, Any]:
     row = json.loads(row_path.read_text())
     hw = load_hardware(plan.hardware)
     prof = memopt.profile(plan.model["name"], sample=plan.model["sample"], hardware=hw)
-    now = sh._predict(sh._SharedWork(prof, dest.facts_of_profile(prof), hw), plan.strategy,
-                      ShardingSetting.from_any(plan.strategy.extra("sharding")))
+    shared = sh._SharedWork(prof, dest.facts_of_profile(prof), hw)
+    setting = ShardingSetting.from_any(plan.strategy.extra("sharding"))
+    now = sh._predict(shared, plan.strategy, setting)
+    step_now = shared.step_s(plan.strategy, setting)
+    capped = sh.under_cap(now, plan.budget_bytes, plan.strategy.grad_accum_steps) \
+        if now["total_bytes"] > plan.budget_bytes else None
+    step_now += capped["capped"]["retry_s"] if capped else 0.0
     return {"id": row_path.parent.name, "kind": "memopt.wrap", "setting": plan.strategy.label(),
             "budget_bytes": plan.budget_bytes, "predicted_then_allocated_bytes": row["predicted_peak_allocated_bytes"],
             "predicted_now_allocated_bytes": now["peak_allocated_bytes"],
             "predicted_now_reserved_bytes": now["peak_reserved_bytes"],
             "predicted_now_runtime_bytes": now["runtime_bytes"],
-            **_measured(row), "predicted_step_s": row["predicted_step_s"]}
+            **_measured(row), "predicted_step_s": row["predicted_step_s"], "predicted_now_step_s": step_now}
 
 
 def case_row(row_path: Path) -> dict[str, Any]:
@@ -72,7 +77,10 @@ def _measured(row: dict[str, Any]) -> dict[str, Any]:
     return {"measured_allocated_bytes": row["measured_peak_allocated_bytes"], "measured_reserved_bytes": res,
             "measured_outside_allocator_bytes": out, "measured_total_bytes": res + (out or 0),
             "num_alloc_retries": row.get("num_alloc_retries"), "measured_step_s": row["measured_step_s"],
-            "tokens_per_s": row.get("tokens_per_s"), "reserved_by_stream": row.get("reserved_by_stream")}
+            "tokens_per_s": row.get("tokens_per_s"), "reserved_by_stream": row.get("reserved_by_stream"),
+            # with the allocator history: the pools' peaks summed (what the run would reserve without a cap)
+            "measured_pools_bytes": sum(p["mapped_peak_bytes"] for p in row["stream_peaks"])
+            if row.get("stream_peaks") else None}
 
 
 def _err(pred: int | None, meas: int) -> float | None:
@@ -86,20 +94,29 @@ def render(rows: list[dict[str, Any]], speed: list[dict[str, Any]]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:+.1f}%"
 
-    lines = ["| row | setting | alloc meas / now (then) GB | err now | reserved meas / now GB | retries | outside "
-             "meas / now GB | total / budget | step s meas (pred) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | setting | alloc meas / now (then) GB | err now | reserved meas / now GB | pools meas GB | "
+             "retries | outside meas / now GB | total / budget | step s meas / now (then) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         alloc = f"{gb(r['measured_allocated_bytes'])} / {gb(r['predicted_now_allocated_bytes'])}"
         reserved = f"{gb(r['measured_reserved_bytes'])} / {gb(r['predicted_now_reserved_bytes'])}"
         lines.append(
             f"| {r['id']} | {r['setting']} | {alloc} ({gb(r['predicted_then_allocated_bytes'])}) | "
-            f"{pct(r['alloc_err_now'])} | {reserved} | {r['num_alloc_retries']} | "
+            f"{pct(r['alloc_err_now'])} | {reserved} | {gb(r.get('measured_pools_bytes'))} | "
+            f"{r['num_alloc_retries']} | "
             f"{gb(r['measured_outside_allocator_bytes'])} / {gb(r['predicted_now_runtime_bytes'])} | "
             f"{r['measured_total_bytes'] / r['budget_bytes']:.1%} | {r['measured_step_s']:.3f}"
-            + (f" ({r['predicted_step_s']:.3f})" if r["predicted_step_s"] else "") + " |")
+            + (f" / {r['predicted_now_step_s']:.3f} ({r['predicted_step_s']:.3f})" if r["predicted_step_s"] else "")
+            + " |")
     errs = [abs(r["alloc_err_now"]) for r in rows]
     lines += ["", f"Allocated peak, predicted now vs measured: median |error| {100 * statistics.median(errs):.1f}%, "
               f"max {100 * max(errs):.1f}% over {len(rows)} rows."]
+    pools = [r for r in rows if r.get("measured_pools_bytes")]
+    if pools:
+        perr = [abs(r["predicted_now_reserved_bytes"] / r["measured_pools_bytes"] - 1) for r in pools]
+        lines.append(f"Reserved without a cap (the pools' peaks from the allocator history) vs predicted now: max "
+                     f"|error| {100 * max(perr):.1f}% over {len(pools)} rows. Under the cap, after retries, reserved "
+                     "is what the cap left.")
     for s in speed:
         lines.append(f"- speed: {s['id']} {s['step_s']:.3f} s vs {s['baseline']} {s['baseline_step_s']:.3f} s: "
                      f"**{s['speedup']:.2f}x**")
@@ -112,12 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-row", action="append", default=[], metavar="PLAN=ROW")
     ap.add_argument("--case-row", action="append", default=[], metavar="ROW")
     ap.add_argument("--speed", action="append", default=[], metavar="ROW_ID=BASELINE_ID")
+    ap.add_argument("--budget", action="append", default=[], metavar="ROW_ID=SIZE",
+                    help="a baseline row's budget (e.g. 12GiB), when its cap is not the budget less the CUDA runtime")
     args = ap.parse_args(argv)
     rows = [plan_row(Path(p), Path(r)) for p, r in (x.split("=", 1) for x in args.plan_row)]
     rows += [case_row(Path(r)) for r in args.case_row]
     for r in rows:
         r["alloc_err_now"] = _err(r["predicted_now_allocated_bytes"], r["measured_allocated_bytes"])
     by_id = {r["id"]: r for r in rows}
+    from memopt.units import parse_bytes
+
+    for pair in args.budget:
+        a, b = pair.split("=", 1)
+        by_id[a]["budget_bytes"] = parse_bytes(b)
     speed = []
     for pair in args.speed:
         a, b = pair.split("=", 1)

@@ -74,11 +74,25 @@ def run(args: argparse.Namespace) -> int:
     total = torch.cuda.get_device_properties(local).total_memory
     outside = load_hardware(plan.hardware).runtime_overhead_bytes
     torch.cuda.set_per_process_memory_fraction(max(0.01, (plan.budget_bytes - outside) / total), local)
+    if args.ds_zero:  # an experiment: DeepSpeed zero_optimization keys over what memopt generates
+        from memopt.distributed import sharding as msh
+
+        extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.ds_zero)}
+        base_config = msh.deepspeed_config
+
+        def patched(*a: object, **kw: object) -> dict:
+            cfg = base_config(*a, **kw)
+            cfg["zero_optimization"].update(extra)
+            return cfg
+
+        msh.deepspeed_config = patched
     model_name = plan.model["name"]
     model = build_model(model_name, device="cpu")
     model.config.use_cache = False
     if args.history:
-        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
+        # no stacks: recording Python frames crashed DeepSpeed ZeRO-3's recompute on torch 2.11
+        # (SystemError: FunctionMeta.apply returned NULL; raw/session8_call4); sizes and streams suffice here
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, context=None)
     t0 = time.perf_counter()
     wrapped = memopt.wrap(model, plan=plan, lr=1e-5, weight_decay=0.0)
     build_s = time.perf_counter() - t0
@@ -94,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
     free, _ = torch.cuda.mem_get_info(local)
     outside_measured = (own if own is not None else total - free) - torch.cuda.memory_reserved(local)
     step_s = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-    row = {"plan": plan.strategy.label(), "rank": rank, "losses": losses, "step_times_s": times, "build_s": build_s,
+    row = {"plan": plan.strategy.label(), "rank": rank, "ds_zero_overrides": args.ds_zero,
+           "losses": losses, "step_times_s": times, "build_s": build_s,
            "measured_peak_allocated_bytes": alloc, "measured_peak_reserved_bytes": res,
            "predicted_peak_allocated_bytes": plan.peak_allocated_bytes,
            "predicted_peak_reserved_bytes": plan.peak_reserved_bytes, "predicted_step_s": plan.step_time_s,
            "measured_step_s": step_s, "tokens_per_s": batch["input_ids"].numel() / step_s,
-           "cap_bytes": plan.budget_bytes - outside, "fits_under_cap": res <= plan.budget_bytes - outside,
+           "cap_bytes": plan.budget_bytes - outside,
+           "wrap_cap_bytes": int(wrapped.cap_fraction * total) if getattr(wrapped, "cap_fraction", None) else None,
+           "fits_under_cap": res <= plan.budget_bytes - outside,
            "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
            "measured_outside_allocator_bytes": outside_measured,
            "predicted_runtime_bytes": plan.prediction.get("runtime_bytes"),
@@ -109,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.history:
-        row["live_at_peak"] = live_at_peak(torch.cuda.memory._snapshot(), local)
+        snap = torch.cuda.memory._snapshot()
+        row["live_at_peak"] = live_at_peak(snap, local)
+        row["stream_peaks"] = stream_peaks(snap, local, torch.cuda.default_stream(local).cuda_stream)
         torch.cuda.memory._record_memory_history(enabled=None)
     (out / f"rank{rank}.json").write_text(json.dumps(row, indent=2) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
@@ -156,6 +175,46 @@ def live_at_peak(snapshot: dict, device: int, top: int = 30) -> dict:
             "sites": [{"site": k, "bytes": v[0], "count": v[1]} for k, v in ordered]}
 
 
+def stream_peaks(snapshot: dict, device: int, default_stream: int, top: int = 16) -> list[dict]:
+    """Per CUDA stream, from the allocator's recorded history: its allocated peak, when it came (event index, and
+    the other streams' allocated bytes then) and the sizes live in that stream's pool at its peak (largest first,
+    ``top`` of them), plus the bytes its pool mapped at most (expandable segments' ``segment_map``)."""
+    events = snapshot["device_traces"][device]
+    cur: dict[int, int] = {}
+    mapped: dict[int, int] = {}
+    best: dict[int, tuple[int, int, int]] = {}  # stream -> (peak, event index, all streams' allocated then)
+    mapped_peak: dict[int, int] = {}
+    for i, e in enumerate(events):
+        st, a = int(e.get("stream", 0)), e["action"]
+        if a == "alloc":
+            cur[st] = cur.get(st, 0) + e["size"]
+            if cur[st] > best.get(st, (-1,))[0]:
+                best[st] = (cur[st], i, sum(cur.values()))
+        elif a == "free_completed":
+            cur[st] = cur.get(st, 0) - e["size"]
+        elif a in ("segment_map", "segment_alloc"):
+            mapped[st] = mapped.get(st, 0) + e["size"]
+            mapped_peak[st] = max(mapped_peak.get(st, 0), mapped[st])
+        elif a in ("segment_unmap", "segment_free"):
+            mapped[st] = mapped.get(st, 0) - e["size"]
+    out = []
+    for st, (peak, at, everything) in sorted(best.items(), key=lambda kv: (kv[0] != default_stream, -kv[1][0])):
+        live: dict[int, int] = {}
+        for e in events[: at + 1]:
+            if int(e.get("stream", 0)) != st:
+                continue
+            if e["action"] == "alloc":
+                live[e["addr"]] = e["size"]
+            elif e["action"] == "free_completed":
+                live.pop(e["addr"], None)
+        sizes = sorted(live.values(), reverse=True)
+        out.append({"stream": "default" if st == default_stream else str(st), "peak_allocated_bytes": peak,
+                    "at_event": at, "all_streams_allocated_then": everything,
+                    "mapped_peak_bytes": mapped_peak.get(st, 0),
+                    "live_sizes": sizes[:top], "live_count": len(sizes), "events": len(events)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -176,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--history", action="store_true",
                    help="record the allocator's history and report what is live at the allocated peak")
+    r.add_argument("--ds-zero", action="append", default=[], metavar="KEY=JSON",
+                   help="an experiment: override this DeepSpeed zero_optimization key "
+                   "(e.g. stage3_max_reuse_distance=0)")
     args = ap.parse_args(argv)
     return make(args) if args.cmd == "plan" else run(args)
 

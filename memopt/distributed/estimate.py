@@ -72,6 +72,8 @@ MEMOPT_BUCKET_ELEMENTS = 100_000_000
 PAGE = 2 * MiB
 #: an expandable segment of the large pool grows in steps of this size (c10/cuda/CUDACachingAllocator.cpp)
 LARGE_SEGMENT = 20 * MiB
+#: DeepSpeed ZeRO-3's gradient-norm chunk (``_constant_buffered_norm2``'s buffer_size, elements, taken in float64)
+DS_NORM_CHUNK = 250_000_000
 #: DeepSpeed's parameter persistence threshold (``stage3_param_persistence_threshold`` default, elements)
 PERSISTENCE_THRESHOLD = 100_000
 
@@ -382,7 +384,11 @@ def side_pool_bytes(run: EngineRun, facts: ModelFacts, point: TimelinePoint | No
     1.47 GiB shard).
     """
     s = run.setting
-    if s.engine != "fsdp2":  # DeepSpeed's pools: side_pool_growth
+    if s.engine == "deepspeed" and s.stage == 3:
+        # the gathered 16-bit parameters are allocated on ZeRO-3's all-gather stream (what the timeline holds of
+        # them; ``side_pool_growth`` adds how far the pool grows beyond it)
+        return {"all_gather": _zero3_gathered(run, facts)} if point is not None else {}
+    if s.engine != "fsdp2":  # DeepSpeed ZeRO-1/2's pools: side_pool_growth
         return {}
     w = s.shard_size
     units = list(facts.unit_params)
@@ -413,13 +419,7 @@ def side_pool_growth(run: EngineRun, facts: ModelFacts) -> dict[str, int]:
     blocks in flight; DeepSpeed ZeRO-3's all-gather and reduce pools; DeepSpeed ZeRO-1/2's reduction pool."""
     s = run.setting
     if s.engine == "deepspeed" and s.stage == 3:
-        # ZeRO-3 gathers parameters on its all-gather stream (up to the live bound) and reduces each gradient bucket
-        # on its reduce stream (the flat bucket and its partitions, ~1.5 buckets of 16-bit elements). How much of the
-        # gathered bound is live at the allocated peak is not known, so the timeline's allocated figure keeps it and
-        # this pool adds it again: an upper bound. Measured on one H200 (ZeRO-Infinity, qwen25_0_5b,
-        # raw/session6_nvme): all-gather pool 1.388 GB (predicted 1.388 GB), reduce pool 0.317 GB (0.300 GB).
-        return {"all_gather": _zero3_gathered(run, facts),
-                "reduce": 3 * min(run.reduce_bucket, facts.num_params) * 2 // 2}
+        return _zero3_pool_growth(run, facts)
     if s.engine == "deepspeed" and s.stage in (1, 2):
         # the reduction stream's pool: 4 x the largest parameter's 16-bit gradient (a parameter over the bucket
         # size is cloned and reduced on its own). Measured on one H200 with CPU offload: 2.12 GB for
@@ -437,6 +437,31 @@ def side_pool_growth(run: EngineRun, facts: ModelFacts) -> dict[str, int]:
     if s.offload_params != "cpu" and run.grad_accum > 1:
         w = s.shard_size
         out["reduce_scatter"] = _GRAD * max(-(-u // w) for u in (facts.root_params, *facts.unit_params))
+    return out
+
+
+def _zero3_pool_growth(run: EngineRun, facts: ModelFacts) -> dict[str, int]:
+    """How far ZeRO-3's two side pools grow beyond the timeline's figures (none on the all-gather pool's timeline
+    share, all of the reduce pool's). Measured with the allocator's history on one H200 (optimizer and parameters
+    on the CPU, memopt's 1e8 buckets; benchmarks/sharding/raw/session9):
+
+    * all-gather stream: the largest parameter (a tied embedding stays gathered from the head's forward to its own
+      backward) plus the live bound and one prefetch bucket, at most the whole model: Llama-3.2-3B 2.952 GB
+      (predicted 2.988), Llama-3.2-1B 2.472 GB (the whole model, 2.472); out of sample, Qwen2-1.5B 2.460 GB
+      (2.667: its overshoot of the live bound was smaller than the bucket);
+    * reduce stream, with the optimizer offloaded: at the accumulation boundary each gradient partition is copied
+      to the GPU (16-bit) and its norm taken in float64 chunks of at most 250M elements
+      (``_constant_buffered_norm2``): the largest partition x 2 B plus min(it, 250M) x 8 B: 2.788 GB measured
+      (2.788 predicted), 2.525 GB (2.525) and, out of sample, 2.334 GB (2.334). Without offload the pool holds
+      the bucket's reduce-scatter: ~1.5 buckets of 16-bit elements (not measured alone)."""
+    live = dmem.DS_DEFAULT_MAX_LIVE + run.prefetch_bucket
+    pool = min(facts.num_params, facts.largest_param + live) * 2
+    out = {"all_gather": max(0, pool - _zero3_gathered(run, facts))}
+    if run.setting.offload_optimizer != "none":
+        part = -(-facts.largest_param // run.setting.shard_size)
+        out["reduce"] = part * 2 + min(part, DS_NORM_CHUNK) * 8
+    else:
+        out["reduce"] = 3 * min(run.reduce_bucket, facts.num_params) * 2 // 2
     return out
 
 

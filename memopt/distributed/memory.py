@@ -78,7 +78,9 @@ NCCL_BYTES_ONE_RANK = 576 * 10**6
 #: what a DeepSpeed engine's process holds outside the allocator beyond an FSDP2 process of the same world size
 #: (its own process groups and ops), measured on H200s: 1708 MiB at one rank against FSDP2's 1316 (ZeRO-2 and
 #: ZeRO-3, CPU and NVMe offload alike: raw/call1, call3_zero3_rerun, session6_nvme, session8_call5), 2092 MiB at
-#: two ranks against 1600 (ZeRO-3, raw/session5_x2_*)
+#: two ranks against 1600 (ZeRO-3, raw/session5_x2_*). ZeRO-2 applied by memopt.wrap held less: 1380-1437 MB
+#: in five runs (raw/session8_call2, session9: about the FSDP2 figure). The larger figure is kept for every stage,
+#: 0.41 GB on the safe side for ZeRO-1/2, since the validation harness's ZeRO-2 rows held it too
 DEEPSPEED_EXTRA_BYTES = {1: 411 * 10**6, 2: 516 * 10**6}
 #: DeepSpeed's defaults, in elements (deepspeed/runtime/zero/config.py: reduce_bucket_size, allgather_bucket_size).
 DS_DEFAULT_REDUCE_BUCKET = 500_000_000

@@ -22,8 +22,9 @@ module adds what sharding costs and how the engines hide it:
 
 * the engines' fixed work per micro-batch (hooks, per-parameter fetch/release and gradient hand-off,
   launches) is charged per parameter tensor and micro-batch, not overlapped: ``TimingParams``'
-  ``deepspeed_tensor_overhead_s`` (1.7 ms: DeepSpeed ZeRO's per-parameter Python work) and
-  ``fsdp2_tensor_overhead_s`` (0.31 ms), fitted to the H200 rows of ``benchmarks/sharding``;
+  ``deepspeed_tensor_overhead_s`` (2.13 ms at ZeRO-3: DeepSpeed's per-parameter Python work), at ZeRO-1/2
+  ``deepspeed_z12_tensor_overhead_s`` (0.58 ms) plus ``deepspeed_z12_param_overhead_s`` per parameter of the
+  rank's partition, and ``fsdp2_tensor_overhead_s`` (0.31 ms), fitted to the H200 rows of ``benchmarks/sharding``;
 * FSDP2 with ``CPUOffloadPolicy`` accumulates gradients on the host from the second micro-batch on, a
   synchronous copy and a CPU add per unit (``fsdp2_offload_grad_accumulate_bandwidth``, 1.9 GB/s of fp32
   gradient shard, fitted to the one-GPU FSDP2 offload rows): each extra micro-batch costs a pass over all
@@ -83,14 +84,17 @@ class TimingParams:
     nvme_read_bandwidth: float = 6e9
     nvme_write_bandwidth: float = 4e9
     # The engines' fixed work per micro-batch, per parameter tensor of the model, not hidden behind compute
-    # (Python hooks, per-parameter fetch/release and gradient hand-off, small copies and launches). Fitted
-    # (least squares over the micro-batch counts) to the H200 rows of benchmarks/sharding (torch 2.11,
-    # DeepSpeed 0.19.8, Llama-3.2-3B: 254 tensors): the measured-minus-predicted step time of the DeepSpeed rows
-    # (ZeRO-3 on 2 GPUs without offload, 2 micro-batches: +0.99 s; ZeRO-3 and ZeRO-2 with CPU offload on one GPU,
-    # 4 micro-batches: +1.68, +1.76, +1.57 s) is 0.42 s per micro-batch = 1.7 ms per tensor; of the two FSDP2
-    # rows on 2 GPUs (+0.153 s at 2 micro-batches, +0.094 s at 1): 0.080 s per micro-batch = 0.31 ms per
-    # tensor. Only one model was measured: the split per tensor (rather than per unit or per byte) is assumed.
-    deepspeed_tensor_overhead_s: float = 1.7e-3
+    # (Python hooks, per-parameter fetch/release and gradient hand-off, small copies and launches).
+    # DeepSpeed: fitted by ``scripts/fit_engine_overhead.py`` (benchmarks/sharding/engine_overhead_fit.md) to the 12
+    # one-H200 offload rows memopt.wrap applied (torch 2.11, DeepSpeed 0.19.8; Llama-3.2-3B/1B, Qwen2.5-0.5B,
+    # Qwen2-1.5B): ZeRO-3 2.13 ms per tensor (its rows leave one model out within -11%..+17%, the spread of
+    # repeated runs; the two-GPU ZeRO-3 rows of session 5 showed 1.95 ms); ZeRO-1/2 0.58 ms per tensor plus
+    # 0.063 s per 1e9 parameters (its gradient hand-off to the host buffers scales with the bytes: in-sample
+    # within 4%, one model left out -9%..+5%, -27% for Qwen2.5-0.5B, whose tensors are the most per parameter).
+    # FSDP2 (two rows on 2 GPUs, +0.153 s at 2 micro-batches, +0.094 s at 1): 0.31 ms per tensor.
+    deepspeed_tensor_overhead_s: float = 2.13e-3
+    deepspeed_z12_tensor_overhead_s: float = 0.58e-3
+    deepspeed_z12_param_overhead_s: float = 0.063e-9
     fsdp2_tensor_overhead_s: float = 0.31e-3
     # FSDP2 with CPUOffloadPolicy accumulates gradients on the host: from the second micro-batch on, each unit's
     # reduce-scattered fp32 gradient shard is copied to the host synchronously (``non_blocking`` only when not
@@ -225,10 +229,18 @@ class ShardedTime:
 
 
 def engine_overhead_time(engine: str, param_tensors: int, micro_batches: int,
-                         tp: TimingParams = DEFAULT_PARAMS) -> float:
-    """The engine's fixed work over ``micro_batches`` micro-batches of a model of ``param_tensors`` tensors."""
-    per_tensor = {"deepspeed": tp.deepspeed_tensor_overhead_s, "fsdp2": tp.fsdp2_tensor_overhead_s}.get(engine, 0.0)
-    return per_tensor * max(0, param_tensors) * max(1, micro_batches)
+                         tp: TimingParams = DEFAULT_PARAMS, *, stage: int = 3, params: int = 0) -> float:
+    """The engine's fixed work over ``micro_batches`` micro-batches of a model of ``param_tensors`` tensors
+    (``params`` elements; DeepSpeed ZeRO-1/2's share per parameter)."""
+    if param_tensors <= 0:
+        return 0.0
+    if engine == "deepspeed" and stage in (1, 2):
+        per_micro = tp.deepspeed_z12_tensor_overhead_s * param_tensors + tp.deepspeed_z12_param_overhead_s * params
+    else:
+        per_tensor = {"deepspeed": tp.deepspeed_tensor_overhead_s, "fsdp2": tp.fsdp2_tensor_overhead_s}.get(engine,
+                                                                                                           0.0)
+        per_micro = per_tensor * param_tensors
+    return per_micro * max(1, micro_batches)
 
 
 def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, hw: HardwareSpec,
@@ -298,7 +310,8 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
                 nvme = nvme_time(*nvme_traffic(p_rank * per_node, optimizer=True), hw, tp)
             host_s = d2h + h2d
             opt = cpu_opt + h2d + nvme + max(0.0, d2h - bwd_compute)
-        overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp)
+        overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp, stage=stage,
+                                        params=-(-total_params // shard))
         step = passes + opt + gather + overhead
         return ShardedTime(step_s=step, forward_s=fwd * micro_batches, backward_s=bwd * micro_batches,
                            optimizer_s=opt, exposed_comm_s=exposed, comm_s=comm_total, host_transfer_s=host_s,
@@ -350,7 +363,7 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
         # gradients accumulated on the host, serially with backward, from the second micro-batch on
         accumulate = (micro_batches - 1) * -(-total_params // shard) * reduce_bytes / \
             tp.fsdp2_offload_grad_accumulate_bandwidth
-    overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp)
+    overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp, stage=stage)
     compute = (sum(fwd_c) + sum(bwd_c)) * micro_batches
     passes = (fwd + bwd) * micro_batches
     step = passes + opt + overhead + accumulate

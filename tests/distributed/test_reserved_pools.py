@@ -61,49 +61,82 @@ def test_zero_infinity_row_on_the_h200() -> None:
     assert abs(pred["predicted_nvme_bytes_per_node"] - written) / written <= 0.01  # measured +0.4%
     alloc, res = row["measured_peak_allocated_bytes"], row["measured_peak_reserved_bytes"]
     assert abs(pred["predicted_peak_allocated_bytes"] - alloc) / alloc <= 0.05  # measured +4.1%
-    assert abs(pred["predicted_peak_reserved_bytes"] - res) / res <= 0.08  # measured -7.3%: DeepSpeed's pools, roughly
+    assert abs(pred["predicted_peak_reserved_bytes"] - res) / res <= 0.02  # measured -0.4% (-7.3% before session 9)
     pools = {p["stream"]: p["reserved_bytes"] for p in row["reserved_by_stream"]}
     assert len(pools) == 3  # default, all-gather, reduce
+    # the reduce stream's pool: the largest gradient partition copied to the GPU and its float64 norm chunk
+    from memopt.distributed import estimate as est
+
+    reduce = est.side_pool_growth(sc.engine_run(case), sc.model_facts(case.model))["reduce"]
+    assert abs(max(v for k, v in pools.items() if k != "default") - reduce) <= 2 * est.LARGE_SEGMENT
+    # the step time with the disk's measured bandwidth (configs/hardware/h200.yaml: dd with O_DIRECT, queue depth 1,
+    # 1.5 / 1.3 GB/s): 16.0 s predicted for 13.3 s measured (5.5 s with the 6 / 4 GB/s defaults). The run implies
+    # ~1.8 GB/s (DeepSpeed's aio queues 8 requests): the prediction errs slow, which keeps NVMe the last resort
+    timed = sc.predict_case(case, with_time=True)["predicted_step_s"]
+    assert 1.0 <= timed / row["measured_step_s"] <= 1.3
 
 
-X2 = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "raw" / "session8_call2"
+S9 = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "raw" / "session9"
 
 
 @pytest.mark.slow
-def test_two_gpu_rows_and_their_all_gather_pool() -> None:
-    """Two H200s, FSDP2, Llama-3.2-3B at 48 GiB: the hand-written baseline (default allocator) and memopt's plan
-    applied by ``memopt.wrap`` (expandable segments, no allocator retries), each re-predicted today: allocated,
-    reserved as the sum of the pools' peaks (the all-gather pool included), and the memory outside the allocator
-    (NCCL over two ranks)."""
+@pytest.mark.parametrize("name,plan_file", [("z3_3b", "s9_llama32_3b_16GiB_zero3_offload.json"),
+                                            ("z3_1b", "s9_llama32_1b_12GiB_zero3_offload.json"),
+                                            ("q15", "s9_qwen2_1_5b_12GiB.json")])
+def test_zero3_offload_pools_from_the_allocator_history(name: str, plan_file: str) -> None:
+    """DeepSpeed ZeRO-3 with optimizer and parameters on the CPU, applied by ``memopt.wrap`` on one H200 with the
+    allocator's history recorded: each side stream's pool at its own peak against today's prediction of it, their
+    sum with the default pool's against the uncapped reserved prediction (the runs themselves were capped), and the
+    measured total inside the budget. The pool model was derived from the two Llama rows; Qwen2-1.5B (the planner's
+    own plan at 12 GiB; a 233M-element embedding, under the 250M norm chunk) was run after it, unchanged."""
     from memopt.distributed import estimate as est
     from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan import sharded as sh
     from memopt.plan.schema import Plan
 
-    base = json.loads((X2 / "base_r1" / "baseline_fsdp2_x2.mb4.rank0.json").read_text())
-    pred = sc.predict_case(sc.ShardedCase.from_dict(base["case"]), with_time=False)
-    assert abs(pred["predicted_peak_allocated_bytes"] / base["measured_peak_allocated_bytes"] - 1) <= 0.01
-    assert abs(pred["predicted_peak_reserved_bytes"] / base["measured_peak_reserved_bytes"] - 1) <= 0.025  # -1.8%
-    assert abs(pred["predicted_runtime_bytes"] - base["measured_outside_allocator_bytes"]) <= 8 * 2**20
-
-    row = json.loads((X2 / "wrap_r1" / "rank0.json").read_text())
-    assert row["num_alloc_retries"] == 0 and row["fits_under_cap"]
-    plan = Plan.load(Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "plans"
-                     / "llama32_3b_48GiB_x2.json")
-    hw = load_hardware(plan.hardware)
+    row = json.loads((S9 / name / "rank0.json").read_text())
+    plan = Plan.load(Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "plans" / plan_file)
+    assert row["plan"] == plan.strategy.label() and row["measured_total_bytes"] <= plan.budget_bytes
     prof = sc._profile(plan.model["name"], plan.strategy.micro_batch_size, int(plan.model["sample"]["seq_len"]),
                        plan.hardware)
     facts = est.facts_of_profile(prof)
-    got = sh._predict(sh._SharedWork(prof, facts, hw), plan.strategy,
-                      ShardingSetting.from_any(plan.strategy.extra("sharding")))
-    assert abs(got["peak_allocated_bytes"] / row["measured_peak_allocated_bytes"] - 1) <= 0.01  # -0.2%
-    assert abs(got["peak_reserved_bytes"] / row["measured_peak_reserved_bytes"] - 1) <= 0.02  # -1.0%
-    assert abs(got["runtime_bytes"] - row["measured_outside_allocator_bytes"]) <= 8 * 2**20
-    pools = {p["stream"]: p["reserved_bytes"] for p in row["reserved_by_stream"]}
-    grads = 4 * -(-facts.num_params // 2)  # the fp32 gradient shard: the reduce-scatter stream's pool
-    gathered = facts.root_params * 2 + est.side_pool_growth(est.EngineRun.of(
-        ShardingSetting.from_any(plan.strategy.extra("sharding"))), facts)["all_gather"]
-    side = sorted(v for k, v in pools.items() if k != "default")
-    assert abs(side[1] - grads) <= 2 * est.LARGE_SEGMENT
-    assert abs(side[0] - gathered) <= 2 * est.LARGE_SEGMENT
+    setting = ShardingSetting.from_any(plan.strategy.extra("sharding"))
+    got = sh._predict(sh._SharedWork(prof, facts, load_hardware(plan.hardware)), plan.strategy, setting)
+    assert abs(got["peak_allocated_bytes"] / row["measured_peak_allocated_bytes"] - 1) <= 0.015  # +0.8, +1.1, +1.3%
+    peaks = {p["stream"]: p for p in row["stream_peaks"]}
+    default = peaks.pop("default")
+    run = est.EngineRun.of(setting, plan.strategy.grad_accum_steps)
+    growth = est.side_pool_growth(run, facts)
+    # the reduce pool's largest block is the float64 norm chunk of the largest gradient partition
+    chunk = min(facts.largest_param, est.DS_NORM_CHUNK) * 8
+    reduce = next(p for p in peaks.values() if max(p["live_sizes"]) == chunk)
+    gather = next(p for p in peaks.values() if p is not reduce)
+    assert abs(reduce["mapped_peak_bytes"] - growth["reduce"]) <= 2 * est.LARGE_SEGMENT  # 2.79, 2.54, 2.35 GB
+    # the all-gather pool: predicted at or above what it allocated (+1.2%, 0%, +8.4%: Qwen's overshoot of the
+    # live bound was smaller than the prefetch bucket the prediction adds)
+    want_gather = est._zero3_gathered(run, facts) + growth["all_gather"]
+    assert 0.98 <= want_gather / gather["peak_allocated_bytes"] <= 1.10
+    pools = default["mapped_peak_bytes"] + gather["mapped_peak_bytes"] + reduce["mapped_peak_bytes"]
+    assert abs(got["peak_reserved_bytes"] / pools - 1) <= 0.03  # -1.1%, -0.6%, -1.6%
+
+
+X2_S5 = Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "raw" / "session5_x2_call3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["memopt_zero3_x2", "baseline_zero3_offload_x2"])
+def test_two_gpu_zero3_rows_held_their_logits(name: str) -> None:
+    """DeepSpeed ZeRO-3 over two H200s (session 5). That harness kept the model's output alive through DeepSpeed's
+    backward; ``DistributedTrainStep`` now drops it first and the estimator follows it. Today's allocated
+    prediction plus the held bf16 logits (micro-batch x sequence x vocabulary x 2 B) gives the measured peak."""
+    row = json.loads((X2_S5 / f"{name}.mb4.rank0.json").read_text())
+    case = sc.ShardedCase.from_dict(row["case"])
+    pred = sc.predict_case(case, with_time=False)
+    from memopt.models import build_model
+
+    vocab = build_model(case.model, device="meta").config.vocab_size
+    held = case.micro_batch * case.seq_len * vocab * 2
+    alloc = row["measured_peak_allocated_bytes"]
+    assert abs((pred["predicted_peak_allocated_bytes"] + held) / alloc - 1) <= 0.01  # +0.2%, -0.2%
+    assert pred["predicted_peak_allocated_bytes"] < alloc  # without the held output: -4.5%, -11.0%
