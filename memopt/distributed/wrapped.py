@@ -19,6 +19,7 @@ global batch, which it splits by rank.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,3 +133,47 @@ class ShardedWrapped:
     @property
     def samples_seen(self) -> int:
         return self._step.samples_seen
+
+    @property
+    def steps_done(self) -> int:
+        return self._step.steps_done
+
+    # -- checkpoints (every rank calls these) ---------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write a checkpoint that resumes on another world size or plan: parameters, optimizer states, the step
+        and the data position (``samples_seen``). FSDP2 / DDP: ``torch.distributed.checkpoint``; DeepSpeed: its
+        own checkpoint (``memopt.distributed.ds_checkpoint``). Returns the checkpoint folder."""
+        out = Path(path)
+        if self.setting.engine == "deepspeed":
+            from memopt.distributed.ds_checkpoint import save_deepspeed
+
+            save_deepspeed(self.model, out, stage=self.setting.stage, world_size=self.setting.world_size,
+                           steps_done=self.steps_done, samples_seen=self.samples_seen)
+        else:
+            from memopt.distributed.checkpoint import save_checkpoint
+
+            save_checkpoint(out, self.model, self.optimizer, self._step, lr_scheduler=self._step.lr_scheduler)
+        return out
+
+    def load(self, path: str | os.PathLike[str]) -> dict[str, int]:
+        """Resume from ``save``'s checkpoint, written at this or another world size (and, for DeepSpeed, ZeRO
+        stage). Returns and restores ``steps_done`` and ``samples_seen``: feed the data from there."""
+        from memopt.distributed.ds_checkpoint import CHECKPOINT_META
+
+        written_by_deepspeed = (Path(path) / CHECKPOINT_META).is_file()
+        if written_by_deepspeed != (self.setting.engine == "deepspeed"):
+            theirs = "DeepSpeed" if written_by_deepspeed else "FSDP2/DDP (torch.distributed.checkpoint)"
+            raise ValueError(f"{path} was written by {theirs} and this plan trains with {self.setting.engine}: "
+                             "a checkpoint does not cross engines. Resume with the plan that wrote it "
+                             "(memopt.wrap(model, plan='<that plan>.json')) or another plan on the same engine; "
+                             "DeepSpeed plans may change ZeRO stage and world size, FSDP2 plans the world size")
+        if self.setting.engine == "deepspeed":
+            from memopt.distributed.ds_checkpoint import load_deepspeed
+
+            counters = load_deepspeed(self.model, path, stage=self.setting.stage, world_size=self.setting.world_size)
+            self._step.steps_done = counters["steps_done"]
+            self._step.samples_seen = counters["samples_seen"]
+            return counters
+        from memopt.distributed.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.model, self.optimizer, self._step, lr_scheduler=self._step.lr_scheduler)

@@ -120,3 +120,49 @@ def test_exports_write_configs_accelerate_reads(tmp_path):
     js = json.loads(Path(dcfg.deepspeed_config["deepspeed_config_file"]).read_text())
     assert js["zero_optimization"]["stage"] == 3 and js["gradient_accumulation_steps"] == 4
     assert export_deepspeed_json(ds, tmp_path / "x.json")["train_micro_batch_size_per_gpu"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_checkpoint_resumes_in_another_zero_stage(tmp_path):
+    """Saved at ZeRO-2 after two steps; resumed at ZeRO-2 (DeepSpeed's plain load) and at ZeRO-3 (through the
+    universal format) into engines built from other initial weights: the next step's loss is the uninterrupted
+    run's, and the data position comes back."""
+    pytest.importorskip("deepspeed")
+    out, ckpt = tmp_path / "ckpt.json", tmp_path / "ckpt"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE.parents[1])}
+    proc = subprocess.run([sys.executable, str(HERE / "_ds_ckpt_worker.py"), str(out), str(_port()), str(ckpt)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["first"] == pytest.approx(w.reference_losses(2), rel=1e-5)
+    ref = got["uninterrupted"]  # steps 3, 4, 5
+    assert got["same_stage"]["counters"] == {"steps_done": 2, "samples_seen": got["samples_seen_saved"]}
+    assert got["same_stage"]["losses"] == pytest.approx(ref[:2], rel=1e-6)
+    assert got["zero3"]["counters"] == {"steps_done": 2, "samples_seen": got["samples_seen_saved"]}
+    assert got["zero3"]["losses"] == pytest.approx(ref[:2], rel=1e-5)  # ZeRO-2 -> ZeRO-3 (universal)
+    assert got["zero3_to_zero2"]["counters"] == {"steps_done": 3, "samples_seen": got["samples_seen_saved"] + 8}
+    assert got["zero3_to_zero2"]["losses"] == pytest.approx(ref[1:], rel=1e-5)  # ZeRO-3 -> ZeRO-2 (universal)
+    # the original checkpoint is kept; the universal conversion sits next to it
+    assert {"step2", "step2_universal", "memopt_checkpoint.json"} <= set(got["files"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepspeed_checkpoint_resumes_on_another_world_size(tmp_path):
+    """ZeRO-3 over two processes (gloo), saved after two steps; resumed by one process at ZeRO-2 through the
+    universal format: the next two losses are the two-process run's, and the data position comes back."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE.parents[1])}
+    worker, ckpt = str(HERE / "_ds_ckpt_ws_worker.py"), str(tmp_path / "ckpt")
+    saved, resumed = tmp_path / "saved.json", tmp_path / "resumed.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           worker, "save", ckpt, str(saved)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, worker, "resume", ckpt, str(resumed), str(_port())], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = json.loads(saved.read_text()), json.loads(resumed.read_text())
+    assert a["first"] == pytest.approx(w.reference_losses(2), rel=1e-5)
+    assert b["counters"] == {"steps_done": 2, "samples_seen": 2 * w.GLOBAL_BATCH}
+    assert b["losses"] == pytest.approx(a["uninterrupted"], rel=1e-5)

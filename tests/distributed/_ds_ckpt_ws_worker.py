@@ -1,0 +1,60 @@
+"""DeepSpeed checkpoints across world sizes on the CPU (gloo): ``save`` runs under ``torchrun --nproc-per-node 2``
+(ZeRO-3, two steps, saved, two more: the uninterrupted run); ``resume`` runs alone (ZeRO-2 at world size 1, the
+checkpoint loaded through DeepSpeed's universal format, two steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def main(mode: str, ckpt: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if mode == "resume":
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_PORT", sys.argv[4])
+    dist.init_process_group("gloo")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built shared-memory allreduce
+    sys.path.insert(0, os.path.dirname(__file__))
+    import _workers as w
+
+    from memopt.distributed.ds_checkpoint import load_deepspeed, save_deepspeed
+    from memopt.distributed.sharding import ShardingSetting, build_deepspeed
+    from memopt.distributed.train_step import DistributedTrainStep, shard_batch
+    from memopt.strategy import Strategy
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    stage = 3 if mode == "save" else 2
+    accum = 4 // ws  # global batch 8 = 2 per micro-batch x accum x ranks
+    setting = ShardingSetting(engine="deepspeed", stage=stage, world_size=ws)
+    engine, opt = build_deepspeed(w.tiny_model(seed=0 if mode == "save" else 3), setting, "fp32",
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2), micro_batch=2, grad_accum=accum)
+    step = DistributedTrainStep(model=engine, optimizer=opt, device_type="cpu", engine=engine, world_size=ws,
+                                strategy=Strategy(precision="fp32", micro_batch_size=2, grad_accum_steps=accum))
+
+    def steps(n: int) -> list[float]:
+        return [step.step(shard_batch(w.global_batch(step.samples_seen), rank, ws)) for _ in range(n)]
+
+    if mode == "save":
+        first = steps(2)
+        save_deepspeed(engine, ckpt, stage=3, world_size=ws, steps_done=2, samples_seen=step.samples_seen)
+        result = {"first": first, "uninterrupted": steps(2)}
+    else:
+        counters = load_deepspeed(engine, ckpt, stage=2, world_size=1)
+        step.samples_seen = counters["samples_seen"]
+        result = {"counters": counters, "losses": steps(2)}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
