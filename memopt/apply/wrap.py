@@ -396,7 +396,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
 
     if is_sharded_plan(loaded):  # FSDP2 / DeepSpeed / DDP in each process of a torchrun job
         return ShardedWrapped(target, loaded, optimizer_kwargs=kwargs, loss_fn=loss_fn, device=device,
-                              max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler)
+                              max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, checkpoint=checkpoint)
     if budget is not None and loaded is None:
         hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
         parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early

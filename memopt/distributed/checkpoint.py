@@ -118,7 +118,9 @@ def load_sharded(model_on_meta: nn.Module, safetensors_paths: Sequence[str | os.
                          "model's own from_pretrained")
     kept = {name: b for name, b in model_on_meta.named_buffers() if b.device.type != "meta"}
     dev = torch.device(device)
-    apply_fsdp2(model_on_meta, setting, mp_policy, block_stacks, device_type=dev.type)
+    # with CPUOffloadPolicy the shards live on the host (``device`` "cpu") but the mesh is the accelerator's
+    apply_fsdp2(model_on_meta, setting, mp_policy, block_stacks,
+                device_type=None if setting.offload_params == "cpu" else dev.type)
     model_on_meta.to_empty(device=dev)
     for name, b in kept.items():
         owner, _, attr = name.rpartition(".")

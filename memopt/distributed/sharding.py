@@ -419,8 +419,12 @@ def prepare_deepspeed_build_env(environ: MutableMapping[str, str] | None = None)
 def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str = "bf16_autocast",
                     optimizer_cfg: Any = None, micro_batch: int = 1, grad_accum: int = 1, *,
                     gradient_clipping: float | None = None, lr_scheduler: Any = None,
-                    config_overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
+                    config_overrides: dict[str, Any] | None = None, checkpoint: Sequence[Any] | None = None,
+                    load_device: Any = None) -> tuple[Any, Any]:
     """``deepspeed.initialize`` the model under ``setting``; returns ``(engine, optimizer)``.
+
+    ``checkpoint``: safetensors files to fill a model built on the meta device, one tensor at a time into the
+    setting's layout (``memopt.distributed.ds_load``; ``load_device``: this rank's device).
 
     ``optimizer_cfg``: DeepSpeed's optimizer block (dict; default AdamW lr 1e-4), a torch optimizer
     instance, or a callable taking the parameters. The process group is initialized by DeepSpeed when
@@ -430,16 +434,23 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
     """
     import deepspeed
 
-    opt_instance = None
     block = _optimizer_block(optimizer_cfg, precision)
+    config = deepspeed_config(setting, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum,
+                              optimizer=block, gradient_clipping=gradient_clipping, torch_optimizer=block is None,
+                              largest_param=max((p.numel() for p in model.parameters()), default=0))
+    config.update(config_overrides or {})
+    if setting.offloads:  # a missing or read-only NVMe path, too little disk or host RAM: fail before any loading
+        validate_offload(setting, machine_host_memory_bytes(),
+                         num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), precision=precision)
+    if checkpoint is not None:
+        from memopt.distributed.ds_load import load_into_deepspeed_layout
+
+        prepare_deepspeed_build_env()
+        load_into_deepspeed_layout(model, checkpoint, config, load_device if load_device is not None else "cpu")
+    opt_instance = None
     if block is None:
         opt_instance = optimizer_cfg(list(model.parameters())) if callable(optimizer_cfg) and not isinstance(
             optimizer_cfg, torch.optim.Optimizer) else optimizer_cfg
-    config = deepspeed_config(setting, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum,
-                              optimizer=block, gradient_clipping=gradient_clipping,
-                              torch_optimizer=opt_instance is not None,
-                              largest_param=max((p.numel() for p in model.parameters()), default=0))
-    config.update(config_overrides or {})
     kwargs: dict[str, Any] = {"model": model, "config": config}
     if opt_instance is not None:
         kwargs["optimizer"] = opt_instance
@@ -447,9 +458,6 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
         kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
     if lr_scheduler is not None:
         kwargs["lr_scheduler"] = lr_scheduler
-    if setting.offloads:  # a missing or read-only NVMe path, too little disk or host RAM: fail before DeepSpeed starts
-        validate_offload(setting, machine_host_memory_bytes(),
-                         num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), precision=precision)
     prepare_deepspeed_build_env()
     engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
     return engine, optimizer

@@ -59,7 +59,7 @@ class ShardedWrapped:
 
     def __init__(self, model: nn.Module, plan: Any, *, optimizer_kwargs: dict[str, Any] | None = None,
                  loss_fn: Any = None, device: Any = None, max_grad_norm: float | None = None,
-                 lr_scheduler: Any = None) -> None:
+                 lr_scheduler: Any = None, checkpoint: Any = None) -> None:
         strategy, setting = sharding_of(plan)
         self.plan, self.setting = plan, setting
         self.rank, local, world = _world()
@@ -90,6 +90,12 @@ class ShardedWrapped:
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
         self._max_grad_norm, self._lr_scheduler = max_grad_norm, lr_scheduler
+        # pretrained weights for a model built on the meta device: read into the engine's layout tensor by tensor
+        self._checkpoint = None if checkpoint is None else (
+            [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint))
+        if self._checkpoint is None and any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("the model's parameters are on the meta device: pass checkpoint=<safetensors file(s)> "
+                             "to load them into the sharded layout, or build the model with its weights")
         self.model, self.optimizer, step_kw = self._engine(model, setting, strategy, stacks)
         if "engine" not in step_kw:  # DeepSpeed clips and schedules inside its engine (its config / initialize)
             step_kw.update(max_grad_norm=max_grad_norm,
@@ -106,8 +112,20 @@ class ShardedWrapped:
             engine, optimizer = build_deepspeed(model, setting, strategy.precision, optimizer_cfg,
                                                 micro_batch=strategy.micro_batch_size,
                                                 grad_accum=strategy.grad_accum_steps,
-                                                gradient_clipping=self._max_grad_norm, lr_scheduler=self._lr_scheduler)
+                                                gradient_clipping=self._max_grad_norm, lr_scheduler=self._lr_scheduler,
+                                                checkpoint=self._checkpoint, load_device=self.device)
             return engine, optimizer, {"engine": engine}
+        if self._checkpoint is not None and setting.engine == "fsdp2":
+            from memopt.distributed.checkpoint import load_sharded
+
+            # each rank reads only its shard's rows; with CPUOffloadPolicy the shards live in host memory
+            load_sharded(model, self._checkpoint, setting, mp_policy=mp_policy_for(strategy.precision),
+                         block_stacks=stacks, device="cpu" if setting.offload_params == "cpu" else self.device)
+            return model, self._adamw(model), {"kind": "fsdp2"}
+        if self._checkpoint is not None:  # DDP: every rank holds the whole model on its device anyway
+            from memopt.distributed.ds_load import load_into_deepspeed_layout
+
+            load_into_deepspeed_layout(model, self._checkpoint, {}, self.device)
         if setting.engine == "ddp":
             model = apply_ddp(model.to(self.device), setting,
                               device_ids=[self.device.index] if self.device.type == "cuda" else None)

@@ -166,3 +166,20 @@ def test_deepspeed_checkpoint_resumes_on_another_world_size(tmp_path):
     assert a["first"] == pytest.approx(w.reference_losses(2), rel=1e-5)
     assert b["counters"] == {"steps_done": 2, "samples_seen": 2 * w.GLOBAL_BATCH}
     assert b["losses"] == pytest.approx(a["uninterrupted"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pretrained_weights_load_into_deepspeed_layouts(tmp_path):
+    """A model built on the meta device, filled from a safetensors file tensor by tensor into ZeRO-2's layout and
+    (each module partitioned as it is read) ZeRO-3's: both train exactly as the model built with those weights."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "load.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(HERE.parents[1])}
+    proc = subprocess.run([sys.executable, str(HERE / "_ds_load_worker.py"), str(out), str(_port()),
+                           str(tmp_path / "w.safetensors")], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["stage0"] != pytest.approx(w.reference_losses(2), rel=1e-3)  # other weights than a fresh model's
+    assert got["stage2"] == pytest.approx(got["stage0"], rel=1e-6)
+    assert got["stage3"] == pytest.approx(got["stage0"], rel=1e-6)

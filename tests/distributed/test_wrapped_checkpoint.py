@@ -60,3 +60,20 @@ def test_a_checkpoint_does_not_cross_engines(tmp_path):
 def test_load_of_a_folder_without_a_checkpoint_says_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"memopt_checkpoint\.json is missing"):
         ds_checkpoint.load_deepspeed(object(), tmp_path, stage=2, world_size=1)
+
+
+def test_a_model_on_meta_needs_its_weights(tmp_path):
+    """A sharded plan given a model built on the meta device and no checkpoint: the error says what to pass."""
+    import torch
+
+    from memopt.strategy import Strategy
+
+    from . import _workers as w
+
+    with torch.device("meta"):
+        model = w.tiny_model()
+    setting = ShardingSetting(engine="deepspeed", stage=3, world_size=1)
+    plan = SimpleNamespace(strategy=Strategy(precision="fp32", extras=(("sharding", setting),)), budget_bytes=2**33,
+                           prediction={}, global_batch=8)
+    with pytest.raises(ValueError, match=r"meta device: pass checkpoint=<safetensors file\(s\)>"):
+        ShardedWrapped(model, plan, device="cpu")
