@@ -43,6 +43,28 @@ def main(out: str, port: str, weights: str) -> None:
         step = DistributedTrainStep(model=engine, optimizer=opt, strategy=strategy, device_type="cpu",
                                     engine=engine, world_size=1)
         results[f"stage{stage}"] = [step.step(w.global_batch(i * w.GLOBAL_BATCH)) for i in range(2)]
+    # a tied embedding (GPT-2's head is its token embedding; the file holds it once, as Hugging Face writes it):
+    # still one parameter after the load, and the loaded model computes what the original does
+    from memopt.models import build_model
+
+    torch.manual_seed(0)
+    real = build_model("tiny_gpt2", device="cpu").float().eval()
+    state = {k: v.contiguous() for k, v in real.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, weights + ".gpt2")
+    ids = torch.randint(0, real.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        expected = real(input_ids=ids).logits
+    for stage in (2, 3):
+        with torch.device("meta"):
+            model = build_model("tiny_gpt2", device="meta").float()
+        setting = ShardingSetting(engine="deepspeed", stage=stage, world_size=1)
+        engine, _ = build_deepspeed(model, setting, "fp32", lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=2,
+                                    checkpoint=[weights + ".gpt2"], load_device="cpu")
+        engine.module.eval()
+        with torch.no_grad():
+            got = engine(input_ids=ids).logits
+        results[f"tied_stage{stage}"] = {"still_tied": model.lm_head.weight is model.transformer.wte.weight,
+                                         "max_abs_diff": float((got - expected).abs().max())}
     with open(out, "w") as f:
         json.dump(results, f)
 

@@ -183,3 +183,6 @@ def test_pretrained_weights_load_into_deepspeed_layouts(tmp_path):
     assert got["stage0"] != pytest.approx(w.reference_losses(2), rel=1e-3)  # other weights than a fresh model's
     assert got["stage2"] == pytest.approx(got["stage0"], rel=1e-6)
     assert got["stage3"] == pytest.approx(got["stage0"], rel=1e-6)
+    for stage in (2, 3):  # GPT-2's tied head: one parameter still, the original's logits
+        assert got[f"tied_stage{stage}"]["still_tied"]
+        assert got[f"tied_stage{stage}"]["max_abs_diff"] <= 1e-6  # 0.0 measured
