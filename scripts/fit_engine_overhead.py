@@ -56,8 +56,8 @@ def observe(row_path: str, plan_path: str) -> dict[str, Any]:
     from memopt.distributed import estimate as dest
     from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
-    from memopt.plan import sharded as sh
     from memopt.plan.schema import Plan
+    from memopt.plan.sharded import predict_strategy
 
     row = json.loads(Path(row_path).read_text())
     plan_path, _, model = plan_path.partition(":")  # PLAN:MODEL: that plan's engine settings for another model
@@ -71,14 +71,13 @@ def observe(row_path: str, plan_path: str) -> dict[str, Any]:
     facts = dest.facts_of_profile(prof)
     m = strategy.grad_accum_steps
     t = dest.sharded_time(prof, strategy, dest.EngineRun.of(setting, m), facts, hw)
-    pred = sh._predict(sh._SharedWork(prof, facts, hw), strategy, setting)
-    capped = sh.under_cap(pred, plan.budget_bytes, m) if pred["total_bytes"] > plan.budget_bytes else None
-    retry_s = capped["capped"]["retry_s"] if capped else 0.0
+    pred = predict_strategy(prof, hw, strategy, plan.budget_bytes, margin=0)  # the run's cap: no planning margin
+    retry_s = pred.get("capped", {}).get("retry_s", 0.0)
+    rest = pred["step_time_s"] - retry_s - t.engine_overhead_s  # the step without the engine's fixed work
     steady = row["step_times_s"][1:]
     return {"row": row_path, "model": name, "stage": setting.stage, "micro_batches": m,
             "tensors": facts.num_tensors, "params": facts.num_params, "measured_mean_s": statistics.fmean(steady),
-            "rest_s": t.step_s - t.engine_overhead_s, "retry_s": retry_s,
-            "per_micro_batch_s": (statistics.fmean(steady) - (t.step_s - t.engine_overhead_s) - retry_s) / m}
+            "rest_s": rest, "retry_s": retry_s, "per_micro_batch_s": (statistics.fmean(steady) - rest - retry_s) / m}
 
 
 def _fit(obs: list[dict[str, Any]], per_param: bool) -> tuple[float, float]:

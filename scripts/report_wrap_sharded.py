@@ -30,29 +30,22 @@ GB = 10**9
 
 def plan_row(plan_path: Path, row_path: Path) -> dict[str, Any]:
     import memopt
-    from memopt.distributed import estimate as dest
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
-    from memopt.plan import sharded as sh
     from memopt.plan.schema import Plan
+    from memopt.plan.sharded import predict_strategy
 
     plan = Plan.load(plan_path)
     row = json.loads(row_path.read_text())
     hw = load_hardware(plan.hardware)
     prof = memopt.profile(plan.model["name"], sample=plan.model["sample"], hardware=hw)
-    shared = sh._SharedWork(prof, dest.facts_of_profile(prof), hw)
-    setting = ShardingSetting.from_any(plan.strategy.extra("sharding"))
-    now = sh._predict(shared, plan.strategy, setting)
-    step_now = shared.step_s(plan.strategy, setting)
-    capped = sh.under_cap(now, plan.budget_bytes, plan.strategy.grad_accum_steps) \
-        if now["total_bytes"] > plan.budget_bytes else None
-    step_now += capped["capped"]["retry_s"] if capped else 0.0
+    now = predict_strategy(prof, hw, plan.strategy, plan.budget_bytes, margin=0)  # the run's cap, no margin
+    uncapped_reserved = now.get("capped", {}).get("uncapped_reserved_bytes", now["peak_reserved_bytes"])
     return {"id": row_path.parent.name, "kind": "memopt.wrap", "setting": plan.strategy.label(),
             "budget_bytes": plan.budget_bytes, "predicted_then_allocated_bytes": row["predicted_peak_allocated_bytes"],
             "predicted_now_allocated_bytes": now["peak_allocated_bytes"],
-            "predicted_now_reserved_bytes": now["peak_reserved_bytes"],
+            "predicted_now_reserved_bytes": uncapped_reserved,  # the pools, as a run without the cap would hold
             "predicted_now_runtime_bytes": now["runtime_bytes"],
-            **_measured(row), "predicted_step_s": row["predicted_step_s"], "predicted_now_step_s": step_now}
+            **_measured(row), "predicted_step_s": row["predicted_step_s"], "predicted_now_step_s": now["step_time_s"]}
 
 
 def case_row(row_path: Path) -> dict[str, Any]:

@@ -87,8 +87,8 @@ def to_universal(path: str | os.PathLike[str], tag: str, shapes: dict[str, tuple
                                f"(the original checkpoint is untouched):\n{proc.stderr[-3000:]}")
         _alias_model_states(path / utag)
         _both_stages_optimizer_state(path / utag / "zero")
-    if rank == 0 and shapes:
-        _shaped_states(path / utag / "zero", shapes)
+        if shapes:  # the parameters' full shapes are the same whatever stage resumes: shaped once, here
+            _shaped_states(path / utag / "zero", shapes)
     barrier()
     return utag
 

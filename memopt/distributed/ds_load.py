@@ -20,77 +20,73 @@ from torch import nn
 __all__ = ["load_into_deepspeed_layout"]
 
 
-def _index(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Path]:
-    """Which file holds each tensor name."""
-    from safetensors import safe_open
-
-    where: dict[str, Path] = {}
-    for path in paths:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
-                where[key] = Path(path)
-    return where
-
-
-def _read(where: dict[str, Path], name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(where[name]), framework="pt", device="cpu") as f:
-        return f.get_tensor(name).to(device=device, dtype=dtype)
-
-
 def load_into_deepspeed_layout(model: nn.Module, paths: Sequence[str | os.PathLike[str]], config: dict[str, Any],
                                device: torch.device | str) -> nn.Module:
     """Fill ``model`` (parameters on the meta device) from safetensors ``paths`` for DeepSpeed under ``config``
-    (the dict ``deepspeed.initialize`` gets); returns the model, ready for ``deepspeed.initialize``. Buffers on
-    meta are read from the files too; missing tensors raise with their names."""
-    device = torch.device(device)
-    where = _index(paths)
-    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter keeps its first name
-    missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta" and n not in where)
-    missing += sorted(n for n, b in model.named_buffers() if b.device.type == "meta" and n not in where)
-    if missing:
-        raise ValueError(f"{len(missing)} tensors of the model are not in {[str(Path(p)) for p in paths]}: "
-                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, buf in list(model.named_buffers()):
-        if buf.device.type == "meta":
-            owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            module._buffers[attr] = _read(where, name, device, buf.dtype)
-    # a meta parameter cannot take real data in place: each is replaced by a real one in every module that holds it
-    # (a tied weight stays one parameter)
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for attr, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((module, attr))
+    (the dict ``deepspeed.initialize`` gets; ``{}`` for a replicated engine such as DDP); returns the model, ready
+    for ``deepspeed.initialize``. Tied parameters stay tied; missing tensors raise with their names."""
+    # in the engine's 16-bit dtype when it trains in one (an fp32 copy on the GPU would pass the plan's bytes),
+    # else in the model's own
+    dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
+        torch.float16 if config.get("fp16", {}).get("enabled") else
+        next((p.dtype for p in model.parameters() if p.is_floating_point()), None))
+    if int(config.get("zero_optimization", {}).get("stage", 0)) != 3:
+        from memopt.techniques.quantization import QuantSetting, load_quantized
 
-    # in the engine's 16-bit dtype when it trains in one: an fp32 copy on the GPU would pass the plan's bytes
-    half = torch.bfloat16 if config.get("bf16", {}).get("enabled") else (
-        torch.float16 if config.get("fp16", {}).get("enabled") else None)
+        # every rank holds the whole model on its device: memopt's layer-by-layer loader, nothing quantized, each
+        # tensor from the mapped file to the device (no host copy of the model)
+        return load_quantized(model, [str(p) for p in paths], QuantSetting(), torch.device(device), dtype=dtype,
+                              targets=[])
+    return _load_zero3(model, paths, config, dtype)
 
-    def materialize(p: nn.Parameter, dev: torch.device) -> nn.Parameter:
-        dtype = half if half is not None and p.dtype.is_floating_point else p.dtype
-        new = nn.Parameter(_read(where, names[id(p)], dev, dtype), requires_grad=p.requires_grad)
-        for module, attr in owners.pop(id(p)):
-            module._parameters[attr] = new
-        return new
 
-    stage3 = int(config.get("zero_optimization", {}).get("stage", 0)) == 3
-    if not stage3:
-        for p in list(model.parameters()):  # each tensor from the mapped file to its device: no host copy of the model
-            if p.device.type == "meta":
-                materialize(p, device)
-        return model
+def _load_zero3(model: nn.Module, paths: Sequence[str | os.PathLike[str]], config: dict[str, Any],
+                dtype: torch.dtype | None) -> nn.Module:
+    """ZeRO-3: each module's parameters read in full on the host and at once partitioned by
+    ``deepspeed.zero.Init(module=...)``, children first (it converts a whole subtree)."""
+    import contextlib
+
     import deepspeed
+    from safetensors import safe_open
 
-    offload = config["zero_optimization"].get("offload_param", {})
-    for module in reversed(list(model.modules())):  # children first: Init(module=) converts the whole subtree
-        own = [p for p in module.parameters(recurse=False) if p.device.type == "meta"]
-        if not own:
-            continue
-        for p in own:  # the module's parameters in full on the host, for as long as partitioning takes
-            materialize(p, torch.device("cpu"))
-        deepspeed.zero.Init(module=module, config_dict_or_path=config, remote_device=offload.get("device"),
-                            pin_memory=bool(offload.get("pin_memory")))
+    with contextlib.ExitStack() as stack:  # each file opened (memory-mapped) once
+        files = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in paths]
+        where = {key: f for f in files for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+
+        def read(name: str, dt: torch.dtype) -> torch.Tensor:
+            return where[name].get_tensor(name).to(dtype=dt)
+
+        names: dict[int, str] = {}  # a tied parameter is read under whichever of its names the files hold
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in names or (names[id(p)] not in where and n in where):
+                names[id(p)] = n
+        missing = sorted(n for n, p in model.named_parameters()
+                         if p.device.type == "meta" and names[id(p)] not in where)
+        missing += sorted(n for n, b in model.named_buffers() if b.device.type == "meta" and n not in where)
+        if missing:  # before anything is partitioned
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:8]} (files: "
+                             f"{[str(Path(p)) for p in paths]})")
+        for name, buf in list(model.named_buffers()):
+            if buf.device.type == "meta":
+                owner, _, attr = name.rpartition(".")
+                (model.get_submodule(owner) if owner else model)._buffers[attr] = read(name, buf.dtype)
+        # a meta parameter cannot take real data in place: it is replaced in every module that holds it (a tied
+        # weight stays one parameter)
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((module, attr))
+        offload = config["zero_optimization"].get("offload_param", {})
+        for module in reversed(list(model.modules())):
+            own = [p for p in module.parameters(recurse=False) if p.device.type == "meta"]
+            if not own:
+                continue
+            for p in own:  # the module's parameters in full on the host, for as long as partitioning takes
+                dt = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                new = nn.Parameter(read(names[id(p)], dt), requires_grad=p.requires_grad)
+                for owner, attr in owners.pop(id(p)):
+                    owner._parameters[attr] = new
+            deepspeed.zero.Init(module=module, config_dict_or_path=config, remote_device=offload.get("device"),
+                                pin_memory=bool(offload.get("pin_memory")))
     return model

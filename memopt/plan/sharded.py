@@ -35,7 +35,8 @@ from memopt.plan.search import bisect_blocks
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes
 
-__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "sharding_settings", "world_of"]
+__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "predict_strategy",
+           "sharding_settings", "world_of"]
 
 #: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
 HOST_RAM_USABLE = 0.9
@@ -202,6 +203,30 @@ def under_cap(pred: dict[str, Any], limit: int, micro_batches: int) -> dict[str,
     return out
 
 
+def _capped_if_needed(pred: dict[str, Any], strategy: Strategy, budget_bytes: int, margin: int) -> dict[str, Any]:
+    """``pred`` as it runs under the hard cap when its uncapped total passes the budget less the margin but its
+    allocated peak fits (``under_cap``, with expandable segments); else ``pred`` unchanged."""
+    if pred["total_bytes"] + margin > budget_bytes and strategy.expandable_segments:
+        return under_cap(pred, budget_bytes - margin, strategy.grad_accum_steps) or pred
+    return pred
+
+
+def _step_time(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting, pred: dict[str, Any]) -> float:
+    """The step time of a (possibly capped) prediction: the engine's step plus the cap's allocator retries."""
+    return shared.step_s(strategy, setting) + pred.get("capped", {}).get("retry_s", 0.0)
+
+
+def predict_strategy(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_bytes: int, margin: int
+                     ) -> dict[str, Any]:
+    """Today's prediction of a sharded ``strategy`` (its ``extra('sharding')``) as the planner makes it: the
+    per-GPU peaks and tiers, capped when only the hard cap makes it fit, and ``step_time_s``. For re-predicting
+    saved plans against measurements."""
+    setting = ShardingSetting.from_any(strategy.extra("sharding"))
+    shared = _SharedWork(profile, dest.facts_of_profile(profile), hw)
+    pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
+    return {**pred, "step_time_s": _step_time(shared, strategy, setting, pred)}
+
+
 def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None) -> str:
     """'' when the prediction fits every tier, else why not."""
     if pred["total_bytes"] + margin > budget:
@@ -254,19 +279,13 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
         strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
                             grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
                             extras=(("sharding", setting.to_dict()),))
-        pred = _predict(shared, strategy, setting)
+        pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
         why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
-        if why and pred["total_bytes"] + margin > budget_bytes and strategy.expandable_segments:
-            capped = under_cap(pred, budget_bytes - margin, strategy.grad_accum_steps)
-            if capped is not None:
-                pred = capped
-                why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
         candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
         return candidates[-1]
 
     def timed(c: ShardedCandidate) -> None:
-        c.prediction["step_time_s"] = shared.step_s(c.strategy, c.setting) + c.prediction.get(
-            "capped", {}).get("retry_s", 0.0)
+        c.prediction["step_time_s"] = _step_time(shared, c.strategy, c.setting, c.prediction)
         if profile.tokens_per_sample:
             c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
         else:
