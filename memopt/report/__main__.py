@@ -17,6 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help="which rank's telemetry to render (default 0)")
     args = parser.parse_args(argv)
     try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("memopt.report: the timelines are drawn with matplotlib, which is not installed: "
+              "pip install 'memopt[plot]' (or, in a checkout, pip install -e '.[plot]')", file=sys.stderr)
+        return 2
+    try:
         paths = render_report(args.run_dir, args.out, rank=args.rank)
     except FileNotFoundError as exc:
         print(f"memopt.report: {exc}", file=sys.stderr)

@@ -268,6 +268,10 @@ def quantize_linear(linear: nn.Linear, setting: QuantSetting, *, weight: torch.T
             param = bnb.nn.Int8Params(w.detach(), requires_grad=False, has_fp16_weights=False)
             module.weight = param._quantize(device)
     module.bias = linear.bias
+    # a new module starts in training mode; the replaced layer's mode must carry over, since bitsandbytes picks
+    # its kernel by it (on CPUs with AVX512-BF16, eval + no_grad repacks the weight for a kernel that rounds
+    # differently)
+    module.train(linear.training)
     return module
 
 

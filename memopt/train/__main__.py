@@ -55,7 +55,7 @@ def train(model_name: str, *, budget: str, steps: int, batch_size: int, seq_len:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "checkpoint.pt"
     wrapped = memopt.wrap(model, budget=budget if plan_path is None else None, plan=plan_path,
-                          sample=sample.to_dict(), hardware=hardware, fidelity=fidelity, lr=lr)
+                          sample=sample.to_dict(), hardware=hardware, fidelity=fidelity, lr=lr, run_dir=run_dir)
     wrapped.plan.save(run_dir / "plan.json")
     start = 0
     if resume and ckpt.exists():
@@ -86,6 +86,7 @@ def train(model_name: str, *, budget: str, steps: int, batch_size: int, seq_len:
             log.write(json.dumps(record) + "\n")
             bar.update(task, completed=step + 1, info=f"loss {loss:.4f} | {mem}")
     log.close()
+    wrapped.close()  # flush the guard's telemetry, which `python -m memopt.report RUN_DIR` renders
     wrapped.save(ckpt)
     return {"plan": wrapped.plan.strategy.label(), "steps_done": wrapped.steps_done, "losses": losses,
             "checkpoint": str(ckpt)}

@@ -16,6 +16,13 @@ def test_train_cli_runs_a_tiny_recipe_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     log = [json.loads(x) for x in (run / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6, 7, 8]  # continued at step 5, nothing repeated
+    # the run directory is one that `memopt.report` reads: every trained step's telemetry, timelines as PNG
+    report = subprocess.run([sys.executable, "-m", "memopt.report", str(run)], capture_output=True, text=True,
+                            timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert report.stdout.startswith("8 steps")
+    png = (run / "report" / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_train_cli_bad_model_is_explained(tmp_path):

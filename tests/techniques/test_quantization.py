@@ -442,3 +442,17 @@ def test_fake_trace_of_quantized_variants_runs():
         peaks[name] = res.peak_allocated_bytes
     assert all(p > 0 for p in peaks.values())
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # the user's model is never touched
+
+
+def test_quantized_layers_keep_the_mode_of_the_layers_they_replace(tiny):
+    """bitsandbytes chooses its CPU kernel by the module's mode: a layer quantized into an eval model that came
+    out in training mode computed with another kernel than the same layer loaded quantized and put in eval."""
+    model, _ = tiny
+    for mode in (False, True):
+        model.train(mode)
+        undo = apply_quantization(model, QuantSetting())
+        try:
+            quantized = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+            assert quantized and all(m.training is mode for m in quantized)
+        finally:
+            undo()
