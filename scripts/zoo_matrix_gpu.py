@@ -1,0 +1,466 @@
+#!/usr/bin/env python
+"""memopt.wrap on models, shapes and budgets that no config ships, measured under the hard cap on one GPU.
+
+Each row builds a model from a transformers config (or a plain-PyTorch model) at a real size, makes a batch,
+calls ``memopt.wrap(model, budget=..., sample=batch)`` exactly as a user would (planning on this machine, fake-CUDA
+trace included), trains ``--steps`` steps and records the prediction beside the measurement:
+
+    python scripts/zoo_matrix_gpu.py run --out $OUT/zoo.jsonl [--rows ID,ID] [--width 3] [--deadline-s 540]
+    python scripts/zoo_matrix_gpu.py report benchmarks/any_model/zoo_h200.jsonl --out benchmarks/any_model/zoo_h200
+
+Each row runs in its own process (an OOM or a crash ends only that row); several rows share the GPU at once when
+their budgets fit together (``--width``), so the step times of such a run are not timing data. Fields:
+``predicted_peak_allocated_bytes`` / ``measured_peak_allocated_bytes`` (the peak over the steps after the first two,
+which hold the autotune), ``first_step_peak_allocated_bytes``, ``measured_total_bytes`` (the process's GPU memory
+as the driver reports it: reserved plus everything outside the allocator), ``budget_bytes``, ``first_try_oom``
+(any out-of-memory error the allocator raised in the process: autotune, guard recovery or step), ``crashed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class ZooRow:
+    id: str
+    kind: str  # "causal", "seq2seq", "masked", "seqcls", "tokcls", "image", "torchvision", "custom"
+    model_type: str  # a transformers model_type, a torchvision builder, or a custom model's name
+    config: dict[str, Any]
+    batch_size: int
+    seq_len: int = 0
+    image_size: int = 224
+    budget: str = "24GiB"
+    fidelity: str = "default"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _llm(id: str, model_type: str, cfg: dict, b: int, s: int, budget: str, **kw: Any) -> ZooRow:
+    return ZooRow(id, "causal", model_type, cfg, b, s, budget=budget, **kw)
+
+
+TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, intermediate_size=5632, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+PYTHIA410 = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                 vocab_size=50304, max_position_embeddings=4096)
+GEMMA2_2B = dict(hidden_size=2304, num_hidden_layers=26, intermediate_size=9216, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=256, vocab_size=256000, final_logit_softcapping=30.0,
+                 attn_logit_softcapping=50.0, max_position_embeddings=8192)
+PHI3_MINI = dict(hidden_size=3072, num_hidden_layers=32, intermediate_size=8192, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)
+OLMO2_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=100352, max_position_embeddings=4096)
+MISTRAL_7B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192, sliding_window=None)
+OPT350 = dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16, vocab_size=50272,
+              word_embed_proj_dim=512, max_position_embeddings=2048)
+GPT2_1B = dict(n_embd=1600, n_layer=24, n_head=25, vocab_size=50257, n_positions=2048)
+QWEN2MOE_1B = dict(hidden_size=1024, num_hidden_layers=12, intermediate_size=2816, moe_intermediate_size=512,
+                   shared_expert_intermediate_size=2048, num_experts=16, num_experts_per_tok=4,
+                   num_attention_heads=16, num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096)
+STABLELM_3B = dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=6912, num_attention_heads=32,
+                   num_key_value_heads=32, vocab_size=50304, max_position_embeddings=4096)
+T5_V11_BASE = dict(d_model=768, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12, d_kv=64,
+                   vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+BART_LARGE = dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                  decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
+                  max_position_embeddings=1024)
+ROBERTA_LARGE = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                     vocab_size=50265, max_position_embeddings=514)
+DEBERTA_BASE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
+                    vocab_size=128100, max_position_embeddings=512, relative_attention=True,
+                    position_biased_input=False, pos_att_type=["p2c", "c2p"], num_labels=3)
+ELECTRA_LARGE = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                     vocab_size=30522, embedding_size=1024, num_labels=9)
+VIT_HUGE_ISH = dict(hidden_size=1280, num_hidden_layers=24, intermediate_size=5120, num_attention_heads=16,
+                    image_size=224, patch_size=14, num_labels=1000)
+CONVNEXT_BASE = dict(hidden_sizes=[128, 256, 512, 1024], depths=[3, 3, 27, 3], num_labels=1000)
+SWIN_BASE = dict(embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32], image_size=224, num_labels=1000)
+
+ROWS: list[ZooRow] = [
+    _llm("mistral7b-2x4096-100GB", "mistral", MISTRAL_7B, 2, 4096, "100GB"),
+    _llm("tinyllama1.1b-16x2048-24GiB", "llama", TINYLLAMA, 16, 2048, "24GiB"),
+    _llm("tinyllama1.1b-16x2048-24GiB-8bit", "llama", TINYLLAMA, 16, 2048, "24GiB", fidelity="8bit"),
+    _llm("tinyllama1.1b-4x4096-16GB", "llama", TINYLLAMA, 4, 4096, "16GB"),
+    _llm("pythia410m-16x2048-16GiB", "gpt_neox", PYTHIA410, 16, 2048, "16GiB"),
+    _llm("pythia410m-32x1024-10GB", "gpt_neox", PYTHIA410, 32, 1024, "10GB"),
+    _llm("gemma2-2b-8x2048-24GiB", "gemma2", GEMMA2_2B, 8, 2048, "24GiB"),
+    _llm("gemma2-2b-8x2048-40GB", "gemma2", GEMMA2_2B, 8, 2048, "40GB"),
+    _llm("phi3mini3.8b-8x2048-60GB", "phi3", PHI3_MINI, 8, 2048, "60GB"),
+    _llm("phi3mini3.8b-4x2048-40GiB-8bit", "phi3", PHI3_MINI, 4, 2048, "40GiB", fidelity="8bit"),
+    _llm("olmo2-7b-4x2048-80GB", "olmo2", OLMO2_7B, 4, 2048, "80GB"),
+    _llm("opt350m-16x2048-12GiB", "opt", OPT350, 16, 2048, "12GiB"),
+    _llm("gpt2-1.1b-8x1024-16GiB", "gpt2", GPT2_1B, 8, 1024, "16GiB"),
+    _llm("gpt2-1.1b-16x2048-32GB", "gpt2", GPT2_1B, 16, 2048, "32GB"),
+    _llm("qwen2moe1b-8x2048-24GiB", "qwen2_moe", QWEN2MOE_1B, 8, 2048, "24GiB"),
+    _llm("qwen2moe1b-16x1024-12GiB", "qwen2_moe", QWEN2MOE_1B, 16, 1024, "12GiB"),
+    _llm("stablelm3b-8x2048-32GiB", "stablelm", STABLELM_3B, 8, 2048, "32GiB"),
+    ZooRow("t5v11base-16x512-12GiB", "seq2seq", "t5", T5_V11_BASE, 16, 512, budget="12GiB"),
+    ZooRow("t5v11base-32x1024-24GiB", "seq2seq", "t5", T5_V11_BASE, 32, 1024, budget="24GiB"),
+    ZooRow("bartlarge-16x1024-16GiB", "seq2seq", "bart", BART_LARGE, 16, 1024, budget="16GiB"),
+    ZooRow("robertalarge-mlm-32x512-12GiB", "masked", "roberta", ROBERTA_LARGE, 32, 512, budget="12GiB"),
+    ZooRow("debertav2base-cls-32x512-10GB", "seqcls", "deberta-v2", DEBERTA_BASE, 32, 512, budget="10GB"),
+    ZooRow("electralarge-tok-32x512-12GiB", "tokcls", "electra", ELECTRA_LARGE, 32, 512, budget="12GiB"),
+    ZooRow("vit632m-64x224-24GiB", "image", "vit", VIT_HUGE_ISH, 64, image_size=224, budget="24GiB"),
+    ZooRow("vit632m-128x224-40GB", "image", "vit", VIT_HUGE_ISH, 128, image_size=224, budget="40GB"),
+    ZooRow("convnextbase-64x224-12GiB", "image", "convnext", CONVNEXT_BASE, 64, image_size=224, budget="12GiB"),
+    ZooRow("swinbase-64x224-16GiB", "image", "swin", SWIN_BASE, 64, image_size=224, budget="16GiB"),
+    ZooRow("wideresnet101-128x224-20GB", "torchvision", "wide_resnet101_2", {}, 128, image_size=224,
+           budget="20GB"),
+    ZooRow("tied-resmlp-16blk-4x2048-12GiB", "custom", "tied_resmlp", dict(vocab=32000, width=2048, blocks=16),
+           4, 2048, budget="12GiB"),
+    ZooRow("gru-lm-32x512-8GiB", "custom", "gru_lm", dict(vocab=32000, width=1536, layers=3), 32, 512,
+           budget="8GiB"),
+    ZooRow("mha-encoder-32x1024-12GiB", "custom", "mha_encoder", dict(vocab=32000, width=1024, layers=12), 32,
+           1024, budget="12GiB"),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models and batches
+# ---------------------------------------------------------------------------------------------------------------
+
+def _custom_model(name: str, c: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    class TiedResMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["width"])
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(c["width"]), nn.Linear(c["width"], 4 * c["width"]),
+                                                      nn.GELU(), nn.Linear(4 * c["width"], c["width"]))
+                                        for _ in range(c["blocks"]))
+            self.norm = nn.LayerNorm(c["width"])
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = h + block(h)
+            logits = self.norm(h) @ self.embed.weight.t()
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class GRULM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["width"])
+            self.rnn = nn.GRU(c["width"], c["width"], num_layers=c["layers"], batch_first=True)
+            self.head = nn.Linear(c["width"], c["vocab"])
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h, _ = self.rnn(self.embed(input_ids))
+            return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
+
+    class MHAEncoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["width"])
+            layer = nn.TransformerEncoderLayer(c["width"], c["width"] // 64, 4 * c["width"], batch_first=True,
+                                               norm_first=True, dropout=0.0)
+            self.encoder = nn.TransformerEncoder(layer, c["layers"], enable_nested_tensor=False)
+            self.head = nn.Linear(c["width"], c["vocab"])
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.encoder(self.embed(input_ids))
+            return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
+
+    return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "mha_encoder": MHAEncoder}[name]()
+
+
+def build(row: ZooRow) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    if row.kind == "custom":
+        return _custom_model(row.model_type, row.config)
+    if row.kind == "torchvision":
+        import torchvision
+
+        return getattr(torchvision.models, row.model_type)(weights=None)
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(row.model_type, **row.config)
+    auto = {"causal": tf.AutoModelForCausalLM, "seq2seq": tf.AutoModelForSeq2SeqLM, "masked": tf.AutoModelForMaskedLM,
+            "seqcls": tf.AutoModelForSequenceClassification, "tokcls": tf.AutoModelForTokenClassification,
+            "image": tf.AutoModelForImageClassification}[row.kind]
+    return auto.from_config(config)  # the default attention: SDPA where the family supports it
+
+
+def batch_for(row: ZooRow, model: Any) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    b, s = row.batch_size, row.seq_len
+    if row.kind in ("image", "torchvision"):
+        x = torch.randn(b, 3, row.image_size, row.image_size, generator=g)
+        labels = torch.randint(0, 1000, (b,), generator=g)
+        return {"pixel_values": x, "labels": labels} if row.kind == "image" else {"x": x, "labels": labels}
+    vocab = row.config.get("vocab_size", row.config.get("vocab", 32000))
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    if row.kind == "seq2seq":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(0, vocab, (b, max(16, s // 4)), generator=g)}
+    if row.kind == "seqcls":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(0, row.config.get("num_labels", 2), (b,), generator=g)}
+    if row.kind == "tokcls":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(0, row.config.get("num_labels", 2), (b, s), generator=g)}
+    if row.kind == "masked":
+        labels = torch.where(torch.rand(b, s, generator=g) < 0.15, ids, torch.full_like(ids, -100))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _torchvision_loss(output: Any, batch: dict[str, Any]) -> Any:
+    import torch
+
+    return torch.nn.functional.cross_entropy(output.float(), batch["labels"])
+
+
+class _TorchvisionAdapter:
+    """torchvision classifiers take one positional tensor: the batch's ``x``."""
+
+    @staticmethod
+    def wrap(model: Any) -> Any:
+        import torch
+
+        class Adapter(torch.nn.Module):
+            def __init__(self, inner: Any) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x: Any, labels: Any = None) -> Any:
+                return self.inner(x)
+
+        return Adapter(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one row
+# ---------------------------------------------------------------------------------------------------------------
+
+def _process_gpu_bytes() -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid():
+                return int(p.usedGpuMemory)
+    except Exception:
+        return None
+    return None
+
+
+def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
+    import torch
+
+    import memopt
+    from memopt.units import parse_budget
+
+    out: dict[str, Any] = {"id": row.id, "kind": row.kind, "model_type": row.model_type, "fidelity": row.fidelity,
+                           "batch_size": row.batch_size, "seq_len": row.seq_len, "budget": row.budget,
+                           "crashed": False, "first_try_oom": False}
+    total = torch.cuda.get_device_properties(0).total_memory
+    out["budget_bytes"] = parse_budget(row.budget, device_total_bytes=total) if "%" in row.budget \
+        else parse_budget(row.budget)
+    stage = "build"
+    try:
+        t0 = time.perf_counter()
+        model = build(row)
+        if row.kind == "torchvision":
+            model = _TorchvisionAdapter.wrap(model)
+        batch = batch_for(row, model)
+        out["num_params"] = sum(p.numel() for p in model.parameters())
+        out["build_s"] = time.perf_counter() - t0
+        loss_fn = _torchvision_loss if row.kind == "torchvision" else None
+        stage = "wrap"
+        t_wrap = time.perf_counter()
+        wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4,
+                              loss_fn=loss_fn)
+        out["wrap_s"] = time.perf_counter() - t_wrap
+        plan = wrapped.plan
+        out["plan"] = plan.strategy.label()
+        out["predicted_peak_allocated_bytes"] = int(plan.peak_allocated_bytes)
+        out["predicted_peak_reserved_bytes"] = int(plan.peak_reserved_bytes)
+        out["predicted_total_bytes"] = int(plan.total_bytes)
+        out["predicted_step_s"] = float(plan.step_time_s)
+        losses, times, totals = [], [], []
+        stage = "train"
+        for i in range(steps):
+            if i == 2:
+                torch.cuda.synchronize()
+                out["first_steps_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            losses.append(float(wrapped.step(batch)))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            if i == 0:
+                out["time_to_first_step_end_s"] = out["wrap_s"] + times[0]
+                if wrapped.plan.strategy.label() != out["plan"]:
+                    out["autotuned_plan"] = wrapped.plan.strategy.label()
+                    out["predicted_peak_allocated_bytes"] = int(wrapped.plan.peak_allocated_bytes)
+                    out["predicted_peak_reserved_bytes"] = int(wrapped.plan.peak_reserved_bytes)
+                    out["predicted_total_bytes"] = int(wrapped.plan.total_bytes)
+                    out["predicted_step_s"] = float(wrapped.plan.step_time_s)
+            used = _process_gpu_bytes()
+            if used is not None:
+                totals.append(used)
+        out["final_plan"] = wrapped.plan.strategy.label()
+        out["losses"] = losses
+        out["step_s"] = times
+        out["measured_step_s"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
+        out["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        out["measured_total_bytes"] = max(totals) if totals else None
+        out["autotune_trials"] = getattr(wrapped, "autotune_trials", None)
+        wrapped.close()
+    except Exception as exc:
+        out["crashed"] = True
+        out["stage"] = stage
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
+        out["traceback"] = traceback.format_exc()[-3000:]
+    stats = torch.cuda.memory_stats()
+    out["num_ooms"] = int(stats.get("num_ooms", 0))
+    out["num_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+    out["first_try_oom"] = out["num_ooms"] > 0
+    pred, meas = out.get("predicted_peak_allocated_bytes"), out.get("measured_peak_allocated_bytes")
+    if pred and meas:
+        out["allocated_error"] = pred / meas - 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pool
+# ---------------------------------------------------------------------------------------------------------------
+
+def _run_pool(rows: list[ZooRow], out_file: Path, width: int, deadline_s: float, steps: int,
+              gpu_bytes: int) -> None:
+    from memopt.units import parse_budget
+
+    start = time.time()
+    pending = list(rows)
+    running: list[tuple[ZooRow, subprocess.Popen, float, int]] = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    while pending or running:
+        for r in list(running):
+            row, proc, t, _ = r
+            if proc.poll() is not None or time.time() - t > deadline_s:
+                if proc.poll() is None:
+                    proc.kill()
+                    with out_file.open("a") as f:
+                        f.write(json.dumps({"id": row.id, "crashed": True, "error": "timed out"}) + "\n")
+                running.remove(r)
+                print(f"[{time.time() - start:5.0f}s] done {row.id} rc={proc.returncode}", flush=True)
+        used = sum(b for *_, b in running)
+        while pending and len(running) < width and time.time() - start < deadline_s:
+            row = pending[0]
+            b = parse_budget(row.budget) if "%" not in row.budget else gpu_bytes
+            if running and used + b > gpu_bytes:
+                break
+            pending.pop(0)
+            proc = subprocess.Popen([sys.executable, __file__, "row", row.id, "--out", str(out_file),
+                                     "--steps", str(steps)], env=env)
+            running.append((row, proc, time.time(), b))
+            used += b
+            print(f"[{time.time() - start:5.0f}s] start {row.id}", flush=True)
+        if time.time() - start > deadline_s and not running:
+            break
+        time.sleep(0.5)
+    for row in pending:
+        print(f"not run (deadline): {row.id}", flush=True)
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:+.1f}%"
+
+
+def report(paths: list[Path], out: Path) -> None:
+    rows = [json.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
+    errs = [abs(r["allocated_error"]) for r in rows if r.get("allocated_error") is not None]
+    lines = ["| row | params | plan | predicted alloc | measured alloc | error | total / budget | first-try OOM "
+             "| crashed | pred step s | meas step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gib = 2 ** 30
+        share = (r["measured_total_bytes"] / r["budget_bytes"]) if r.get("measured_total_bytes") else None
+        lines.append(
+            f"| {r['id']} | {r.get('num_params', 0) / 1e9:.2f}B | {r.get('final_plan', r.get('error', ''))[:70]} "
+            f"| {r.get('predicted_peak_allocated_bytes', 0) / gib:.2f} GiB "
+            f"| {r.get('measured_peak_allocated_bytes', 0) / gib:.2f} GiB | {_pct(r.get('allocated_error'))} "
+            f"| {'n/a' if share is None else f'{100 * share:.1f}%'} | {r.get('first_try_oom')} | {r.get('crashed')} "
+            f"| {r.get('predicted_step_s', 0):.3f} | {r.get('measured_step_s', 0):.3f} |")
+    summary = {"rows": len(rows), "crashed": sum(bool(r.get("crashed")) for r in rows),
+               "first_try_oom": sum(bool(r.get("first_try_oom")) for r in rows),
+               "over_budget": sum(1 for r in rows if r.get("measured_total_bytes")
+                                  and r["measured_total_bytes"] > r["budget_bytes"]),
+               "allocated_error_median": statistics.median(errs) if errs else None,
+               "allocated_error_max": max(errs) if errs else None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text("\n".join([f"# memopt.wrap on unseen models (H200)\n", json.dumps(summary), "",
+                                                  *lines, ""]))
+    print(json.dumps(summary))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--rows", default="")
+    r.add_argument("--width", type=int, default=3)
+    r.add_argument("--deadline-s", type=float, default=540)
+    r.add_argument("--steps", type=int, default=6)
+    one = sub.add_parser("row")
+    one.add_argument("id")
+    one.add_argument("--out", required=True)
+    one.add_argument("--steps", type=int, default=6)
+    rep = sub.add_parser("report")
+    rep.add_argument("paths", nargs="+")
+    rep.add_argument("--out", required=True)
+    sub.add_parser("list")
+    args = ap.parse_args()
+    if args.cmd == "list":
+        for row in ROWS:
+            print(row.id)
+        return 0
+    if args.cmd == "report":
+        report([Path(p) for p in args.paths], Path(args.out))
+        return 0
+    if args.cmd == "row":
+        row = next(x for x in ROWS if x.id == args.id)
+        res = run_row(row, args.steps)
+        with Path(args.out).open("a") as f:
+            f.write(json.dumps(res) + "\n")
+        print(json.dumps({k: res.get(k) for k in ("id", "final_plan", "allocated_error", "first_try_oom",
+                                                   "crashed", "error", "time_to_first_step_end_s")}), flush=True)
+        return 0
+    import torch
+
+    wanted = [x for x in args.rows.split(",") if x]
+    rows = [x for x in ROWS if not wanted or x.id in wanted]
+    gpu_bytes = int(torch.cuda.get_device_properties(0).total_memory * 0.92)
+    _run_pool(rows, Path(args.out), args.width, args.deadline_s, args.steps, gpu_bytes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
