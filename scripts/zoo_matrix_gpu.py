@@ -415,7 +415,7 @@ def report(paths: list[Path], out: Path) -> None:
                "allocated_error_max": max(errs) if errs else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text("\n".join([f"# memopt.wrap on unseen models (H200)\n", json.dumps(summary), "",
+    out.with_suffix(".md").write_text("\n".join(["# memopt.wrap on unseen models (H200)\n", json.dumps(summary), "",
                                                   *lines, ""]))
     print(json.dumps(summary))
 
