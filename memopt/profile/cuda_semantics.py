@@ -15,8 +15,9 @@ while a trace runs, that maps the CPU ops that differ to what their CUDA kernels
    computes ``grad * output`` into a full-size buffer first; ``_safe_softmax`` builds a mask).
 
 Everything is undone on exit: no global state stays changed in the user's process, and
-``torch.cuda.is_available()`` is never touched. With a real GPU, memopt traces fake CUDA tensors
-directly and this layer is not used.
+``torch.cuda.is_available()`` is never touched. A machine with a GPU traces the same way, so the plan
+made next to the GPU is the one the dry run makes (``MEMOPT_TRACE_DEVICE=cuda`` traces fake CUDA tensors
+instead, to compare).
 
 Which paths are exact is listed in the README ("How the trace sees a GPU").
 """

@@ -9,9 +9,10 @@ traces those and composes the rest.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -55,11 +56,68 @@ class _Dropped(nn.Module):
     """Stands in, during the copy, for blocks that a truncated copy will not keep."""
 
 
+def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str | torch.device) -> torch.Tensor:
+    with fake_mode:
+        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
+
+
+@contextlib.contextmanager
+def _tensors_copy_as_fakes(fake_mode: FakeTensorMode, device: str | torch.device) -> Iterator[None]:
+    """While active, deep-copying any tensor the memo does not map yields a fake one: whatever the copy reaches
+    (a plain tensor attribute, an optimizer's states behind a hook's bound method) costs no real memory. A copy
+    of a model already on the GPU would otherwise allocate there, under the budget's cap."""
+    saved = torch.Tensor.__deepcopy__, nn.Parameter.__deepcopy__
+    torch.Tensor.__deepcopy__ = lambda self, memo: memo.setdefault(id(self), _fake_like(self, fake_mode, device))
+    nn.Parameter.__deepcopy__ = torch.Tensor.__deepcopy__
+    try:
+        yield
+    finally:
+        torch.Tensor.__deepcopy__, nn.Parameter.__deepcopy__ = saved
+
+
+def _is_hook_registry(name: str) -> bool:
+    return name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called"))
+
+
+def _copy_modules(model: nn.Module, memo: dict[int, object]) -> nn.Module:
+    """Module by module: every module of the tree gets an empty clone first (so any attribute that refers to a
+    module, a bound method or a partial of one, copies to the clone), then each clone's attributes. Hook
+    registries are shallow-copied (the callables are shared, the clone's own hooks stay its own); an attribute that
+    cannot be deep-copied (an open file, a lock, a process handle) is shared, since tracing only reads it."""
+    originals: list[nn.Module] = []
+    pending = [model]
+    while pending:  # not model.modules(): blocks the memo already maps (dropped ones) are not descended into
+        m = pending.pop()
+        if id(m) in memo:
+            continue
+        memo[id(m)] = m.__class__.__new__(m.__class__)
+        originals.append(m)
+        pending.extend(c for c in m._modules.values() if c is not None)
+    for m in originals:
+        clone = memo[id(m)]
+        for key, value in m.__dict__.items():
+            if key == "_modules":
+                new: object = {n: (memo[id(c)] if c is not None else None) for n, c in value.items()}
+            elif key in ("_parameters", "_buffers"):
+                new = {n: (copy.deepcopy(t, memo) if t is not None else None) for n, t in value.items()}
+            elif _is_hook_registry(key) and isinstance(value, dict):
+                new = type(value)(value)
+            else:
+                try:
+                    new = copy.deepcopy(value, memo)
+                except Exception:
+                    new = value
+            clone.__dict__[key] = new
+    return memo[id(model)]  # type: ignore[return-value]
+
+
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device,
               keep_blocks: int | None = None) -> nn.Module:
     """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
 
-    With ``keep_blocks``, stacks of interchangeable blocks keep only their first ``keep_blocks`` blocks; the
+    No real memory is taken, wherever the model lives (a model already on the GPU included). With
+    ``keep_blocks``, stacks of interchangeable blocks keep only their first ``keep_blocks`` blocks; the
     others are never copied (an 80-block model costs what a 4-block one does).
     """
     groups = tied_parameter_groups(model)
@@ -73,12 +131,12 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
                 for block in stack.blocks[keep_blocks:]:
                     memo[id(block)] = dropped
     try:
-        clone = copy.deepcopy(model, memo=memo)
+        with _tensors_copy_as_fakes(fake_mode, device):
+            clone = _copy_modules(model, memo)
     except Exception as exc:
         raise ValueError(
             f"memopt could not copy the model for tracing ({type(exc).__name__}: {exc}). "
-            "Build the model on the meta device (with torch.device('meta'): model = ...) and pass that, "
-            "or make the module deep-copyable"
+            "Build the model on the meta device (with torch.device('meta'): model = ...) and pass that"
         ) from exc
     for path in cut:
         parent_name, _, attr = path.rpartition(".")

@@ -12,6 +12,7 @@ phase markers at block boundaries.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,14 @@ __all__ = ["SimulationResult", "simulate_step", "trace_device"]
 
 
 def trace_device(policy: KernelPolicy) -> tuple[str, bool]:
-    """(device to trace on, whether CUDA semantics must be emulated)."""
-    if torch.cuda.is_available():
+    """(device to trace on, whether CUDA semantics must be emulated).
+
+    Every machine traces CPU fake tensors under the CUDA-semantics layer, a GPU machine too: it is the path that
+    the H200 measurements validate and CI replays, so a plan made beside the GPU is the plan the dry run makes.
+    Fake CUDA tensors followed other code paths and under-counted (OPT-350m: 8.5 GiB predicted where the emulated
+    trace predicts 15.4 and the H200 ran out of memory at 11.2). ``MEMOPT_TRACE_DEVICE=cuda`` still selects them,
+    on a GPU of the planned architecture, to compare the two."""
+    if os.environ.get("MEMOPT_TRACE_DEVICE") == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         if major * 10 + minor == policy.attention.sm:
             return "cuda", False
