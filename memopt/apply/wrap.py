@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.apply.batch import TrainingStep, check_batch
 from memopt.apply.budget import cap_to_plan, set_expandable_segments
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
@@ -127,6 +128,8 @@ class Wrapped:
 
         pins, user_opt = _optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
+        if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
+            merged_pins.setdefault("chunked_ce", 0)
         hw = resolve_hardware(self._hardware)
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
@@ -188,7 +191,7 @@ class Wrapped:
                 "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
                 "move_to": self.device}
 
-    def _run_autotune(self, batch: dict[str, Any]) -> None:
+    def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
         keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
         from memopt.apply.autotune import autotune, candidate_pins, describe
@@ -244,8 +247,10 @@ class Wrapped:
             raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
                              "or pass sample= to memopt.wrap")
 
-    def step(self, batch: dict[str, Any]) -> float:
-        """One optimizer step over the global ``batch``; returns its mean loss."""
+    def step(self, batch: Any) -> float:
+        """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
+        ``memopt.apply.batch``); returns its mean loss."""
+        check_batch(batch)
         if self._prepared is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
@@ -259,7 +264,7 @@ class Wrapped:
         else:
             loss = self._prepared.step.step(batch)
         self.steps_done += 1
-        self.items_seen += count_loss_items(batch)
+        self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss
 
     @contextlib.contextmanager
@@ -342,7 +347,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          plan: Plan | str | os.PathLike[str] | None = None, optimizer: str | Callable[..., Any] | None = "adamw",
          lr: float | None = None, weight_decay: float | None = None, betas: tuple[float, float] | None = None,
          optimizer_kwargs: dict[str, Any] | None = None,
-         loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None,
+         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         training_step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
          hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
@@ -352,18 +358,20 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          transaction: str = "auto") -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
-    ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
-    ``optimizer`` is a name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...)
-    with ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss
-    is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
-    budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
-    without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written to ``run_dir``),
-    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``); ``transaction``
-    says when the guard copies parameters and optimizer states before an optimizer step, to undo an OOM inside
-    it: "auto" (when the step is at risk), "always" or "never". ``autotune``
-    (default: on a GPU when wrap makes the plan) measures the planner's choice against the fastest plan of
-    each checkpointing mode on the first batch and keeps the fastest (``memopt.apply.autotune``); a saved
-    ``plan=`` is applied unchanged.
+    ``sample`` is optional: without it the plan is made when the first batch reaches ``step``. ``optimizer`` is a
+    name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...) with
+    ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss is made by
+    the batch contract of ``memopt.apply.batch``: ``training_step(model, batch) -> loss`` when given (a
+    Lightning-style step: you call the model), else the model called on the batch (a dict's keys that ``forward``
+    takes, a tensor, or a tuple/list ``(inputs..., target)``) and ``loss_fn(output, batch)`` or the output's
+    ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. On a GPU the
+    allocator is capped at the budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'``
+    detects the local GPU; without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written
+    to ``run_dir``), leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``);
+    ``transaction`` says when the guard copies parameters and optimizer states before an optimizer step, to undo an
+    OOM inside it: "auto" (when the step is at risk), "always" or "never". ``autotune`` (default: on a GPU when wrap
+    makes the plan) measures the planner's choice against the fastest plan of each checkpointing mode on the first
+    batch and keeps the fastest (``memopt.apply.autotune``); a saved ``plan=`` is applied unchanged.
 
     ``checkpoint``: safetensors file(s) holding the weights of a model built without them -- ``target`` a model
     spec (a shipped name such as ``"llama3_8b"``, a ``ModelSpec`` or its dict) or a module on the meta device.
@@ -376,6 +384,11 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
         if value is not None:
             kwargs[name] = value
     StepTransaction.check_mode(transaction)
+    if training_step is not None:
+        if loss_fn is not None:
+            raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
+                             "a training_step calls the model and makes the loss itself")
+        loss_fn = TrainingStep(training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if _is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer

@@ -83,9 +83,11 @@ class ShardedWrapped:
             set_expandable_segments(strategy.expandable_segments)
             self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
                                             self.device)
+        from memopt.apply.hf_models import is_causal_lm
         from memopt.blocks import find_block_stacks
         from memopt.techniques.checkpointing import apply_checkpointing
 
+        self._causal_lm = is_causal_lm(model)  # before an engine wraps it
         stacks = find_block_stacks(model)
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
@@ -102,7 +104,7 @@ class ShardedWrapped:
                            lr_scheduler=lr_scheduler(self.optimizer) if lr_scheduler is not None else None)
         self._step = DistributedTrainStep(model=self.model, optimizer=self.optimizer, strategy=strategy,
                                           device_type=self.device.type, device=self.device, loss_fn=loss_fn,
-                                          world_size=setting.world_size, **step_kw)
+                                          world_size=setting.world_size, causal_lm=self._causal_lm, **step_kw)
 
     def _engine(self, model: nn.Module, setting: ShardingSetting, strategy: Any, stacks: Any
                 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -140,11 +142,13 @@ class ShardedWrapped:
         return torch.optim.AdamW(model.parameters(), **self._opt_kwargs,
                                  **({"fused": True} if on_gpu else {"foreach": True}))
 
-    def step(self, batch: dict[str, Any]) -> float:
-        """One optimizer step; ``batch`` is this rank's share of the global batch, or the whole global batch."""
+    def step(self, batch: Any) -> float:
+        """One optimizer step; ``batch`` (any structure of ``memopt.apply.batch``) is this rank's share of the
+        global batch, or the whole global batch."""
+        from memopt.apply.batch import check_batch
+
         global_batch = int(getattr(self.plan, "global_batch", 0))
-        sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
-        if self.setting.world_size > 1 and sizes == {global_batch}:
+        if self.setting.world_size > 1 and check_batch(batch) == global_batch:
             batch = shard_batch(batch, self.rank, self.setting.world_size)
         return self._step.step(batch)
 

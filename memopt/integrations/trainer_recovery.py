@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from memopt.apply.hf_models import is_causal_lm
 from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.guard.recovery import (
     EscalationFailed,
@@ -80,7 +81,7 @@ class MicroBatchedTrainingStep:
         self.report = RecoveryReport()
         self._original = trainer.training_step  # the Trainer's bound method
         model = trainer.model
-        self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
+        self.causal_lm = is_causal_lm(model) if causal_lm is None else causal_lm
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
 
