@@ -1,10 +1,10 @@
 """A fake-tensor copy of the user's model: same structure, no memory, never touching the original.
 
-``fake_copy`` deep-copies the module tree with every parameter and buffer replaced by a meta tensor
-(so a real 70B model costs nothing to copy), then materializes them as fake tensors on the traced
-device inside ``FakeTensorMode``. ``to_empty`` unties shared weights; ties are recorded first and
-restored after. Optionally a stack of identical blocks is truncated to a few blocks: the profile
-traces those and composes the rest.
+``fake_copy`` copies the module tree with every parameter and buffer replaced by a meta tensor
+(so a real 70B model costs nothing to copy; attributes that cannot be copied, such as an open file, are
+shared), then materializes them as fake tensors on the traced device inside ``FakeTensorMode``. ``to_empty``
+unties shared weights; ties are recorded first and restored after. Optionally a stack of identical blocks is
+truncated to a few blocks: the profile traces those and composes the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,49 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
             setattr(owner, attr, first)
 
 
+def _copy_value(value: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of a module attribute; what cannot be copied (an open file, a lock, a bound method of an object
+    holding one) is shared with the original, its containers copied around it: the trace only reads such things."""
+    known = len(memo)
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # any object may refuse to be copied, in any way
+        # forget the half-built copies the failed attempt left in the memo (dicts keep insertion order), or a later
+        # reference to the same object would get one of them
+        for key in list(memo)[known:]:
+            if key != id(memo):  # deepcopy's keep-alive list: its objects' ids must stay taken
+                del memo[key]
+        if isinstance(value, dict):
+            out = copy.copy(value)  # keeps the type (OrderedDict of hooks, a config dict)
+            for k, v in value.items():
+                out[k] = _copy_value(v, memo)
+            return out
+        if isinstance(value, list):
+            return [_copy_value(v, memo) for v in value]
+        return value
+
+
+def _copy_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """The module tree copied one module at a time: parameters and buffers from ``memo`` (meta tensors), child
+    modules recursively, every other attribute by :func:`_copy_value`. A whole-model ``deepcopy`` would fail on
+    the first attribute that cannot be pickled (a log file kept on the model, a handle a hook holds)."""
+    found = memo.get(id(module))
+    if found is not None:
+        return found
+    clone = module.__class__.__new__(module.__class__)
+    memo[id(module)] = clone
+    state: dict[str, Any] = {}
+    for key, value in module.__dict__.items():
+        if key == "_modules":
+            state[key] = {n: (None if c is None else _copy_module(c, memo)) for n, c in value.items()}
+        elif key in ("_parameters", "_buffers"):
+            state[key] = {n: (None if t is None else memo.get(id(t), t)) for n, t in value.items()}
+        else:
+            state[key] = _copy_value(value, memo)
+    clone.__dict__.update(state)
+    return clone
+
+
 class _Dropped(nn.Module):
     """Stands in, during the copy, for blocks that a truncated copy will not keep."""
 
@@ -72,14 +116,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
                 cut.append(stack.path)
                 for block in stack.blocks[keep_blocks:]:
                     memo[id(block)] = dropped
-    try:
-        clone = copy.deepcopy(model, memo=memo)
-    except Exception as exc:
-        raise ValueError(
-            f"memopt could not copy the model for tracing ({type(exc).__name__}: {exc}). "
-            "Build the model on the meta device (with torch.device('meta'): model = ...) and pass that, "
-            "or make the module deep-copyable"
-        ) from exc
+    clone = _copy_module(model, memo)
     for path in cut:
         parent_name, _, attr = path.rpartition(".")
         parent = clone.get_submodule(parent_name) if parent_name else clone
