@@ -98,6 +98,7 @@ class Wrapped:
         self._enforce_budget = enforce_budget
         self._use_cache = use_cache
         self._prepared: Prepared | None = None
+        self._sharded: Any = None  # a ShardedWrapped when the plan offloads the model states
         self._guard_enabled = guard
         self._run_dir = run_dir
         self._transaction = transaction
@@ -141,15 +142,19 @@ class Wrapped:
         plan = self._replan(merged_pins)
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
-        if plan.strategy.extra("sharding") is not None:
-            raise ValueError(f"nothing fits on this GPU alone: the plan offloads the model states "
-                             f"({plan.strategy.label()}). Save it (memopt.plan(...).save('plan.json')) and apply it "
-                             "with memopt.wrap(model, plan='plan.json') in a torch.distributed process, or pin "
-                             "offload=False to see what fits without offload")
-        self._autotune_pending = self._autotune
+        if plan.strategy.extra("sharding") is not None and user_opt is not None:
+            raise ValueError(f"nothing fits on this GPU alone but a plan that offloads the model states "
+                             f"({plan.strategy.label()}), whose engine runs its own AdamW: pass optimizer='adamw' "
+                             "(with lr=...), or pin offload=False to see what fits without offload")
+        # an offload plan is applied by its engine (one process group of one, started by ShardedWrapped): no
+        # autotune among single-GPU candidates, which all failed to fit
+        self._autotune_pending = self._autotune and plan.strategy.extra("sharding") is None
         return plan
 
     def _apply(self, plan: Plan) -> None:
+        if plan.strategy.extra("sharding") is not None:
+            self._apply_sharded(plan)
+            return
         strategy = plan.strategy
         cuda = self.device.type == "cuda"
         if cuda:
@@ -167,6 +172,15 @@ class Wrapped:
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
             self._install_guard(plan, prepare_kwargs)
+
+    def _apply_sharded(self, plan: Plan) -> None:
+        """A one-GPU offload plan (DeepSpeed or FSDP2 with the states on the host), applied in this process."""
+        from memopt.distributed.wrapped import ShardedWrapped
+
+        self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
+                                       loss_fn=self._loss_fn, device=self.device, max_grad_norm=self._max_grad_norm,
+                                       lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint)
+        self.cap_fraction = self._sharded.cap_fraction
 
     def _load_checkpoint(self, strategy: Any) -> None:
         """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
@@ -234,8 +248,15 @@ class Wrapped:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        if self._sharded is not None:
+            return self._sharded.optimizer
         self._require_prepared()
         return self._prepared.optimizer
+
+    @property
+    def engine(self) -> Any:
+        """The offload plan's engine (a DeepSpeed engine or the FSDP2 module), or None."""
+        return self._sharded.model if self._sharded is not None else None
 
     @property
     def lr_scheduler(self) -> Any:
@@ -243,6 +264,10 @@ class Wrapped:
         return self._prepared.step.lr_scheduler
 
     def _require_prepared(self) -> None:
+        if self._sharded is not None:
+            raise ValueError(f"this plan offloads the model states through {self._sharded.setting.engine}, whose "
+                             "engine owns the forward, backward and optimizer step: train with step(batch), "
+                             "checkpoint with save(dir)/load(dir), reach the engine as wrapped.engine")
         if self._prepared is None:
             raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
                              "or pass sample= to memopt.wrap")
@@ -251,9 +276,14 @@ class Wrapped:
         """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
         ``memopt.apply.batch``); returns its mean loss."""
         check_batch(batch)
-        if self._prepared is None:
+        if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
+        if self._sharded is not None:
+            loss = self._sharded.step(batch)
+            self.steps_done += 1
+            self.items_seen += count_loss_items(batch, causal=self._sharded._step.causal_lm)
+            return loss
         if self._autotune_pending:
             self._run_autotune(batch)
         if self.guard is not None:
@@ -328,12 +358,22 @@ class Wrapped:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """A checkpoint of the model, optimizer, step and data position (an offload plan: its engine's folder)."""
+        if self._sharded is not None:
+            return self._sharded.save(path)
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(out.suffix + ".tmp")
         torch.save(self.state_dict(), tmp)
         tmp.replace(out)  # never leaves a half-written checkpoint where the last good one was
         return out
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Resume from ``save``'s checkpoint."""
+        if self._sharded is not None:
+            self._sharded.load(path)
+            return
+        self.load_state_dict(torch.load(path, weights_only=False))
 
     def describe(self) -> str:
         if self.plan is None:
