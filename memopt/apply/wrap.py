@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from memopt.apply.batch import TrainingStep, check_batch
-from memopt.apply.budget import cap_to_plan, set_expandable_segments
+from memopt.apply.budget import (
+    allocator_mode_in_force,
+    cap_to_plan,
+    set_expandable_segments,
+    warn_allocator_mode_fixed,
+)
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
 from memopt.guard.recovery import StepTransaction
@@ -131,6 +136,10 @@ class Wrapped:
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
         if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
             merged_pins.setdefault("chunked_ce", 0)
+        in_force = allocator_mode_in_force()
+        if in_force is not None and "expandable_segments" not in merged_pins:
+            merged_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
+            warn_allocator_mode_fixed(in_force)
         hw = resolve_hardware(self._hardware)
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
