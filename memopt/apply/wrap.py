@@ -299,7 +299,8 @@ class Wrapped:
             loss = self.guard.step(batch)
             if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
                 self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
-                self.plan = self.guard.plan
+            if self.guard.plan is not None:
+                self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
         else:
             loss = self._prepared.step.step(batch)
         self.steps_done += 1

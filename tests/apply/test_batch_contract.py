@@ -224,3 +224,44 @@ def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
         prof = memopt.profile(Blocks(), sample, hardware="h100_80gb", loss_fn=fn, use_cache=False)
         ests.append(memopt.estimate(prof, s))
     assert ests[0].peak_allocated_bytes == ests[1].peak_allocated_bytes > 0
+
+
+def test_the_guard_retries_the_same_tuple_batch_after_an_oom():
+    """An OOM in backward of a tuple-batch step: the guard re-plans and re-runs that same (x, y) batch, and the
+    run ends where the unwrapped loop does."""
+    from memopt.guard.faults import FaultInjector
+
+    torch.manual_seed(0)
+    model = Blocks(d=128)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    # long sequences: activations are a fair share of the plan's memory, so a smaller plan exists
+    batches = [(torch.randn(8, 1024, 128, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(out, b):
+        return F.cross_entropy(out.mean(1), b[1])
+
+    wrapped = memopt.wrap(model, budget="16GB", sample=batches[0], hardware="h100_80gb", device="cpu",
+                          use_cache=False, loss_fn=loss_fn, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          pins={"precision": "fp32"})
+    got = [wrapped.step(batches[0])]
+    before = wrapped.plan.strategy
+    injector = FaultInjector(at_attempt=1, phase="backward", after_ops=3)
+    wrapped.guard.oom.phase_listeners.append(injector.on_phase)
+    injector.attempt = 0  # the first step already ran
+    with injector:
+        got.append(wrapped.step(batches[1]))
+    # it did run out, and went on under a new plan (wrapped.plan said the old one after a micro-batch-only re-plan)
+    assert injector.fired and wrapped.plan.strategy != before
+    got.append(wrapped.step(batches[2]))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in batches:
+        loss = loss_fn(ref(x), (x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(wrapped.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
