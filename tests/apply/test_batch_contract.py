@@ -265,3 +265,31 @@ def test_the_guard_retries_the_same_tuple_batch_after_an_oom():
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(wrapped.model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_autotune_times_tuple_batches():
+    """wrap's measured choice among checkpointing modes (on by default on a GPU) runs the same contract: it moved
+    micro-batches with dict.items()."""
+    torch.manual_seed(0)
+    model = Blocks(d=64)
+    ref = copy.deepcopy(model)
+    batches = [(torch.randn(8, 256, 64, generator=torch.Generator().manual_seed(i)),
+                torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(i))) for i in range(2)]
+
+    def loss_fn(out, b):
+        return F.cross_entropy(out.mean(1), b[1])
+
+    wrapped = memopt.wrap(model, budget="16GB", sample=batches[0], hardware="h100_80gb", device="cpu",
+                          use_cache=False, loss_fn=loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                          pins={"precision": "fp32"}, autotune=True, guard=False)
+    got = [wrapped.step(b) for b in batches]
+    assert len(wrapped.autotune_trials) >= 2
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for b in batches:
+        loss = loss_fn(ref(b[0]), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert got == pytest.approx(want, rel=1e-5)
