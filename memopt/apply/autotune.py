@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.apply.batch import to_device
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.plan.schema import Plan
@@ -75,7 +76,7 @@ def _drop_grads(model: nn.Module, prepared: Prepared) -> None:
             p.grad = None
 
 
-def time_passes(model: nn.Module, prepared: Prepared, batch: dict[str, Any], *, repeats: int = 3,
+def time_passes(model: nn.Module, prepared: Prepared, batch: Any, *, repeats: int = 3,
                 sync: Callable[[], None] | None = None) -> float:
     """Seconds of the fastest forward+backward sweep over the micro-batches of ``batch`` after the first
     (which warms kernels and the allocator): the minimum is the least noisy estimate of what a configuration
@@ -90,8 +91,7 @@ def time_passes(model: nn.Module, prepared: Prepared, batch: dict[str, Any], *, 
         sync()
         start = time.perf_counter()
         for mb, n in zip(micro, counts):
-            loss = step.loss({k: v.to(step.device) if isinstance(v, torch.Tensor) and step.device is not None else v
-                              for k, v in mb.items()})
+            loss = step.loss(to_device(mb, step.device))
             step.backward(loss * (n / total))
             del loss
         sync()
@@ -116,8 +116,8 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def autotune(model: nn.Module, plans: Iterable[Plan], batch: dict[str, Any], prepare_kwargs: dict[str, Any], *,
-             timer: Callable[[nn.Module, Prepared, dict[str, Any]], float] = time_passes) -> tuple[Plan, list[Trial]]:
+def autotune(model: nn.Module, plans: Iterable[Plan], batch: Any, prepare_kwargs: dict[str, Any], *,
+             timer: Callable[[nn.Module, Prepared, Any], float] = time_passes) -> tuple[Plan, list[Trial]]:
     """Measure each distinct plan on ``batch`` and return the fastest (ties: the earlier, i.e. the planner's
     choice) with every trial. ``model`` must have no strategy applied."""
     seen: set[str] = set()

@@ -17,6 +17,22 @@ import torch
 __all__ = ["cap_allocator", "cap_to_plan", "outside_allocator_bytes", "set_expandable_segments"]
 
 
+def allocator_mode_in_force() -> bool | None:
+    """The allocator's ``expandable_segments`` mode when it can no longer change (CUDA already holds memory, e.g. a
+    model moved to the GPU before ``memopt.wrap``), else None (``set_expandable_segments`` can still choose)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized() or torch.cuda.memory_reserved() == 0:
+        return None
+    conf = [c for c in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c.startswith("expandable")]
+    return bool(conf) and conf[-1].split(":", 1)[-1].strip() == "True"
+
+
+def warn_allocator_mode_fixed(mode: bool) -> None:
+    """Say that the plan was made for the allocator mode already in force, not the one memopt would choose."""
+    warnings.warn(f"CUDA already holds memory (the model is on the GPU before memopt.wrap), so the allocator's "
+                  f"segment mode stays expandable_segments:{mode}; memopt planned for that mode. Call memopt.wrap "
+                  "before moving anything to the GPU to let it choose", stacklevel=3)
+
+
 def set_expandable_segments(enabled: bool) -> bool:
     """Choose the allocator's segment mode. Returns False (and warns) when it is too late to change it."""
     if not torch.cuda.is_available():

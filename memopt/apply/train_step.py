@@ -1,5 +1,7 @@
 """One optimizer step over the user's global batch: micro-batches, exact accumulation, the update.
 
+What a batch may be and how the loss is made: ``memopt.apply.batch``.
+
 The same code runs a real training step (``memopt.wrap``) and a simulated one on fake tensors (the
 profile's ground truth), so what is measured is what is predicted.
 
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.apply import batch as _batch
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
@@ -26,90 +29,42 @@ from memopt.techniques.precision import MasterWeights, forward_context
 
 __all__ = ["TrainStep", "count_loss_items", "default_loss", "split_batch"]
 
-LossFn = Callable[[Any, dict[str, Any]], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def split_batch(batch: dict[str, Any], micro_batch_size: int) -> list[dict[str, Any]]:
-    """Slice every tensor (and list) of a batch along dim 0 into micro-batches of ``micro_batch_size``."""
-    sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
-    if len(sizes) != 1:
-        raise ValueError(f"batch entries disagree on the batch size: {sorted(sizes)}; every tensor in the batch "
-                         "must have the samples along its first dimension")
-    total = sizes.pop()
-    out = []
-    for start in range(0, total, micro_batch_size):
-        out.append({k: (v[start:start + micro_batch_size] if isinstance(v, (torch.Tensor, list, tuple)) else v)
-                    for k, v in batch.items()})
-    return out
+def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Micro-batches of ``micro_batch_size`` samples along dim 0 (any batch structure: ``memopt.apply.batch``)."""
+    return _batch.split(batch, micro_batch_size)
 
 
-def count_loss_items(batch: dict[str, Any], *, causal: bool = False) -> int:
+def count_loss_items(batch: Any, *, causal: bool = False) -> int:
     """Tokens that carry loss (labels != -100), or samples when labels are per-sample. A causal LM predicts
     token i+1 at position i, so the first label of each row carries no loss (``causal=True``)."""
-    labels = _token_labels(batch, causal)
-    if labels is not None:
-        if type(labels).__name__ == "FakeTensor":
-            return labels.numel()  # a fake batch has no values: every label counts
-        return int((labels != -100).sum())
-    for v in batch.values():
-        if isinstance(v, torch.Tensor):
-            return v.shape[0]
-    raise ValueError("cannot count the samples of a batch with no tensors")
+    return _batch.count_loss_items(batch, causal=causal)
 
 
-def _token_labels(batch: dict[str, Any], causal: bool) -> torch.Tensor | None:
-    """The per-token labels that can carry loss (shifted by one for a causal LM), or None (per-sample labels)."""
-    labels = batch.get("labels")
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
-        return labels[..., 1:] if causal else labels
-    return None
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    return _batch.default_loss(output, batch)
 
 
-def default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None:
-        raise ValueError("the model output has no .loss: pass loss_fn=(output, batch) -> loss to memopt.wrap, "
-                         "or include labels in the batch")
-    return loss
-
-
-def _to(batch: dict[str, Any], device: torch.device | str | None) -> dict[str, Any]:
+def _to(batch: Any, device: torch.device | str | None) -> Any:
     """One micro-batch on ``device`` (the distributed steps move theirs one at a time)."""
-    if device is None:
-        return batch
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    return _batch.to_device(batch, device)
 
 
-def _stage(micro: list[dict[str, Any]], device: torch.device | str | None) -> list[dict[str, Any]]:
+def _stage(micro: list[Any], device: torch.device | str | None) -> list[Any]:
     """Every micro-batch on ``device`` at once, before the first forward. Host tensors bound for a GPU are pinned
     first: a copy from pageable memory blocks the host until the GPU has drained its queue, which on every
     micro-batch would stall the kernel launches ahead of it. (The estimate counts the whole global batch on the
     device already.)"""
     if device is None:
         return micro
-    device = torch.device(device)
-
-    def move(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor) or v.device == device:
-            return v
-        if device.type == "cuda" and v.device.type == "cpu" and type(v).__name__ != "FakeTensor":
-            v = v.pin_memory()
-        return v.to(device, non_blocking=True)
-
-    return [{k: move(v) for k, v in mb.items()} for mb in micro]
+    return [_batch.to_device(mb, device, pin=True) for mb in micro]
 
 
-def _loss_item_counts(micro: list[dict[str, Any]], causal: bool) -> list[int]:
+def _loss_item_counts(micro: list[Any], causal: bool) -> list[int]:
     """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them."""
-    pending: list[int | torch.Tensor] = []
-    for mb in micro:
-        labels = _token_labels(mb, causal)
-        if labels is not None and labels.device.type != "cpu" and type(labels).__name__ != "FakeTensor":
-            pending.append((labels != -100).sum())  # summed on the device, read back with the others
-        else:
-            pending.append(count_loss_items(mb, causal=causal))
+    pending = [_batch.count_pending(mb, causal=causal) for mb in micro]
     on_device = [i for i, c in enumerate(pending) if isinstance(c, torch.Tensor)]
     if on_device:
         values = torch.stack([pending[i] for i in on_device]).tolist()
@@ -151,14 +106,17 @@ class TrainStep:
             else:
                 yield
 
-    def loss(self, micro_batch: dict[str, Any]) -> torch.Tensor:
-        """The forward pass and loss of one micro-batch (under the strategy's autocast)."""
+    def loss(self, micro_batch: Any) -> torch.Tensor:
+        """The forward pass and loss of one micro-batch (under the strategy's autocast), by the batch contract of
+        ``memopt.apply.batch``; chunked cross-entropy replaces the model's own causal-LM loss."""
         with self._forward_ctx():
             if self.strategy.chunked_ce:
+                if self.loss_fn is not None or not isinstance(micro_batch, dict):
+                    raise ValueError("chunked cross-entropy replaces the model's own causal-LM loss; with a loss_fn, "
+                                     "a training_step or a non-dict batch the loss is yours: plan with chunked_ce=0")
                 loss = causal_lm_chunked_loss(self.model, micro_batch, chunks=self.strategy.chunked_ce)
             else:
-                out = self.model(**micro_batch)
-                loss = (self.loss_fn or default_loss)(out, micro_batch)
+                loss = _batch.compute_loss(self.model, micro_batch, self.loss_fn)
         if self.offload is not None:
             self.offload.flush()
         return loss
@@ -194,7 +152,7 @@ class TrainStep:
             self.lr_scheduler.step()
         self.steps_done += 1
 
-    def step(self, batch: dict[str, Any]) -> float:
+    def step(self, batch: Any) -> float:
         """One optimizer step over ``batch`` (the global batch); returns the batch's mean loss."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
         counts = _loss_item_counts(micro, self.causal_lm)

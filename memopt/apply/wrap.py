@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.budget import cap_to_plan, set_expandable_segments
+from memopt.apply.batch import TrainingStep, check_batch
+from memopt.apply.budget import (
+    allocator_mode_in_force,
+    cap_to_plan,
+    set_expandable_segments,
+    warn_allocator_mode_fixed,
+)
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
 from memopt.guard.recovery import StepTransaction
@@ -97,6 +103,7 @@ class Wrapped:
         self._enforce_budget = enforce_budget
         self._use_cache = use_cache
         self._prepared: Prepared | None = None
+        self._sharded: Any = None  # a ShardedWrapped when the plan offloads the model states
         self._guard_enabled = guard
         self._run_dir = run_dir
         self._transaction = transaction
@@ -127,6 +134,12 @@ class Wrapped:
 
         pins, user_opt = _optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
+        if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
+            merged_pins.setdefault("chunked_ce", 0)
+        in_force = allocator_mode_in_force()
+        if in_force is not None and "expandable_segments" not in merged_pins:
+            merged_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
+            warn_allocator_mode_fixed(in_force)
         hw = resolve_hardware(self._hardware)
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
@@ -138,15 +151,19 @@ class Wrapped:
         plan = self._replan(merged_pins)
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
-        if plan.strategy.extra("sharding") is not None:
-            raise ValueError(f"nothing fits on this GPU alone: the plan offloads the model states "
-                             f"({plan.strategy.label()}). Save it (memopt.plan(...).save('plan.json')) and apply it "
-                             "with memopt.wrap(model, plan='plan.json') in a torch.distributed process, or pin "
-                             "offload=False to see what fits without offload")
-        self._autotune_pending = self._autotune
+        if plan.strategy.extra("sharding") is not None and user_opt is not None:
+            raise ValueError(f"nothing fits on this GPU alone but a plan that offloads the model states "
+                             f"({plan.strategy.label()}), whose engine runs its own AdamW: pass optimizer='adamw' "
+                             "(with lr=...), or pin offload=False to see what fits without offload")
+        # an offload plan is applied by its engine (one process group of one, started by ShardedWrapped): no
+        # autotune among single-GPU candidates, which all failed to fit
+        self._autotune_pending = self._autotune and plan.strategy.extra("sharding") is None
         return plan
 
     def _apply(self, plan: Plan) -> None:
+        if plan.strategy.extra("sharding") is not None:
+            self._apply_sharded(plan)
+            return
         strategy = plan.strategy
         cuda = self.device.type == "cuda"
         if cuda:
@@ -164,6 +181,15 @@ class Wrapped:
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
             self._install_guard(plan, prepare_kwargs)
+
+    def _apply_sharded(self, plan: Plan) -> None:
+        """A one-GPU offload plan (DeepSpeed or FSDP2 with the states on the host), applied in this process."""
+        from memopt.distributed.wrapped import ShardedWrapped
+
+        self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
+                                       loss_fn=self._loss_fn, device=self.device, max_grad_norm=self._max_grad_norm,
+                                       lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint)
+        self.cap_fraction = self._sharded.cap_fraction
 
     def _load_checkpoint(self, strategy: Any) -> None:
         """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
@@ -188,7 +214,7 @@ class Wrapped:
                 "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
                 "move_to": self.device}
 
-    def _run_autotune(self, batch: dict[str, Any]) -> None:
+    def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
         keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
         from memopt.apply.autotune import autotune, candidate_pins, describe
@@ -231,8 +257,15 @@ class Wrapped:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        if self._sharded is not None:
+            return self._sharded.optimizer
         self._require_prepared()
         return self._prepared.optimizer
+
+    @property
+    def engine(self) -> Any:
+        """The offload plan's engine (a DeepSpeed engine or the FSDP2 module), or None."""
+        return self._sharded.model if self._sharded is not None else None
 
     @property
     def lr_scheduler(self) -> Any:
@@ -240,26 +273,38 @@ class Wrapped:
         return self._prepared.step.lr_scheduler
 
     def _require_prepared(self) -> None:
+        if self._sharded is not None:
+            raise ValueError(f"this plan offloads the model states through {self._sharded.setting.engine}, whose "
+                             "engine owns the forward, backward and optimizer step: train with step(batch), "
+                             "checkpoint with save(dir)/load(dir), reach the engine as wrapped.engine")
         if self._prepared is None:
             raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
                              "or pass sample= to memopt.wrap")
 
-    def step(self, batch: dict[str, Any]) -> float:
-        """One optimizer step over the global ``batch``; returns its mean loss."""
-        if self._prepared is None:
+    def step(self, batch: Any) -> float:
+        """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
+        ``memopt.apply.batch``); returns its mean loss."""
+        check_batch(batch)
+        if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
+        if self._sharded is not None:
+            loss = self._sharded.step(batch)
+            self.steps_done += 1
+            self.items_seen += count_loss_items(batch, causal=self._sharded._step.causal_lm)
+            return loss
         if self._autotune_pending:
             self._run_autotune(batch)
         if self.guard is not None:
             loss = self.guard.step(batch)
             if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
                 self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
-                self.plan = self.guard.plan
+            if self.guard.plan is not None:
+                self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
         else:
             loss = self._prepared.step.step(batch)
         self.steps_done += 1
-        self.items_seen += count_loss_items(batch)
+        self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss
 
     @contextlib.contextmanager
@@ -323,12 +368,22 @@ class Wrapped:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """A checkpoint of the model, optimizer, step and data position (an offload plan: its engine's folder)."""
+        if self._sharded is not None:
+            return self._sharded.save(path)
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(out.suffix + ".tmp")
         torch.save(self.state_dict(), tmp)
         tmp.replace(out)  # never leaves a half-written checkpoint where the last good one was
         return out
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Resume from ``save``'s checkpoint."""
+        if self._sharded is not None:
+            self._sharded.load(path)
+            return
+        self.load_state_dict(torch.load(path, weights_only=False))
 
     def describe(self) -> str:
         if self.plan is None:
@@ -342,7 +397,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          plan: Plan | str | os.PathLike[str] | None = None, optimizer: str | Callable[..., Any] | None = "adamw",
          lr: float | None = None, weight_decay: float | None = None, betas: tuple[float, float] | None = None,
          optimizer_kwargs: dict[str, Any] | None = None,
-         loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None,
+         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         training_step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
          hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
@@ -352,18 +408,20 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          transaction: str = "auto") -> Any:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
-    ``sample`` is optional: without it the plan is made when the first batch reaches ``step``.
-    ``optimizer`` is a name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...)
-    with ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss
-    is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
-    budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'`` detects the local GPU;
-    without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written to ``run_dir``),
-    leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``); ``transaction``
-    says when the guard copies parameters and optimizer states before an optimizer step, to undo an OOM inside
-    it: "auto" (when the step is at risk), "always" or "never". ``autotune``
-    (default: on a GPU when wrap makes the plan) measures the planner's choice against the fastest plan of
-    each checkpointing mode on the first batch and keeps the fastest (``memopt.apply.autotune``); a saved
-    ``plan=`` is applied unchanged.
+    ``sample`` is optional: without it the plan is made when the first batch reaches ``step``. ``optimizer`` is a
+    name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...) with
+    ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss is made by
+    the batch contract of ``memopt.apply.batch``: ``training_step(model, batch) -> loss`` when given (a
+    Lightning-style step: you call the model), else the model called on the batch (a dict's keys that ``forward``
+    takes, a tensor, or a tuple/list ``(inputs..., target)``) and ``loss_fn(output, batch)`` or the output's
+    ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. On a GPU the
+    allocator is capped at the budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'``
+    detects the local GPU; without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written
+    to ``run_dir``), leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``);
+    ``transaction`` says when the guard copies parameters and optimizer states before an optimizer step, to undo an
+    OOM inside it: "auto" (when the step is at risk), "always" or "never". ``autotune`` (default: on a GPU when wrap
+    makes the plan) measures the planner's choice against the fastest plan of each checkpointing mode on the first
+    batch and keeps the fastest (``memopt.apply.autotune``); a saved ``plan=`` is applied unchanged.
 
     ``checkpoint``: safetensors file(s) holding the weights of a model built without them -- ``target`` a model
     spec (a shipped name such as ``"llama3_8b"``, a ``ModelSpec`` or its dict) or a module on the meta device.
@@ -376,6 +434,11 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
         if value is not None:
             kwargs[name] = value
     StepTransaction.check_mode(transaction)
+    if training_step is not None:
+        if loss_fn is not None:
+            raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
+                             "a training_step calls the model and makes the loss itself")
+        loss_fn = TrainingStep(training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if _is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer

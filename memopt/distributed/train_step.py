@@ -31,22 +31,16 @@ from typing import Any
 
 import torch
 
+from memopt.apply import batch as _batch
 from memopt.apply.train_step import TrainStep, _to, count_loss_items, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
 
 
-def shard_batch(batch: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """Rank ``rank``'s contiguous share of a global batch (samples along dim 0, divisible by ``world_size``)."""
-    sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
-    if len(sizes) != 1:
-        raise ValueError(f"batch entries disagree on the batch size: {sorted(sizes)}")
-    total = sizes.pop()
-    if total % world_size:
-        raise ValueError(f"the global batch of {total} samples does not split evenly over {world_size} ranks")
-    per = total // world_size
-    lo = rank * per
-    return {k: (v[lo:lo + per] if isinstance(v, (torch.Tensor, list, tuple)) else v) for k, v in batch.items()}
+def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s contiguous share of a global batch (samples along dim 0, divisible by ``world_size``; any
+    batch structure of ``memopt.apply.batch``)."""
+    return _batch.shard(batch, rank, world_size)
 
 
 @dataclass
@@ -104,11 +98,11 @@ class DistributedTrainStep(TrainStep):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def step(self, batch: dict[str, Any]) -> float:
+    def step(self, batch: Any) -> float:
         """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = [count_loss_items(mb) for mb in micro]
-        samples = len(next(v for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))))
+        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
+        samples = _batch.batch_size(batch)
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
         if total_items == 0:
             raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
@@ -122,7 +116,7 @@ class DistributedTrainStep(TrainStep):
         _ = w
         return mean
 
-    def _local_step(self, micro: list[dict[str, Any]], counts: list[int], total_items: float) -> float:
+    def _local_step(self, micro: list[Any], counts: list[int], total_items: float) -> float:
         w = self.world_size
         local = 0.0
         self.last_micro_losses = []
@@ -143,7 +137,7 @@ class DistributedTrainStep(TrainStep):
         self.optimizer_step()
         return local
 
-    def _deepspeed_step(self, micro: list[dict[str, Any]], counts: list[int], total_items: float) -> float:
+    def _deepspeed_step(self, micro: list[Any], counts: list[int], total_items: float) -> float:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         if len(micro) != gas:
@@ -156,11 +150,10 @@ class DistributedTrainStep(TrainStep):
         device = engine.device if hasattr(engine, "device") else self.device
         for i, (mb, n) in enumerate(zip(micro, counts)):
             self._phase(f"forward[{i}]")
-            out = engine(**_to(mb, device))
-            loss = (self.loss_fn or _default_loss)(out, mb)
-            # the output (a language model's logits: 1.05 GB at 2 x 2048 tokens of Llama-3.2-1B) is not needed by
-            # backward; held through it, it sat on the peak (measured on the H200, raw/session8_call2)
-            del out
+            # the engine's forward by the batch contract; its output (a language model's logits: 1.05 GB at 2 x 2048
+            # tokens of Llama-3.2-1B) is not needed by backward and is dropped inside compute_loss: held through
+            # backward, it sat on the peak (measured on the H200, raw/session8_call2)
+            loss = _batch.compute_loss(engine, _to(mb, device), self.loss_fn)
             self._phase(f"backward[{i}]")
             engine.backward(loss * (n * w / total_items), scale_wrt_gas=False)
             engine.step()
@@ -171,8 +164,3 @@ class DistributedTrainStep(TrainStep):
         self.steps_done += 1
         return local
 
-
-def _default_loss(output: Any, batch: dict[str, Any]) -> torch.Tensor:
-    from memopt.apply.train_step import default_loss
-
-    return default_loss(output, batch)

@@ -12,6 +12,9 @@ or one-GPU offload). What is applied, in this order (each step needs the one bef
    generated config (ZeRO stage, offload, buckets, micro-batch and accumulation); or DDP;
 4. ``DistributedTrainStep``: exact token-weighted accumulation over the plan's micro-batches.
 
+On one GPU (an offload plan) no launcher is needed: a one-process group is started in the process
+(``single_process_group``) and ``memopt.wrap(model, budget=..., sample=...)`` applies the plan it made.
+
 ``step(batch)`` takes this rank's share of the global batch (what a ``DistributedSampler`` delivers), or the whole
 global batch, which it splits by rank.
 """
@@ -35,13 +38,38 @@ from memopt.distributed.sharding import (
 )
 from memopt.distributed.train_step import DistributedTrainStep, shard_batch
 
-__all__ = ["ShardedWrapped", "is_sharded_plan"]
+__all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
 
 
 def is_sharded_plan(plan: Any) -> bool:
     """Whether ``plan`` (a ``Plan`` or ``None``) carries a sharding setting."""
     strategy = getattr(plan, "strategy", None)
     return strategy is not None and strategy.extra("sharding") is not None
+
+
+def single_process_group(device: torch.device) -> bool:
+    """Start a one-process ``torch.distributed`` group (world size 1) when none exists, so that a one-GPU offload
+    plan's engine (DeepSpeed or FSDP2) runs in a plain ``python`` process. The group's store lives in this process
+    (no port is opened); the launcher variables the engines read are set where absent. Returns whether it started
+    one. A process that a launcher started as one rank of several is refused: its group must be the launcher's."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("this PyTorch build has no torch.distributed, which a one-GPU offload plan's engine needs: "
+                         "install a build with it, or pin offload=False")
+    if dist.is_initialized():
+        return False
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ValueError(f"WORLD_SIZE={world} says this process is one rank of a launched job, but torch.distributed "
+                         "is not initialized: call torch.distributed.init_process_group first (torchrun does)")
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(name, value)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return True
 
 
 def _world() -> tuple[int, int, int]:
@@ -76,6 +104,10 @@ class ShardedWrapped:
                                  "torch.distributed.init_process_group first)")
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        # one GPU: the engine still wants a process group; one of a single process is started here, not by the user
+        self.started_group = setting.world_size == 1 and single_process_group(self.device)
         self.cap_fraction: float | None = None
         if self.device.type == "cuda":  # the budget holds here as in memopt.wrap: allocator mode, then the hard cap
             from memopt.apply.budget import cap_to_plan, set_expandable_segments
@@ -83,9 +115,11 @@ class ShardedWrapped:
             set_expandable_segments(strategy.expandable_segments)
             self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
                                             self.device)
+        from memopt.apply.hf_models import is_causal_lm
         from memopt.blocks import find_block_stacks
         from memopt.techniques.checkpointing import apply_checkpointing
 
+        self._causal_lm = is_causal_lm(model)  # before an engine wraps it
         stacks = find_block_stacks(model)
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
@@ -102,7 +136,7 @@ class ShardedWrapped:
                            lr_scheduler=lr_scheduler(self.optimizer) if lr_scheduler is not None else None)
         self._step = DistributedTrainStep(model=self.model, optimizer=self.optimizer, strategy=strategy,
                                           device_type=self.device.type, device=self.device, loss_fn=loss_fn,
-                                          world_size=setting.world_size, **step_kw)
+                                          world_size=setting.world_size, causal_lm=self._causal_lm, **step_kw)
 
     def _engine(self, model: nn.Module, setting: ShardingSetting, strategy: Any, stacks: Any
                 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -140,11 +174,13 @@ class ShardedWrapped:
         return torch.optim.AdamW(model.parameters(), **self._opt_kwargs,
                                  **({"fused": True} if on_gpu else {"foreach": True}))
 
-    def step(self, batch: dict[str, Any]) -> float:
-        """One optimizer step; ``batch`` is this rank's share of the global batch, or the whole global batch."""
+    def step(self, batch: Any) -> float:
+        """One optimizer step; ``batch`` (any structure of ``memopt.apply.batch``) is this rank's share of the
+        global batch, or the whole global batch."""
+        from memopt.apply.batch import check_batch
+
         global_batch = int(getattr(self.plan, "global_batch", 0))
-        sizes = {len(v) for v in batch.values() if isinstance(v, (torch.Tensor, list, tuple))}
-        if self.setting.world_size > 1 and sizes == {global_batch}:
+        if self.setting.world_size > 1 and check_batch(batch) == global_batch:
             batch = shard_batch(batch, self.rank, self.setting.world_size)
         return self._step.step(batch)
 

@@ -1,10 +1,15 @@
 """``memopt.wrap(trainer, budget=...)``: a Hugging Face ``Trainer`` script, planned by memopt.
 
 The plan becomes the Trainer's own arguments (``per_device_train_batch_size``,
-``gradient_accumulation_steps``, ``bf16``/``fp16``, ``gradient_checkpointing``, ``optim``), and a callback
-sets the allocator mode and the budget cap when training begins. The Trainer can express a subset of
-memopt's techniques, so the search is restricted to it: checkpointing of every block or none, no
-activation offload, no chunked loss, AdamW variants the Trainer knows.
+``gradient_accumulation_steps``, ``bf16``/``fp16``, ``optim``), the precision also reaches the Trainer's
+accelerator (built before ``wrap``: ``memopt.integrations.trainer_setup``), memopt's own activation checkpointing
+is applied to the model's blocks (any number of them, or selectively; the Trainer's ``gradient_checkpointing``
+stays off), and a callback sets the budget cap when training begins. The search is restricted to what runs
+inside the Trainer's step: no activation offload, no chunked loss, AdamW variants the Trainer knows.
+
+The allocator's segment mode can change only before CUDA holds memory. A model the script already moved to the
+GPU fixes it: memopt then plans for the mode in force (a warning says so) rather than predicting for one that
+cannot be set.
 
 The global batch is the Trainer's per-device batch x gradient accumulation (x processes), as the user
 configured it; memopt keeps it and chooses how to split it.
@@ -16,6 +21,8 @@ from typing import Any
 
 import torch
 
+from memopt.apply.budget import allocator_mode_in_force, warn_allocator_mode_fixed
+from memopt.integrations.trainer_setup import TrainerCheckpointing, set_trainer_precision
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 
@@ -25,24 +32,31 @@ TRAINER_OPTIM = {"adamw_fused": "adamw_torch_fused", "adamw_foreach": "adamw_tor
                  "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit", "sgd": "sgd"}
 
 
-def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1) -> dict[str, Any]:
+def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1,
+                      memopt_checkpointing: bool = False) -> dict[str, Any]:
     """The TrainingArguments fields that carry out ``plan``. ``micro_batches_inside``: the Trainer gets the whole
     global batch of its process in one accumulation step, and memopt's ``training_step`` splits it into the
-    plan's micro-batches (what OOM recovery needs, see ``memopt.integrations.trainer_recovery``)."""
+    plan's micro-batches (what OOM recovery needs, see ``memopt.integrations.trainer_recovery``).
+    ``memopt_checkpointing``: memopt checkpoints the blocks itself (``TrainerCheckpointing``, any setting), so the
+    Trainer's own ``gradient_checkpointing`` stays off; otherwise the plan must checkpoint every block or none."""
     s = plan.strategy
     if s.activation_offload or s.chunked_ce or s.attention != "auto":
         raise ValueError(f"the plan uses techniques a Trainer cannot express ({s.label()}); plan with "
                          "memopt.wrap(trainer, ...) so the search is restricted to what the Trainer supports")
-    if s.checkpointing.mode == "selective" or (s.checkpointing.mode == "full" and s.checkpointing.num_blocks):
-        raise ValueError("the Trainer checkpoints every block or none; this plan checkpoints some blocks only")
+    partial = s.checkpointing.mode == "selective" or (s.checkpointing.mode == "full" and s.checkpointing.num_blocks)
+    if partial and not memopt_checkpointing:
+        raise ValueError("the Trainer's gradient_checkpointing checkpoints every block or none and this plan "
+                         "checkpoints some blocks only: apply it with memopt.wrap(trainer, plan=...), which "
+                         "checkpoints them itself")
+    hf_checkpointing = s.checkpointing.mode == "full" and not memopt_checkpointing
     per_process = max(1, plan.global_batch // max(1, world_size))
     return {
         "per_device_train_batch_size": per_process if micro_batches_inside else s.micro_batch_size,
         "gradient_accumulation_steps": 1 if micro_batches_inside else s.grad_accum_steps,
         "bf16": s.precision == "bf16_autocast",
         "fp16": s.precision == "fp16_autocast",
-        "gradient_checkpointing": s.checkpointing.mode == "full",
-        "gradient_checkpointing_kwargs": {"use_reentrant": False} if s.checkpointing.mode == "full" else None,
+        "gradient_checkpointing": hf_checkpointing,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False} if hf_checkpointing else None,
         "optim": TRAINER_OPTIM[s.optimizer],
     }
 
@@ -82,19 +96,54 @@ class MemoptCallback:
 
 
 def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
+    """The sample to plan for: the user's, else shapes (a model memopt makes batches for: a causal, masked or
+    seq2seq LM, an image classifier), else one global batch of the Trainer's own data, collated by its collator
+    from the longest of the first samples (any model: a classifier, a model with extra inputs)."""
+    from memopt.profile.api import spec_from_module
+
     args = trainer.args
     world = max(1, getattr(args, "world_size", 1))
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
     if isinstance(sample, dict) and "batch_size" in sample:
         return sample
-    extra = dict(sample or {})
+    if sample is not None and not isinstance(sample, dict):
+        return sample  # a batch (memopt.apply.batch)
     dataset = getattr(trainer, "train_dataset", None)
+    if not sample and spec_from_module(trainer.model) is None:
+        batch = _collated_batch(trainer, dataset, global_batch)
+        if batch is not None:
+            return batch
+    extra = dict(sample or {})
     if "seq_len" not in extra and dataset is not None and len(dataset) > 0:
         first = dataset[0]
         ids = first.get("input_ids") if isinstance(first, dict) else None
         if ids is not None:
             extra["seq_len"] = max(len(dataset[i]["input_ids"]) for i in range(min(len(dataset), 256)))
     return {"batch_size": global_batch, **extra}
+
+
+def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
+    """``size`` samples of the dataset through the Trainer's collator, the longest of the first 256 first (the plan
+    must hold for the longest batch), or None (no sized dataset or collator)."""
+    collator = getattr(trainer, "data_collator", None)
+    if dataset is None or collator is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return None
+    if hasattr(trainer, "_get_collator_with_removed_columns"):  # the columns the Trainer's loader drops, dropped
+        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+    rows = [dataset[i] for i in range(min(len(dataset), 256))]
+
+    def length(row: Any) -> int:
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        return len(ids) if ids is not None else 0
+
+    rows.sort(key=length, reverse=True)
+    rows = (rows * (size // len(rows) + 1))[:size]
+    try:
+        batch = collator(rows)
+    except Exception as exc:  # a collator that needs what the Trainer's loader adds
+        raise ValueError(f"memopt could not collate a sample batch with the Trainer's data_collator "
+                         f"({type(exc).__name__}: {exc}); pass sample=<one global batch> to memopt.wrap") from None
+    return dict(batch) if isinstance(batch, dict) else batch
 
 
 def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
@@ -116,11 +165,15 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     if plan is None:
         if budget is None:
             raise ValueError("memopt.wrap(trainer) needs budget= (e.g. '24GB') or a saved plan=")
-        restricted = {"activation_offload": [True], "checkpointing": ["selective"]}
+        restricted: dict[str, list[Any]] = {"activation_offload": [True]}
         for key, values in (forbid or {}).items():
             restricted.setdefault(key, [])
             restricted[key] = list(restricted[key]) + list(values if isinstance(values, (list, tuple)) else [values])
         trainer_pins = {"chunked_ce": 0, "attention": "auto", **(pins or {})}
+        in_force = allocator_mode_in_force()
+        if in_force is not None and "expandable_segments" not in trainer_pins:
+            trainer_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
+            warn_allocator_mode_fixed(in_force)
         sample = _sample_from_trainer(trainer, sample)
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             from memopt.plan.planner import resolve_hardware
@@ -130,11 +183,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
                          pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile)
-        # partial checkpointing is not expressible: fall back to the best plan with all or no blocks
-        if plan.fits and plan.strategy.checkpointing.num_blocks:
-            plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy,
-                             fidelity=fidelity, pins={**trainer_pins, "checkpointing": "full"}, forbid=restricted,
-                             use_cache=use_cache, profile=profile)
     if not plan.fits:
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
@@ -142,14 +190,19 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
 
     set_expandable_segments(plan.strategy.expandable_segments)
     world = max(1, getattr(trainer.args, "world_size", 1))
-    for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world).items():
+    for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world,
+                                        memopt_checkpointing=True).items():
         if value is None and key == "gradient_checkpointing_kwargs":
             continue
+        if key in ("bf16", "fp16"):
+            continue  # set with the accelerator's precision below
         setattr(trainer.args, key, value)
     if hasattr(trainer, "_train_batch_size"):  # the Trainer copies the batch size at init; its loader reads the copy
         trainer._train_batch_size = trainer.args.train_batch_size
-    if plan.strategy.checkpointing.mode == "full" and hasattr(trainer.model, "gradient_checkpointing_enable"):
-        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_trainer_precision(trainer, plan.strategy.precision)
+    checkpointing = TrainerCheckpointing(trainer.model)
+    checkpointing.apply(plan.strategy.checkpointing)
+    trainer.memopt_checkpointing = checkpointing
     callback = MemoptCallback(plan, enforce_budget)
     trainer.add_callback(callback)
     trainer.memopt_plan = plan

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from memopt.apply.hf_models import is_causal_lm
 from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.guard.recovery import (
     EscalationFailed,
@@ -51,8 +52,7 @@ Escalate = Callable[[Plan, OOMMeasurement | None, int], Plan]
 
 def trainer_escalator(profile: Any = None) -> Escalate:
     """Escalation a running Trainer can apply: the planner on ``profile`` (or ``step_down`` without one) with the
-    running precision and optimizer pinned; the Trainer checkpoints every block or none, so a plan that
-    checkpoints some blocks becomes one that checkpoints all (never less saving)."""
+    running precision and optimizer pinned (memopt checkpoints the blocks itself: any setting applies)."""
     def escalate(plan: Plan, measured: OOMMeasurement | None, attempt: int) -> Plan:
         s = plan.strategy
         pins = {**plan.policy.get("pins", {}), "precision": s.precision, "optimizer": s.optimizer}
@@ -61,8 +61,6 @@ def trainer_escalator(profile: Any = None) -> Escalate:
             new = PlanEscalator(profile)(pinned, measured, attempt)
         else:
             new = step_down(pinned, measured, attempt)
-        if new.strategy.checkpointing.mode != "none" and new.strategy.checkpointing.num_blocks is not None:
-            new = dataclasses.replace(new, strategy=new.strategy.replace(checkpointing=Checkpointing(mode="full")))
         return new
 
     return escalate
@@ -80,7 +78,7 @@ class MicroBatchedTrainingStep:
         self.report = RecoveryReport()
         self._original = trainer.training_step  # the Trainer's bound method
         model = trainer.model
-        self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
+        self.causal_lm = is_causal_lm(model) if causal_lm is None else causal_lm
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
 
@@ -193,15 +191,24 @@ class MicroBatchedTrainingStep:
         for p in model.parameters():
             p.grad = None
 
+    def _checkpoint(self, model: torch.nn.Module, setting: Checkpointing) -> None:
+        """memopt's checkpointing on the Trainer's model (``wrap`` put a ``TrainerCheckpointing`` there)."""
+        from memopt.integrations.trainer_setup import TrainerCheckpointing
+
+        current = getattr(self.trainer, "memopt_checkpointing", None)
+        if current is None:
+            current = TrainerCheckpointing(getattr(model, "module", model))
+            self.trainer.memopt_checkpointing = current
+        try:
+            current.apply(setting)
+        except ValueError as exc:
+            raise MemoptOOMError(f"the escalated plan cannot be applied: {exc}", self.report) from None
+
     def _apply(self, new: Plan, model: torch.nn.Module, attempt: int) -> None:
         old = self.plan.strategy
         s = new.strategy
-        if s.checkpointing.mode != "none" and old.checkpointing.mode == "none":
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise MemoptOOMError("the escalated plan checkpoints activations, which this model cannot do under "
-                                     "the Trainer (no gradient_checkpointing_enable)", self.report)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.trainer.args.gradient_checkpointing = True
+        if s.checkpointing != old.checkpointing:
+            self._checkpoint(model, s.checkpointing)
         self.report.replans.append({"attempt": attempt, "step": int(getattr(self.trainer.state, "global_step", 0)),
                                     "from": old.label(), "to": s.label()})
         self.plan = new

@@ -75,13 +75,22 @@ def _is_shapes(sample: Any) -> bool:
                               and all(not isinstance(v, torch.Tensor) for v in sample.values()))
 
 
+def _is_model_batch(sample: Any) -> bool:
+    """A dict batch of the model's own inputs (made again by ``make_batch`` at any size); a batch with other keys
+    (a target beside the inputs) is traced with its own structure."""
+    from memopt.models.sample import BATCH_KEYS
+
+    return isinstance(sample, dict) and ("input_ids" in sample or "pixel_values" in sample) and set(sample) <= set(
+        BATCH_KEYS)
+
+
 def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
     from memopt.models import SampleSpec, make_batch
 
     if spec is None and (_is_shapes(sample) or isinstance(sample, dict)):
         derived = spec_from_module(module)
-        if derived is not None and (_is_shapes(sample) or "input_ids" in sample or "pixel_values" in sample):
+        if derived is not None and (_is_shapes(sample) or _is_model_batch(sample)):
             spec = derived
     if spec is not None:
         parsed = SampleSpec.parse(sample, spec)
@@ -93,39 +102,31 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
 
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
-    if not isinstance(sample, dict) or not sample:
+    return _structure_factory(sample)
+
+
+def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
+    """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
+    ``memopt.apply.batch``), ``b`` samples each."""
+    from memopt.apply import batch as batch_contract
+
+    if not isinstance(sample, (torch.Tensor, dict, list, tuple)) or not batch_contract.tensors(sample):
         raise ValueError(
-            "a custom nn.Module needs sample=<a batch>: a dict of tensors shaped like one global batch "
-            "(its first dimension is the batch), e.g. "
-            "{'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
+            "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list or dict of tensors shaped like "
+            "one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
+            "torch.zeros(32, dtype=torch.long)) or {'x': torch.randn(32, 784), 'labels': torch.zeros(32, "
+            f"dtype=torch.long)}}; got {type(sample).__name__}"
         )
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    batch_size = None
-    problems = []
-    for k, v in sample.items():
-        if not isinstance(v, torch.Tensor):
-            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
-            continue
-        if v.dim() == 0:
-            problems.append(f"{k!r} is a scalar; every entry needs the batch as its first dimension")
-            continue
-        shapes[k] = (tuple(v.shape), v.dtype)
-        batch_size = batch_size or v.shape[0]
-        if v.shape[0] != batch_size:
-            problems.append(f"{k!r} has {v.shape[0]} samples, others {batch_size}")
-    if problems:
-        raise ValueError("invalid sample batch: " + "; ".join(problems))
+    try:
+        batch_size = batch_contract.batch_size(sample)
+    except ValueError as exc:
+        raise ValueError(f"invalid sample batch: {exc}") from None
+    template = batch_contract.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
 
-    def factory(b: int, device: str) -> dict[str, Any]:
-        out = {}
-        for k, (shape, dtype) in shapes.items():
-            size = (b, *shape[1:])
-            out[k] = torch.randn(size, device=device).to(dtype) if dtype.is_floating_point else \
-                torch.zeros(size, dtype=dtype, device=device)
-        return out
+    def factory(b: int, device: str) -> Any:
+        return batch_contract.like(template, b, device)
 
-    seq = None
-    return factory, {"batch_size": batch_size, "tensors": {k: [list(s), str(d)] for k, (s, d) in shapes.items()}}, seq
+    return factory, {"batch_size": batch_size, "structure": batch_contract.structure(sample)}, None
 
 
 def default_variant(hardware: HardwareSpec) -> VariantKey:

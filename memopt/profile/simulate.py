@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memopt.apply.batch import check_batch
+from memopt.apply.batch import tensors as batch_tensors
 from memopt.apply.prepare import OptimizerSpec, prepare
 from memopt.apply.train_step import LossFn
 from memopt.blocks import find_block_stacks
@@ -67,10 +69,9 @@ class SimulationResult:
         return list(self.run.phases)
 
 
-def _make_fake_batch(batch_factory: Any, device: str) -> dict[str, Any]:
+def _make_fake_batch(batch_factory: Any, device: str) -> Any:
     batch = batch_factory(device)
-    if not isinstance(batch, dict):
-        raise ValueError("the sample must be a dict of tensors (input_ids, labels, ...)")
+    check_batch(batch)  # any structure of the batch contract (memopt.apply.batch)
     return batch
 
 
@@ -112,7 +113,7 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
                     for m in prepared.step.master.masters:
                         tracker.track(m, MemoryCategory.OPTIMIZER_STATES, "master_weight")
                 batch = _make_fake_batch(batch_factory, device)
-                for v in batch.values():
+                for v in batch_tensors(batch):
                     tracker.track(v, MemoryCategory.ACTIVATIONS, "input")
                 for _ in range(num_steps):
                     tracker.set_phase("step")

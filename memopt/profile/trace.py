@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memopt.apply.batch import tensors as batch_tensors
 from memopt.apply.prepare import prepare
 from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
@@ -277,7 +278,7 @@ class _RawTrace:
     model_state: dict[str, Any] | None = None
 
 
-BatchFactory = Callable[[int, str], dict[str, Any]]  # (micro_batch_size, device) -> batch
+BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.apply.batch)
 
 
 def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strategy: Strategy,
@@ -317,8 +318,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
                 for b in clone.buffers():
                     tracker.track(b, MemoryCategory.PARAMETERS, "buffer")
                 batch = batch_factory(micro_batch, device)
-                inputs = [v.untyped_storage().nbytes() for v in batch.values() if isinstance(v, torch.Tensor)]
-                for v in batch.values():
+                inputs = [v.untyped_storage().nbytes() for v in batch_tensors(batch)]
+                for v in batch_tensors(batch):
                     tracker.track(v, MemoryCategory.ACTIVATIONS, "input")
                 step: TrainStep = prepared.step
                 tracker.set_phase("forward[0]")

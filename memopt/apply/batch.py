@@ -1,0 +1,309 @@
+"""The batch and loss contract: what a batch may be, how it is split, moved and counted, how the loss is made.
+
+Every path that runs a training step (``memopt.wrap``, the profile's fake-tensor trace of the same step, the
+guard's retry of a batch, the distributed steps, the Hugging Face Trainer path) goes through this module, so they
+all accept the same batches.
+
+**A batch** is a tensor, or a tuple, list or dict of batches (nested to any depth; a namedtuple keeps its type).
+Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
+and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every micro-batch.
+
+**The loss of one micro-batch** (``compute_loss``), first rule that applies:
+
+1. ``training_step=(model, batch) -> loss`` (as a Lightning ``training_step``): called with the model and the
+   micro-batch, on the device, under the plan's autocast.
+2. a dict batch: ``model(**batch)`` with only the keys ``forward`` accepts (all of them when it takes
+   ``**kwargs``): a target kept beside the inputs for ``loss_fn`` is not passed to the model.
+3. a tensor batch: ``model(batch)``.
+4. a tuple/list batch: with ``loss_fn``, ``(inputs..., target)``: ``model(*batch[:-1])`` (a one-element batch:
+   ``model(batch[0])``); without ``loss_fn``, ``model(*batch)`` (a model that takes the target and returns the loss).
+
+then ``loss_fn(output, batch) -> loss`` when given, else the output's ``.loss`` (``output["loss"]``), or the
+output itself when it is a scalar tensor.
+
+**Exact accumulation.** Micro-batch ``i`` is weighted by ``n_i / N``. ``n_i`` counts the tokens that carry loss,
+``labels != -100``, when the batch has per-token integer labels (dict key ``labels``, or the last element of a
+tuple/list batch, at least 2-D); otherwise its samples (dim 0). For a loss that is the mean over those items
+(``F.cross_entropy``'s default ``ignore_index=-100`` and ``reduction="mean"``, Hugging Face's losses, an MSE mean
+over samples) the accumulated gradient then equals the gradient of the whole batch's loss; a sum-reduced or
+otherwise weighted loss is not made exact by any weighting and should be computed per micro-batch by the user.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TrainingStep", "batch_size", "compute_loss", "count_loss_items", "default_loss", "forward_kwargs",
+           "shard", "split", "structure", "tensors", "to_device", "token_labels", "tree_map"]
+
+IGNORE_INDEX = -100
+
+
+class TrainingStep:
+    """A user's ``(model, batch) -> loss``, carried where a ``loss_fn(output, batch)`` would be (so every path
+    that passes ``loss_fn`` along passes it too)."""
+
+    def __init__(self, fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        if not callable(fn):
+            raise ValueError(f"training_step must be a callable (model, batch) -> loss, got {type(fn).__name__}")
+        self.fn = fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.fn(model, batch)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {k: tree_map(fn, v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)  # a BatchEncoding or OrderedDict stays one
+        except TypeError:
+            return items
+    if _is_namedtuple(batch):
+        return type(batch)(*(tree_map(fn, v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(tree_map(fn, v) for v in batch)
+    return batch
+
+
+def _leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        return [(path or "batch", batch)]
+    if isinstance(batch, Mapping):
+        return [leaf for k, v in batch.items() for leaf in _leaves(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(batch, (list, tuple)):
+        return [leaf for i, v in enumerate(batch) for leaf in _leaves(v, f"{path}[{i}]")]
+    return []
+
+
+def tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in the batch."""
+    return [t for _, t in _leaves(batch)]
+
+
+def batch_size(batch: Any) -> int:
+    """The number of samples: dim 0 of every tensor with a dimension (they must agree)."""
+    sizes: dict[int, list[str]] = {}
+    for path, t in _leaves(batch):
+        if t.dim() > 0:
+            sizes.setdefault(int(t.shape[0]), []).append(path)
+    if not sizes:
+        kinds = type(batch).__name__
+        raise ValueError(f"the batch ({kinds}) holds no tensor with a batch dimension: pass a tensor, or a tuple, "
+                         "list or dict of tensors whose first dimension is the samples")
+    if len(sizes) > 1:
+        listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
+        raise ValueError(f"the batch's tensors disagree on the number of samples (dim 0): {listed}; every tensor "
+                         "must hold the samples along its first dimension")
+    return next(iter(sizes))
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    return tree_map(lambda t: t[lo:hi] if t.dim() > 0 else t, batch)
+
+
+def split(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Micro-batches of ``micro_batch_size`` samples (the last one may be smaller), same structure as ``batch``."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    total = batch_size(batch)
+    return [_slice(batch, lo, lo + micro_batch_size) for lo in range(0, total, micro_batch_size)]
+
+
+def shard(batch: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s contiguous share of a global batch (its samples must divide by ``world_size``)."""
+    total = batch_size(batch)
+    if total % world_size:
+        raise ValueError(f"the global batch of {total} samples does not split evenly over {world_size} ranks")
+    per = total // world_size
+    return _slice(batch, rank * per, (rank + 1) * per)
+
+
+def to_device(batch: Any, device: torch.device | str | None, *, pin: bool = False) -> Any:
+    """The batch on ``device`` (tensors already there are kept). ``pin``: host tensors bound for a GPU are pinned
+    first, so their copies do not block the host."""
+    if device is None:
+        return batch
+    device = torch.device(device)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        if pin and device.type == "cuda" and t.device.type == "cpu" and not _is_fake(t):
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+
+    return tree_map(move, batch)
+
+
+def _is_fake(t: Any) -> bool:
+    return type(t).__name__ == "FakeTensor"
+
+
+def labels_of(batch: Any) -> Any:
+    """The batch's labels: dict key ``labels``, or the last element of a tuple/list of 2+ elements; else None."""
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    if isinstance(batch, (list, tuple)) and not _is_namedtuple(batch) and len(batch) >= 2:
+        return batch[-1]
+    if _is_namedtuple(batch):
+        return getattr(batch, "labels", None)
+    return None
+
+
+def token_labels(batch: Any, causal: bool = False) -> torch.Tensor | None:
+    """Per-token integer labels that may carry loss (shifted by one for a causal LM: its first position carries
+    none), or None when the labels are per sample (or absent)."""
+    labels = labels_of(batch)
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return None
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        return None  # regression / soft targets: weighted by samples
+    return labels[..., 1:] if causal else labels
+
+
+def count_loss_items(batch: Any, *, causal: bool = False) -> int:
+    """Tokens that carry loss (labels != -100) where the batch has per-token labels, else its samples."""
+    labels = token_labels(batch, causal)
+    if labels is not None:
+        if _is_fake(labels):
+            return labels.numel()  # a fake batch has no values: every label counts
+        return int((labels != IGNORE_INDEX).sum())
+    return batch_size(batch)
+
+
+def count_pending(batch: Any, *, causal: bool = False) -> int | torch.Tensor:
+    """``count_loss_items``, left on the device as a tensor when the labels are there (read back in one sync)."""
+    labels = token_labels(batch, causal)
+    if labels is not None and labels.device.type != "cpu" and not _is_fake(labels):
+        return (labels != IGNORE_INDEX).sum()
+    return count_loss_items(batch, causal=causal)
+
+
+def _accepts(model: nn.Module) -> set[str] | None:
+    """The keyword names ``model.forward`` takes; None when it takes any (``**kwargs``). A Hugging Face model's
+    ``**kwargs`` are its ``TransformersKwargs`` (flash-attention lengths, ``num_items_in_batch``, ...): those and the
+    named parameters are what it takes, so a target kept beside its inputs is not sent down its layers."""
+    forward = model.forward
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        from memopt.apply.hf_models import hf_forward_kwargs, is_hf_model
+
+        if not is_hf_model(model):
+            return None
+        names |= hf_forward_kwargs()
+    return names
+
+
+def forward_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a dict batch that ``model.forward`` accepts (all of them when it takes ``**kwargs``)."""
+    names = _accepts(_unwrapped(model))
+    if names is None:
+        return dict(batch)
+    kept = {k: v for k, v in batch.items() if k in names}
+    if not kept:
+        raise ValueError(f"none of the batch's keys {sorted(batch)} is a parameter of {type(model).__name__}."
+                         f"forward ({', '.join(sorted(names)) or 'no keyword parameters'}): name the keys after "
+                         "forward's parameters, or pass training_step=(model, batch) -> loss to call it yourself")
+    return kept
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside a wrapper that forwards ``*args, **kwargs`` to it (DDP's and DeepSpeed's
+    ``module``), whose signature says nothing."""
+    inner = model
+    for _ in range(4):
+        candidate = getattr(inner, "module", None)
+        if not isinstance(candidate, nn.Module) or candidate is inner:
+            break
+        try:
+            params = inspect.signature(type(inner).forward).parameters.values()
+        except (TypeError, ValueError):
+            break
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+        inner = candidate
+    return inner
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """The output's ``.loss`` (or ``["loss"]``), or the output itself when it is a scalar tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if loss is None:
+        raise ValueError(f"the model returned a {type(output).__name__} without a loss: pass "
+                         "loss_fn=(output, batch) -> loss (e.g. lambda out, b: F.cross_entropy(out, b[1]) for an "
+                         "(x, y) batch) or training_step=(model, batch) -> loss to memopt.wrap, or include labels "
+                         "in a Hugging Face model's batch")
+    return loss
+
+
+def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Tensor:
+    """The loss of one micro-batch under the contract in this module's docstring."""
+    if isinstance(loss_fn, TrainingStep):
+        return loss_fn(model, batch)
+    if isinstance(batch, Mapping):
+        output = model(**forward_kwargs(model, batch))
+    elif isinstance(batch, torch.Tensor):
+        output = model(batch)
+    elif isinstance(batch, (list, tuple)):
+        if not batch:
+            raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
+        inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
+        output = model(*inputs)
+    else:
+        raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
+                         "list or dict of tensors (samples along dim 0)")
+    return (loss_fn or default_loss)(output, batch)
+
+
+def check_batch(batch: Any) -> int:
+    """The batch's sample count, or a one-line ValueError saying what a batch may be."""
+    if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
+        raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
+                         "list or dict of tensors (samples along dim 0)")
+    return batch_size(batch)
+
+
+def structure(batch: Any) -> Any:
+    """A JSON-able description of the batch: its containers, and each tensor's shape and dtype (the profile's
+    cache key and the recipe for fake batches of another size)."""
+    if isinstance(batch, torch.Tensor):
+        return {"shape": list(batch.shape), "dtype": str(batch.dtype).replace("torch.", "")}
+    if isinstance(batch, Mapping):
+        return {"dict": {str(k): structure(v) for k, v in batch.items()}}
+    if isinstance(batch, (list, tuple)):
+        return {"list" if isinstance(batch, list) else "tuple": [structure(v) for v in batch]}
+    return {"value": repr(batch)}
+
+
+def like(batch: Any, size: int, device: str | torch.device) -> Any:
+    """A batch of ``size`` samples with ``batch``'s structure, dtypes and per-sample shapes (random floats, zero
+    integers: valid class ids and never -100, so every label carries loss), created on ``device``."""
+
+    def make(t: torch.Tensor) -> torch.Tensor:
+        shape = (size, *t.shape[1:]) if t.dim() > 0 else ()
+        if t.is_floating_point():
+            return torch.randn(shape, device=device).to(t.dtype)
+        return torch.zeros(shape, dtype=t.dtype, device=device)
+
+    return tree_map(make, batch)

@@ -1,0 +1,295 @@
+"""The batch and loss contract (memopt.apply.batch): tuples, lists, tensors, dicts with extra keys and nested
+batches train through memopt.wrap exactly as an unwrapped loop does, micro-batched or not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.apply import batch as B
+
+
+class Blocks(nn.Module):
+    """Four identical blocks and a head: forward(x) -> logits."""
+
+    def __init__(self, d: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(4)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+class LossInside(Blocks):
+    """forward(x, y) -> the mean loss (a model that takes the target)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(x)
+        return F.cross_entropy(out, y) if y is not None else out.pow(2).mean()
+
+
+def _wrap(model: nn.Module, sample, micro: int, **kw):
+    return memopt.wrap(model, budget="4GB", sample=sample, hardware="h100_80gb", device="cpu", use_cache=False,
+                       pins={"micro_batch_size": micro, "precision": "fp32"},
+                       optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), **kw)
+
+
+def _reference(model: nn.Module, batches, loss_of, steps: int = 3):
+    """The unwrapped loop: the whole batch's loss, AdamW at the same lr."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in batches[:steps]:
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _assert_same(wrapped, ref_model, got, want):
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for (n, p), q in zip(wrapped.model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _xy(n: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+@pytest.mark.parametrize("micro", [8, 2])
+def test_tuple_batch_with_loss_fn_trains_exactly(micro):
+    torch.manual_seed(0)
+    model = Blocks()
+    ref = copy.deepcopy(model)
+    batches = [_xy(seed=i) for i in range(3)]
+    wrapped = _wrap(model, batches[0], micro, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    assert wrapped.plan.strategy.micro_batch_size == micro
+    got = [wrapped.step(b) for b in batches]
+    want = _reference(ref, batches, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_list_of_one_tensor_and_a_model_returning_its_loss():
+    torch.manual_seed(0)
+    model = LossInside()
+    ref = copy.deepcopy(model)
+    batches = [[_xy(seed=i)[0]] for i in range(3)]
+    wrapped = _wrap(model, batches[0], 4)
+    got = [wrapped.step(b) for b in batches]  # raised AttributeError: 'list' object has no attribute 'values'
+    want = _reference(ref, batches, lambda m, b: m(b[0]))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_tuple_passed_whole_to_a_model_that_takes_the_target():
+    torch.manual_seed(0)
+    model = LossInside()
+    ref = copy.deepcopy(model)
+    batches = [_xy(seed=i) for i in range(3)]
+    wrapped = _wrap(model, batches[0], 4)  # no loss_fn: model(x, y) returns the loss
+    got = [wrapped.step(b) for b in batches]
+    want = _reference(ref, batches, lambda m, b: m(*b))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_tensor_batch_is_the_model_input():
+    torch.manual_seed(0)
+    model = LossInside()
+    ref = copy.deepcopy(model)
+    batches = [_xy(seed=i)[0] for i in range(3)]
+    wrapped = _wrap(model, batches[0], 2)
+    got = [wrapped.step(b) for b in batches]
+    want = _reference(ref, batches, lambda m, b: m(b))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_dict_with_a_target_beside_the_inputs_is_not_passed_to_forward():
+    torch.manual_seed(0)
+    model = Blocks()
+    ref = copy.deepcopy(model)
+    batches = [dict(zip(("x", "targets"), _xy(seed=i))) for i in range(3)]
+    wrapped = _wrap(model, batches[0], 4, loss_fn=lambda out, b: F.cross_entropy(out, b["targets"]))
+    got = [wrapped.step(b) for b in batches]  # raised TypeError: forward() got an unexpected keyword 'targets'
+    want = _reference(ref, batches, lambda m, b: F.cross_entropy(m(b["x"]), b["targets"]))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_training_step_on_a_nested_batch():
+    torch.manual_seed(0)
+    model = Blocks()
+    ref = copy.deepcopy(model)
+
+    def step(m, b):
+        (x, noise), y = b["inputs"], b["y"]
+        return F.cross_entropy(m(x + 0.1 * noise), y)
+
+    def nested(i):
+        x, y = _xy(seed=i)
+        return {"inputs": (x, torch.randn_like(x)), "y": y, "epoch": 0}  # a non-tensor leaf rides along
+
+    batches = [nested(i) for i in range(3)]
+    wrapped = _wrap(model, batches[0], 2, training_step=step)
+    got = [wrapped.step(b) for b in batches]
+    want = _reference(ref, batches, step)
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_per_token_labels_weight_micro_batches_by_their_loss_tokens():
+    """Micro-batches with different numbers of -100 labels: weighted by tokens, the accumulated step equals the
+    whole batch's mean over every loss token (a per-sample weighting would not)."""
+    torch.manual_seed(0)
+    vocab, t = 7, 6
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, 16)
+            self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+            self.head = nn.Linear(16, vocab)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            for layer in self.layers:
+                h = h + torch.tanh(layer(h))
+            return self.head(h)
+
+    def loss_fn(out, b):
+        return F.cross_entropy(out.flatten(0, 1), b[1].flatten())  # mean over labels != -100
+
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, vocab, (4, t), generator=g)
+        labels = ids.clone()
+        labels[:2, 1:] = -100  # the first micro-batch carries 2 tokens, the second 12
+        return ids, labels
+
+    model = Tagger()
+    ref = copy.deepcopy(model)
+    batches = [batch(i) for i in range(3)]
+    assert [B.count_loss_items(mb) for mb in B.split(batches[0], 2)] == [2, 12]
+    wrapped = _wrap(model, batches[0], 2, loss_fn=loss_fn)
+    got = [wrapped.step(b) for b in batches]
+    want = _reference(ref, batches, lambda m, b: loss_fn(m(b[0]), b))
+    _assert_same(wrapped, ref, got, want)
+
+
+def test_split_and_move_keep_the_structure():
+    x, y = _xy(6)
+    nested = {"a": (x, [y, "tag"]), "scalar": torch.tensor(3.0), "n": 1}
+    parts = B.split(nested, 4)
+    assert [B.batch_size(p) for p in parts] == [4, 2]
+    assert isinstance(parts[1]["a"], tuple) and isinstance(parts[1]["a"][1], list) and parts[1]["a"][1][1] == "tag"
+    torch.testing.assert_close(parts[1]["a"][0], x[4:])
+    assert parts[0]["scalar"] is nested["scalar"] and parts[0]["n"] == 1  # 0-d and non-tensors: every micro-batch
+    moved = B.to_device(nested, "meta")
+    assert moved["a"][1][0].device.type == "meta" and moved["a"][1][1] == "tag"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"x": torch.zeros(4, 2), "y": torch.zeros(3)}, "disagree on the number of samples"),
+    ("text", "cannot train on a batch of type str"),
+    ((1, 2), "holds no tensor with a batch dimension"),
+])
+def test_bad_batches_get_one_line_errors(bad, words):
+    torch.manual_seed(0)
+    wrapped = _wrap(Blocks(), _xy(), 8, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    with pytest.raises(ValueError, match=words) as info:
+        wrapped.step(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_loss_fn_and_training_step_together_are_refused():
+    with pytest.raises(ValueError, match="not both"):
+        memopt.wrap(Blocks(), budget="4GB", sample=_xy(), hardware="h100_80gb", device="cpu",
+                    loss_fn=lambda o, b: o.sum(), training_step=lambda m, b: m(b[0]).sum())
+
+
+def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
+    """The trace follows the contract: the model traced from (x, y) allocates what it does from {'x', 'y'}."""
+    torch.manual_seed(0)
+    x, y = _xy(8)
+    s = memopt.Strategy(micro_batch_size=4, grad_accum_steps=2)
+    ests = []
+    for sample, fn in (((x, y), lambda out, b: F.cross_entropy(out, b[1])),
+                       ({"x": x, "y": y}, lambda out, b: F.cross_entropy(out, b["y"]))):
+        prof = memopt.profile(Blocks(), sample, hardware="h100_80gb", loss_fn=fn, use_cache=False)
+        ests.append(memopt.estimate(prof, s))
+    assert ests[0].peak_allocated_bytes == ests[1].peak_allocated_bytes > 0
+
+
+def test_the_guard_retries_the_same_tuple_batch_after_an_oom():
+    """An OOM in backward of a tuple-batch step: the guard re-plans and re-runs that same (x, y) batch, and the
+    run ends where the unwrapped loop does."""
+    from memopt.guard.faults import FaultInjector
+
+    torch.manual_seed(0)
+    model = Blocks(d=128)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    # long sequences: activations are a fair share of the plan's memory, so a smaller plan exists
+    batches = [(torch.randn(8, 1024, 128, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(out, b):
+        return F.cross_entropy(out.mean(1), b[1])
+
+    wrapped = memopt.wrap(model, budget="16GB", sample=batches[0], hardware="h100_80gb", device="cpu",
+                          use_cache=False, loss_fn=loss_fn, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          pins={"precision": "fp32"})
+    got = [wrapped.step(batches[0])]
+    before = wrapped.plan.strategy
+    injector = FaultInjector(at_attempt=1, phase="backward", after_ops=3)
+    wrapped.guard.oom.phase_listeners.append(injector.on_phase)
+    injector.attempt = 0  # the first step already ran
+    with injector:
+        got.append(wrapped.step(batches[1]))
+    # it did run out, and went on under a new plan (wrapped.plan said the old one after a micro-batch-only re-plan)
+    assert injector.fired and wrapped.plan.strategy != before
+    got.append(wrapped.step(batches[2]))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in batches:
+        loss = loss_fn(ref(x), (x, y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(wrapped.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_autotune_times_tuple_batches():
+    """wrap's measured choice among checkpointing modes (on by default on a GPU) runs the same contract: it moved
+    micro-batches with dict.items()."""
+    torch.manual_seed(0)
+    model = Blocks(d=64)
+    ref = copy.deepcopy(model)
+    batches = [(torch.randn(8, 256, 64, generator=torch.Generator().manual_seed(i)),
+                torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(i))) for i in range(2)]
+
+    def loss_fn(out, b):
+        return F.cross_entropy(out.mean(1), b[1])
+
+    wrapped = memopt.wrap(model, budget="16GB", sample=batches[0], hardware="h100_80gb", device="cpu",
+                          use_cache=False, loss_fn=loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                          pins={"precision": "fp32"}, autotune=True, guard=False)
+    got = [wrapped.step(b) for b in batches]
+    assert len(wrapped.autotune_trials) >= 2
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for b in batches:
+        loss = loss_fn(ref(b[0]), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert got == pytest.approx(want, rel=1e-5)

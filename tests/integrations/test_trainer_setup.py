@@ -1,0 +1,140 @@
+"""memopt.wrap(trainer): a plan that checkpoints some blocks runs (memopt's checkpointing on the Trainer's model),
+the plan's bf16 reaches the Trainer's accelerator (autocast active in training_step), the allocator mode in force
+is planned for, and models that are not shape-sampled (GPT2LMHeadModel, sequence classifiers) plan from the
+Trainer's own data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import memopt
+from memopt.models import build_model
+
+SEQ = 16
+
+
+def _data(n: int = 32, vocab: int = 256, labels: str = "tokens"):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (SEQ,), generator=g)
+        if labels == "tokens":
+            y = ids.clone()
+            y[: int(torch.randint(0, SEQ // 2, (1,), generator=g))] = -100
+        else:
+            y = torch.randint(0, 3, (), generator=g)
+        rows.append({"input_ids": ids, "labels": y})
+    return rows
+
+
+def _trainer(tmp_path, model, data, *, steps: int = 3, per_device: int = 4, optim: str = "adamw_torch"):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-2,
+                             lr_scheduler_type="constant", optim=optim, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def _llama():
+    torch.manual_seed(0)
+    return build_model(memopt.models.with_overrides("tiny_llama", {"num_hidden_layers": 4}), device="cpu")
+
+
+PINS = {"precision": "fp32", "micro_batch_size": 2, "optimizer": "adamw"}
+
+
+def _calls(module) -> list[int]:
+    count = [0]
+    # a pre-hook: recomputation stops early once the saved tensors are back, before the module returns
+    module.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    return count
+
+
+def test_a_plan_checkpointing_some_blocks_runs_under_the_trainer_and_trains_the_same(tmp_path):
+    # SGD: Adam's normalized update would turn float-summation noise in near-zero gradients into lr-sized steps
+    plain = _trainer(tmp_path / "a", _llama(), _data(), optim="sgd")
+    plain.train()
+    trainer = _trainer(tmp_path / "b", _llama(), _data(), optim="sgd")
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200",
+                          pins={**PINS, "optimizer": "sgd", "checkpointing": "full", "checkpoint_blocks": 2})
+    ckpt = wrapped.memopt_plan.strategy.checkpointing
+    assert (ckpt.mode, ckpt.num_blocks) == ("full", 2)  # raised "the Trainer checkpoints every block or none"
+    assert wrapped.args.gradient_checkpointing is False  # memopt checkpoints, not the Trainer's flag
+    layers = wrapped.model.model.layers
+    checkpointed = [i for i, b in enumerate(layers) if "forward" in b.__dict__]
+    assert len(checkpointed) == 2
+    mlp_calls = [_calls(b.mlp) for b in layers]
+    wrapped.train()
+    # a checkpointed block runs its forward again in backward: twice the calls of one that is not
+    calls = [c[0] for c in mlp_calls]
+    plain_block = next(i for i in range(len(layers)) if i not in checkpointed)
+    assert all(calls[i] == 2 * calls[plain_block] for i in checkpointed) and calls[plain_block] > 0, (
+        calls, checkpointed)
+    for k, v in plain.model.named_parameters():
+        torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
+
+
+def test_the_plans_bf16_reaches_the_accelerator_and_autocast_runs_in_training_step(tmp_path):
+    trainer = _trainer(tmp_path, _llama(), _data(), steps=1)
+    assert trainer.accelerator.mixed_precision == "no"  # built before wrap, from the arguments as they were
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins={**PINS, "precision": "bf16_autocast"})
+    assert wrapped.args.bf16 and wrapped.accelerator.mixed_precision == "bf16"
+    seen = []
+    wrapped.model.model.layers[0].register_forward_pre_hook(
+        lambda *_: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+    wrapped.train()
+    assert seen and all(s == (True, torch.bfloat16) for s in seen)
+
+
+def test_fp32_plan_turns_a_trainers_bf16_off(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, bf16=True,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no")
+    trainer = Trainer(model=_llama(), args=args, train_dataset=_data())
+    assert trainer.accelerator.mixed_precision == "bf16"
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
+    assert not wrapped.args.bf16 and wrapped.accelerator.mixed_precision == "no"
+    seen = []
+    wrapped.model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    wrapped.train()
+    assert seen and not any(seen)
+
+
+def test_the_allocator_mode_in_force_is_planned_for_with_a_warning(tmp_path, monkeypatch):
+    """A model moved to the GPU before wrap fixes the allocator's segment mode: the plan is made for that mode."""
+    import memopt.integrations.hf_trainer as hf
+
+    monkeypatch.setattr(hf, "allocator_mode_in_force", lambda: False)
+    trainer = _trainer(tmp_path, _llama(), _data(), steps=1)
+    with pytest.warns(UserWarning, match="expandable_segments:False"):
+        wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
+    assert wrapped.memopt_plan.strategy.expandable_segments is False
+    wrapped.train()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert_classifier"])
+def test_models_without_a_shape_sampler_plan_from_the_trainers_data(tmp_path, kind):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=SEQ, eos_token_id=0, bos_token_id=0))
+        data = _data()
+    else:
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=256,
+            max_position_embeddings=SEQ, num_labels=3))
+        data = _data(labels="classes")
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = _trainer(tmp_path, model, data, steps=2)
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)  # raised "'batch_size' is a int"
+    assert wrapped.memopt_plan.fits and wrapped.memopt_plan.global_batch == 4
+    wrapped.train()
+    assert any(not torch.equal(before[k], v) for k, v in wrapped.model.named_parameters())
