@@ -29,6 +29,7 @@ from torch import nn
 
 from memopt.apply.train_step import LossFn, TrainStep
 from memopt.blocks import BlockStack, find_block_stacks
+from memopt.models.hf_task import is_causal_lm
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.attention import apply_attention_backend
@@ -164,7 +165,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         offload = ActivationOffload(device_type, host_device=host_device) if strategy.activation_offload else None
         step = TrainStep(model=model, optimizer=opt, strategy=strategy, device_type=device_type, device=device,
                          loss_fn=loss_fn, scaler=scaler, master=master, offload=offload,
-                         max_grad_norm=max_grad_norm, causal_lm=type(model).__name__.endswith("ForCausalLM"),
+                         max_grad_norm=max_grad_norm, causal_lm=is_causal_lm(model),
                          lr_scheduler=lr_scheduler(opt) if lr_scheduler is not None else None)
     except Exception:
         while undo:

@@ -41,6 +41,7 @@ from memopt.guard.recovery import (
     step_down,
 )
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
+from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
 
@@ -80,7 +81,7 @@ class MicroBatchedTrainingStep:
         self.report = RecoveryReport()
         self._original = trainer.training_step  # the Trainer's bound method
         model = trainer.model
-        self.causal_lm = type(model).__name__.endswith("ForCausalLM") if causal_lm is None else causal_lm
+        self.causal_lm = is_causal_lm(model) if causal_lm is None else causal_lm
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
 

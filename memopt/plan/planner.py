@@ -61,7 +61,8 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
     # other kernels allocate at least as much and run no faster than the one SDPA picks
     backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
     return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
-                         supports_bf16=hw.supports_bf16, causal_lm=profile.family == "causal_lm", vocab_size=vocab,
+                         supports_bf16=hw.supports_bf16, vocab_size=vocab,
+                         causal_lm=profile.family == "causal_lm" and not profile.chunked_ce_refusal,
                          bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
                          peft_available=peft_installed(),
                          user_optimizer=user_optimizer, attention_backends=backends,
