@@ -13,7 +13,7 @@ from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search
+from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search, unestimated_notes
 from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
@@ -427,6 +427,7 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
                    "pruned_as_slower": result.pruned_slower, "pruned_as_too_big": result.pruned_too_big,
                    "seconds": seconds, "search_s": result.seconds, "profile_trace_s": prof.trace_s}
     global_batch = int(prof.sample["batch_size"])
+    notes = notes + [n for n in unestimated_notes(result) if n not in notes]
     if result.best is not None:
         best = result.best
         rejected, savings = _rejections(best, result.evaluated + result.floored, budget)
