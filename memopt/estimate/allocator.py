@@ -267,9 +267,10 @@ def get_allocation_size(rounded: int, config: AllocatorConfig | None = None) -> 
     return (rounded + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
 
 
-class EventStreamError(RuntimeError):
-    """An event stream no program can make (a negative size, a key allocated twice): a bug in how memopt
-    composed the stream, never a property of the user's input, so the planner does not treat it as a refusal."""
+class EventStreamError(ValueError):
+    """An event stream no program can make (a negative size, a key allocated twice). In the planner it is a bug in
+    how memopt composed the stream, never a property of the user's model: the search lets it through instead of
+    counting it as a candidate that cannot be estimated."""
 
 
 class AllocatorOOMError(MemoryError):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from memopt.estimate.allocator import EventStreamError
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
@@ -267,6 +268,8 @@ class _Estimates:
             else:
                 try:
                     self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
+                except EventStreamError:
+                    raise
                 except ValueError:
                     self.quick[s] = None
                 if self.store is not None and self.quick[s] is not None:

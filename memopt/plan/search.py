@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.estimate.allocator import EventStreamError
 from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
@@ -406,6 +407,8 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
               top: list[Evaluated], runners_up: int) -> Evaluated:
     try:
         quick = estimate_strategy(profile, s, hardware=hw, exact_reserved=False)
+    except EventStreamError:
+        raise
     except ValueError as exc:
         return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
     allocated_total = quick.peak_allocated_bytes + quick.runtime_bytes
@@ -442,6 +445,8 @@ def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int,
     whose ``TotalAbove`` passes through)."""
     try:
         exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, stop_above=stop_above)
+    except EventStreamError:
+        raise
     except ValueError as exc:
         return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
     fits = exact.total_bytes + margin <= budget_bytes
