@@ -17,7 +17,6 @@ The optimizer step is traced on its own, over fake parameters and gradients of t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import json
@@ -35,7 +34,7 @@ from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
 from memopt.profile.costs import CostRecorder, PhaseCost
-from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
+from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
@@ -289,7 +288,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     tracker = MemoryTracker(device)
     costs = CostRecorder(lambda: tracker._phase)
     attention: list[str] = []
-    semantics = cuda_semantics(policy, tracker, attention) if emulate else contextlib.nullcontext()
+    semantics = trace_semantics(policy, tracker, attention, emulate=emulate)
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
