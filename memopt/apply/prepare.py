@@ -30,6 +30,7 @@ from torch import nn
 from memopt.apply.hf_models import is_causal_lm
 from memopt.apply.train_step import LossFn, TrainStep
 from memopt.blocks import BlockStack, find_block_stacks
+from memopt.models.hf_task import is_causal_lm
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.attention import apply_attention_backend

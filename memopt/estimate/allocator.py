@@ -81,6 +81,7 @@ __all__ = [
     "AllocatorOOMError",
     "AllocatorResult",
     "CachingAllocatorSim",
+    "EventStreamError",
     "get_allocation_size",
     "round_size",
     "simulate_allocator",
@@ -266,6 +267,12 @@ def get_allocation_size(rounded: int, config: AllocatorConfig | None = None) -> 
     return (rounded + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
 
 
+class EventStreamError(ValueError):
+    """An event stream no program can make (a negative size, a key allocated twice). In the planner it is a bug in
+    how memopt composed the stream, never a property of the user's model: the search lets it through instead of
+    counting it as a candidate that cannot be estimated."""
+
+
 class AllocatorOOMError(MemoryError):
     """An allocation could not be served without going over the simulated cap."""
 
@@ -391,10 +398,10 @@ class CachingAllocatorSim:
         """Allocate ``size`` bytes for ``key`` on ``stream``; returns the block size (rounded size)."""
         live = self._live
         if key in live:
-            raise ValueError(f"key {key} is already allocated")
+            raise EventStreamError(f"key {key} is already allocated")
         if size <= 0:
             if size < 0:
-                raise ValueError(f"negative size {size} for key {key}")
+                raise EventStreamError(f"negative size {size} for key {key}")
             live[key] = None  # PyTorch hands out a null pointer without touching the allocator
             return 0
         # round_size

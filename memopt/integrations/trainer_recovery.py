@@ -42,6 +42,7 @@ from memopt.guard.recovery import (
     step_down,
 )
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
+from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
 

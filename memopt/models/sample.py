@@ -355,6 +355,12 @@ def make_batch(
     input_ids = torch.randint(0, vocab, (b, s), generator=generator, device=device)
     if model.family == "causal_lm":
         return {"input_ids": input_ids, "labels": input_ids.clone()}
+    if model.family == "sequence_classification":
+        labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
+        return {"input_ids": input_ids, "labels": labels}
+    if model.family == "token_classification":
+        labels = torch.randint(0, int(cfg.num_labels), (b, s), generator=generator, device=device)
+        return {"input_ids": input_ids, "labels": labels}
     if model.family == "masked_lm":
         k = _mlm_count(s)
         order = torch.rand(b, s, generator=generator, device=device).argsort(dim=1)
@@ -379,8 +385,8 @@ def token_count(batch: Mapping[str, torch.Tensor], spec: ModelSpec | str | dict[
     family = load_model_spec(spec).family if spec is not None else None
     if "shift_labels" in batch:
         return int((batch["shift_labels"] != -100).sum())
-    if family == "image_classification" or ("pixel_values" in batch and family is None):
-        source = batch.get("pixel_values", batch.get("labels"))
+    if family in ("image_classification", "sequence_classification") or ("pixel_values" in batch and family is None):
+        source = batch.get("pixel_values", batch.get("labels", batch.get("input_ids")))
         if source is None:
             raise ValueError("an image batch needs pixel_values or labels to count samples")
         return int(source.shape[0])
@@ -397,11 +403,13 @@ def expected_token_count(spec: ModelSpec | str | dict[str, Any], sample: SampleS
     model = load_model_spec(spec)
     sample = SampleSpec.parse(sample, model)
     b = sample.batch_size
-    if model.family == "image_classification":
+    if model.family in ("image_classification", "sequence_classification"):
         return b
     s = int(sample.seq_len)  # type: ignore[arg-type]
     if model.family == "causal_lm":
         return b * (s - 1)
+    if model.family == "token_classification":
+        return b * s
     if model.family == "masked_lm":
         return b * _mlm_count(s)
     return b * int(sample.decoder_len)  # type: ignore[arg-type]

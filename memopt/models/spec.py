@@ -7,7 +7,8 @@ training sample. No weights are involved anywhere: models are always built from 
 YAML schema (exactly these top-level keys)::
 
     name: llama3_8b
-    family: causal_lm                 # causal_lm | masked_lm | seq2seq_lm | image_classification
+    family: causal_lm                 # causal_lm | masked_lm | seq2seq_lm | sequence_classification |
+                                      # token_classification | image_classification
     architecture: LlamaForCausalLM    # a transformers class name
     hf_config: {model_type: llama, hidden_size: 4096, ...}   # kwargs of AutoConfig.for_model
     sample: {batch_size: 1, seq_len: 4096}                   # a typical training sample
@@ -28,7 +29,8 @@ from memopt.resources import config_names, configs_dir
 __all__ = ["FAMILIES", "SAMPLE_KEYS", "ModelSpec", "load_model_spec", "model_names"]
 
 #: Model families memopt knows how to feed (see :func:`memopt.models.sample.make_batch`).
-FAMILIES: tuple[str, ...] = ("causal_lm", "masked_lm", "seq2seq_lm", "image_classification")
+FAMILIES: tuple[str, ...] = ("causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification", "token_classification",
+                             "image_classification")
 
 #: Keys of a sample-shape dict (``sample:`` in a model YAML, or a ``SampleSpec.parse`` dict).
 SAMPLE_KEYS: tuple[str, ...] = ("batch_size", "seq_len", "image_size", "decoder_seq_len", "variable_length")

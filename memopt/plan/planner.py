@@ -7,13 +7,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from memopt.estimate.allocator import EventStreamError
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search
+from memopt.plan.search import Evaluated, SearchResult, candidates, evaluate, extras_saving, search, unestimated_notes
 from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
@@ -61,7 +62,8 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
     # other kernels allocate at least as much and run no faster than the one SDPA picks
     backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
     return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
-                         supports_bf16=hw.supports_bf16, causal_lm=profile.family == "causal_lm", vocab_size=vocab,
+                         supports_bf16=hw.supports_bf16, vocab_size=vocab,
+                         causal_lm=profile.family == "causal_lm" and not profile.chunked_ce_refusal,
                          bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
                          peft_available=peft_installed(),
                          user_optimizer=user_optimizer, attention_backends=backends,
@@ -266,6 +268,8 @@ class _Estimates:
             else:
                 try:
                     self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
+                except EventStreamError:
+                    raise
                 except ValueError:
                     self.quick[s] = None
                 if self.store is not None and self.quick[s] is not None:
@@ -426,6 +430,7 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
                    "pruned_as_slower": result.pruned_slower, "pruned_as_too_big": result.pruned_too_big,
                    "seconds": seconds, "search_s": result.seconds, "profile_trace_s": prof.trace_s}
     global_batch = int(prof.sample["batch_size"])
+    notes = notes + [n for n in unestimated_notes(result) if n not in notes]
     if result.best is not None:
         best = result.best
         rejected, savings = _rejections(best, result.evaluated + result.floored, budget)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.estimate.allocator import EventStreamError
 from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
@@ -37,7 +38,8 @@ from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
-__all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search"]
+__all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
+           "unestimated_notes"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -374,6 +376,21 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
     return list(done.values())
 
 
+_UNESTIMATED = "cannot be estimated: "
+
+
+def unestimated_notes(result: SearchResult) -> list[str]:
+    """What the plan must say about candidates that could not be estimated (a technique refused for this model):
+    each distinct reason once, with how many candidates it removed. Internal errors are not among them: they
+    propagate (``EventStreamError``), so no candidate disappears without a word."""
+    counts: dict[str, int] = {}
+    for ev in result.evaluated:
+        if ev.reason.startswith(_UNESTIMATED):
+            reason = ev.reason.removeprefix(_UNESTIMATED)
+            counts[reason] = counts.get(reason, 0) + 1
+    return [f"{n} candidate(s) not considered, they cannot be estimated: {reason}" for reason, n in counts.items()]
+
+
 def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:
     """The fewest checkpointed blocks in (``lo``, ``hi``] that fit, given that ``hi`` fits and ``lo`` does not
     (memory falls as blocks are checkpointed), by bisection; ``fits(k)`` evaluates k. ``lo`` None: ``hi``."""
@@ -390,8 +407,10 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
               top: list[Evaluated], runners_up: int) -> Evaluated:
     try:
         quick = estimate_strategy(profile, s, hardware=hw, exact_reserved=False)
+    except EventStreamError:
+        raise
     except ValueError as exc:
-        return Evaluated(s, None, False, 0, f"cannot be estimated: {exc}")
+        return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
     allocated_total = quick.peak_allocated_bytes + quick.runtime_bytes
     if allocated_total + margin > budget_bytes:
         return Evaluated(s, quick, False, allocated_total, "allocated bytes alone exceed the budget")
@@ -426,7 +445,9 @@ def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int,
     whose ``TotalAbove`` passes through)."""
     try:
         exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, stop_above=stop_above)
+    except EventStreamError:
+        raise
     except ValueError as exc:
-        return Evaluated(s, None, False, 0, f"cannot be estimated: {exc}")
+        return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
     fits = exact.total_bytes + margin <= budget_bytes
     return Evaluated(s, exact, fits, exact.total_bytes, "" if fits else "reserved bytes exceed the budget")

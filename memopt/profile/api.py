@@ -44,17 +44,14 @@ def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
     )
 
 
-_FAMILY_SUFFIX = {"ForCausalLM": "causal_lm", "ForMaskedLM": "masked_lm", "ForConditionalGeneration": "seq2seq_lm",
-                  "ForImageClassification": "image_classification"}
-
-
 def spec_from_module(module: nn.Module) -> Any:
     """A model spec for a Hugging Face model instance (so shape samples work for it), or None."""
     from memopt.models import ModelSpec
+    from memopt.models.hf_task import hf_task
 
     config = getattr(module, "config", None)
     name = type(module).__name__
-    family = next((f for suffix, f in _FAMILY_SUFFIX.items() if name.endswith(suffix)), None)
+    family = hf_task(module)
     if config is None or family is None or not hasattr(config, "to_dict"):
         return None
     hf = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
@@ -180,15 +177,23 @@ def _load_cached(path: Path) -> Profile | None:
 
 def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict: dict[str, Any],
                  tokens: int | None, hw: HardwareSpec, policy_key: str) -> Profile:
+    from memopt.models.hf_task import hf_task
+
     facts = static_facts(module)
     prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
-                   family=spec.family if spec is not None else None, sample=sample_dict,
+                   family=spec.family if spec is not None else hf_task(module), sample=sample_dict,
                    tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy_key,
                    torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module),
                    engine_facts=_engine_facts(module), **facts)
     for stack in prof.stacks:
         if not stack["uniform_tail"]:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
+    if prof.family == "causal_lm":
+        from memopt.techniques.chunked_ce import chunked_ce_refusal
+
+        prof.chunked_ce_refusal = chunked_ce_refusal(module)
+        if prof.chunked_ce_refusal:
+            prof.notes.append(f"chunked cross-entropy refused (it would not be exact): {prof.chunked_ce_refusal}")
     return prof
 
 

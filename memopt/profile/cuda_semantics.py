@@ -17,7 +17,8 @@ while a trace runs, that maps the CPU ops that differ to what their CUDA kernels
 Everything is undone on exit: no global state stays changed in the user's process, and
 ``torch.cuda.is_available()`` is never touched. A machine with a GPU traces the same way, so the plan
 made next to the GPU is the one the dry run makes (``MEMOPT_TRACE_DEVICE=cuda`` traces fake CUDA tensors
-instead, to compare).
+instead, to compare: points 1-3 are then the GPU's own, while 4, 5 and the grouped GEMM's meta function are
+facts of CUDA's kernels that neither path's dispatch sees, applied to both, ``cuda_kernel_facts``).
 
 Which paths are exact is listed in the README ("How the trace sees a GPU").
 """
@@ -41,7 +42,7 @@ from memopt.profile.autocast_policy import cuda_autocast_policy
 from memopt.profile.tracker import MemoryTracker, allocator_size
 from memopt.units import MiB
 
-__all__ = ["KernelPolicy", "cuda_semantics", "kernel_policy_for"]
+__all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "kernel_policy_for", "trace_semantics"]
 
 _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "addr"}
 
@@ -163,6 +164,35 @@ def _dropout_kernel(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def cuda_kernel_facts(policy: KernelPolicy, tracker: MemoryTracker | None = None) -> Iterator[None]:
+    """What CUDA's kernels allocate that no dispatch mode sees, on *both* trace paths (fake CPU tensors emulating
+    a GPU, and fake CUDA tensors on a GPU machine): the cuBLAS workspaces, the scratch of kernels that allocate
+    inside themselves, and the output of the grouped GEMM in any float dtype (PyTorch's meta function for
+    ``_grouped_mm`` admits only bf16 inputs, while its CUDA kernel also runs the fp32 inputs that transformers'
+    MoE experts pass under autocast: ``_grouped_mm`` has no autocast kernel, so autocast never casts them)."""
+    lib = Library("aten", "IMPL")
+    with contextlib.ExitStack() as stack:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
+            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
+        stack.callback(lib._destroy)
+        if tracker is not None:
+            for hook in (_Workspaces(tracker, policy), _KernelTemporaries(tracker)):
+                tracker.op_hooks.append(hook)
+                stack.callback(tracker.op_hooks.remove, hook)
+        yield
+
+
+def trace_semantics(policy: KernelPolicy, tracker: MemoryTracker | None, attention_log: list[str] | None, *,
+                    emulate: bool) -> contextlib.AbstractContextManager[None]:
+    """The context every trace runs in: the CUDA emulation on CPU fake tensors (``emulate``), else, on fake CUDA
+    tensors, only the kernel facts both paths share (:func:`cuda_kernel_facts`)."""
+    if emulate:
+        return cuda_semantics(policy, tracker, attention_log)
+    return cuda_kernel_facts(policy, tracker)
+
+
+@contextlib.contextmanager
 def cuda_semantics(policy: KernelPolicy, tracker: MemoryTracker | None = None,
                    attention_log: list[str] | None = None) -> Iterator[None]:
     """While active, CPU (fake) tensors allocate what the same code allocates on the GPU of ``policy``."""
@@ -175,19 +205,12 @@ def cuda_semantics(policy: KernelPolicy, tracker: MemoryTracker | None = None,
                              on_choice=attention_log.append if attention_log is not None else None)
 
     lib = Library("aten", "IMPL")
-    workspaces = _Workspaces(tracker, policy) if tracker is not None else None
     with contextlib.ExitStack() as stack:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
             stack.enter_context(cuda_autocast_policy())
             lib.impl("dropout", _dropout_kernel, "AutogradCPU")
             lib.impl("scaled_dot_product_attention", sdpa_kernel, "AutogradCPU")
-            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
         stack.callback(lib._destroy)
-        if workspaces is not None:
-            tracker.op_hooks.append(workspaces)
-            stack.callback(tracker.op_hooks.remove, workspaces)
-            temporaries = _KernelTemporaries(tracker)
-            tracker.op_hooks.append(temporaries)
-            stack.callback(tracker.op_hooks.remove, temporaries)
+        stack.enter_context(cuda_kernel_facts(policy, tracker))
         yield

@@ -89,6 +89,8 @@ class Profile:
     # memopt.distributed.estimate.ModelFacts as a dict: what the sharding engines' memory depends on (None in
     # profiles cached before it was recorded: the model is built again to count them)
     engine_facts: dict[str, Any] | None = None
+    # why chunked cross-entropy would not be exact for this causal LM (None: it is exact, or not a causal LM)
+    chunked_ce_refusal: str | None = None
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -274,6 +276,7 @@ class Profile:
             "optimizers": [o.to_dict() for o in self.optimizers.values()],
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
+            "chunked_ce_refusal": self.chunked_ce_refusal,
         }
 
     @classmethod
@@ -295,7 +298,7 @@ class Profile:
                    hardware=d["hardware"], kernel_policy=d["kernel_policy"], torch_version=d["torch_version"],
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
-                   engine_facts=d.get("engine_facts"))
+                   engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ phase markers at block boundaries.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from memopt.apply.prepare import OptimizerSpec, prepare
 from memopt.apply.train_step import LossFn
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
-from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
+from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
@@ -96,7 +95,7 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
     tracker = MemoryTracker(device)
     attention_log: list[str] = []
     step_peaks: list[int] = []
-    semantics = cuda_semantics(policy, tracker, attention_log) if emulate else contextlib.nullcontext()
+    semantics = trace_semantics(policy, tracker, attention_log, emulate=emulate)
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, device=None, optimizer=optimizer,

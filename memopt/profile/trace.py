@@ -17,7 +17,6 @@ The optimizer step is traced on its own, over fake parameters and gradients of t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import json
@@ -36,7 +35,7 @@ from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
 from memopt.profile.costs import CostRecorder, PhaseCost
-from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
+from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
@@ -290,7 +289,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     tracker = MemoryTracker(device)
     costs = CostRecorder(lambda: tracker._phase)
     attention: list[str] = []
-    semantics = cuda_semantics(policy, tracker, attention) if emulate else contextlib.nullcontext()
+    semantics = trace_semantics(policy, tracker, attention, emulate=emulate)
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
@@ -360,19 +359,20 @@ def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, 
     return out
 
 
-def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], bool]:
+def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], str]:
     """Pair the events of two traces (smaller size first); keys of the result are those of the first.
 
     Events are matched by (kind, allocating op) with a sequence alignment. Events only the larger size has
     (a copy that a dimension of size 1 let the smaller skip) are kept, with bytes proportional to the
-    micro-batch; events only the smaller size has are dropped. Returns the segments and whether every
-    event matched (if not, the result holds for micro-batches >= the larger size only).
+    micro-batch; events only the smaller size has are dropped. Returns the segments and how they matched:
+    "exact" (every event), "inserts" (the larger size only added events: the result holds for micro-batches >=
+    the larger size) or "mismatch" (the two ran other ops, or paired tensors of other shapes: it does not hold).
     """
     s1, s2 = _segments(one), _segments(two)
     if [n for n, _, _ in s1] != [n for n, _, _ in s2]:
         raise TraceAlignmentError("the two traces passed different phases")
     mapping: dict[int, int] = {}
-    exact = True
+    status = "exact"
     segments: list[Segment] = []
     for (name, ph1, ev1), (_, ph2, ev2) in zip(s1, s2):
         a = [(e[0], e[3]) for e in ev1]
@@ -387,7 +387,7 @@ def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], bool]:
                     else:
                         merged.append((k1, mapping.get(key2, key1), b1, b2))
                 continue
-            exact = False
+            status = "inserts" if op == "insert" and status != "mismatch" else "mismatch"
             for k2, key2, b2, _ in ev2[j1:j2]:  # only at the larger size: proportional to the micro-batch
                 unmatched = key2 + _UNMATCHED
                 key = mapping.setdefault(key2, unmatched) if k2 == ALLOC else mapping.get(key2, unmatched)
@@ -395,9 +395,14 @@ def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], bool]:
         segments.append(Segment(name=name, events=merged, cost1=one.costs.get(ph1, PhaseCost()),
                                 cost2=two.costs.get(ph2, PhaseCost()),
                                 offload=(one.offload.get(ph1, 0), two.offload.get(ph2, 0))))
-    return segments, exact
+    # an allocation that shrinks as the micro-batch grows is two different tensors paired by the alignment (same
+    # op, other shapes: a weight-sized buffer against an activation): extrapolated, it would go negative
+    if any(k == ALLOC and hi < lo for seg in segments for k, _, lo, hi in seg.events):
+        status = "mismatch"
+    return segments, status
 
 
+_NEVER = 1 << 30  # min_b of a linear trace that holds for no size (each size is traced exactly)
 _UNMATCHED = 1 << 40  # keys of events only the larger trace has (kept apart from the smaller trace's keys)
 
 
@@ -438,14 +443,25 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
     except Exception:
         two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
         three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
-        segments, exact = _align(two, three)
-        return [build(segments, two, three, key, 2, 3, 2 if exact else 3)]
+        segments, status = _align(two, three)
+        return [build(segments, two, three, key, 2, 3, {"exact": 2, "inserts": 3}.get(status, _NEVER))]
     two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
-    segments, exact = _align(one, two)
-    linear = build(segments, one, two, key, 1, 2, 1 if exact else 2)
-    if exact:
-        return [linear]
-    return [linear, build(_exact_segments(one), one, one, key.at(1), 1, 1, 1)]
+    segments, status = _align(one, two)
+    if status == "exact":
+        return [build(segments, one, two, key, 1, 2, 1)]
+    exact_one = build(_exact_segments(one), one, one, key.at(1), 1, 1, 1)
+    if status == "inserts":  # a size-1 dimension let a kernel skip a copy: linear from micro-batch 2 on
+        return [build(segments, one, two, key, 1, 2, 2), exact_one]
+    # micro-batch 1 took other code paths (a recurrent kernel, a fast path for one sample): the linear trace
+    # comes from micro-batches 2 and 3, and micro-batch 1 is traced exactly
+    three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
+    segments, status = _align(two, three)
+    if status != "mismatch":
+        return [build(segments, two, three, key, 2, 3, 2 if status == "exact" else 3), exact_one,
+                build(_exact_segments(two), two, two, key.at(2), 2, 2, 2)]
+    # no two sizes run the same ops: every micro-batch size is traced exactly when a plan asks for it
+    return [build(segments, two, three, key, 2, 3, _NEVER), exact_one,
+            build(_exact_segments(two), two, two, key.at(2), 2, 2, 2)]
 
 
 @dataclass

@@ -8,8 +8,9 @@ them (PyTorch's selective activation checkpointing). Applying replaces each chos
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,11 +39,51 @@ def _selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-def _checkpointed(forward: Callable[..., Any], selective: bool, *args: Any, **kwargs: Any) -> Any:
+def _state_buffers(block: nn.Module) -> list[torch.Tensor]:
+    """The block's persistent buffers (state a forward may update); non-persistent ones are constants (masks,
+    rotary frequencies) that no forward writes."""
+    out: dict[int, torch.Tensor] = {}
+    for module in block.modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out.setdefault(id(b), b)
+    return list(out.values())
+
+
+@contextlib.contextmanager
+def _restoring(buffers: list[torch.Tensor], inner: Any) -> Iterator[None]:
+    """Around the recomputation: the block's state buffers are put back as the forward pass left them (BatchNorm's
+    running statistics, or any buffer a forward updates in place, would otherwise be updated twice per step),
+    also when the recomputation stops early. Entered outside selective checkpointing's dispatch mode, whose
+    cache would otherwise take the copies for ops of the block."""
+    # every state buffer, not only those whose version moved: kernels such as batch norm update their running
+    # statistics in place without bumping the version counter
+    saved = [(b, b.clone()) for b in buffers]
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _contexts(buffers: list[torch.Tensor], selective: bool) -> Callable[[], tuple[Any, Any]]:
+    """checkpoint's ``context_fn``: (context of the forward pass, context of the recomputation)."""
+
+    def make() -> tuple[Any, Any]:
+        forward_ctx, recompute_ctx = (_selective_context() if selective
+                                      else (contextlib.nullcontext(), contextlib.nullcontext()))
+        return forward_ctx, _restoring(buffers, recompute_ctx) if buffers else recompute_ctx
+
+    return make
+
+
+def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
+                  **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    extra = {"context_fn": _selective_context} if selective else {}
-    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def apply_checkpointing(stacks: Sequence[BlockStack], setting: Checkpointing) -> Callable[[], None]:
@@ -57,7 +98,8 @@ def apply_checkpointing(stacks: Sequence[BlockStack], setting: Checkpointing) ->
             block = stack.blocks[i]
             had_own = "forward" in block.__dict__
             previous = block.__dict__.get("forward")
-            block.forward = functools.partial(_checkpointed, block.forward, setting.mode == "selective")
+            contexts = _contexts(_state_buffers(block), setting.mode == "selective")
+            block.forward = functools.partial(_checkpointed, block.forward, contexts)
             wrapped.append((block, had_own, previous))
 
     def undo() -> None:

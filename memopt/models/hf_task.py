@@ -1,0 +1,71 @@
+"""What kind of Hugging Face model a module is, from transformers' own auto-model mappings.
+
+Class-name suffixes miss whole families (``GPT2LMHeadModel`` is a causal LM, ``XLMWithLMHeadModel`` a masked
+LM, ``BartForConditionalGeneration`` a seq2seq LM), so the task is looked up in the mappings that
+``AutoModelFor*`` use, for the module's class or any of its base classes (a user's subclass of a transformers
+model keeps its task). Everything in memopt that asks "is this a causal LM?" asks here.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+__all__ = ["HF_TASKS", "hf_task", "is_causal_lm", "is_hf_model"]
+
+#: task -> the transformers auto-mapping (model_type -> class name) that lists its classes; a class listed under
+#: two tasks takes the first (Bart's head is in the masked-LM mapping too, but it is trained as seq2seq; XLM's
+#: head is in the causal-LM mapping too, but its loss is unshifted, masked-LM style).
+HF_TASKS: dict[str, str] = {
+    "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "token_classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+
+
+@functools.cache
+def _task_of_class_name() -> dict[str, str]:
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        return {}
+    out: dict[str, str] = {}
+    for task, mapping_name in HF_TASKS.items():
+        for names in getattr(modeling_auto, mapping_name, {}).values():
+            for name in names if isinstance(names, (tuple, list)) else (names,):
+                out.setdefault(name, task)
+    return out
+
+
+def is_hf_model(model: Any) -> bool:
+    """A ``transformers.PreTrainedModel`` (without importing transformers when the user never did)."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_task(model: nn.Module | type) -> str | None:
+    """The task of a Hugging Face model (a key of :data:`HF_TASKS`), or None for anything else."""
+    cls = model if isinstance(model, type) else type(model)
+    if not isinstance(model, type) and not is_hf_model(model):
+        return None
+    table = _task_of_class_name()
+    for klass in cls.__mro__:
+        task = table.get(klass.__name__)
+        if task is not None and klass.__module__.startswith("transformers."):
+            return task
+    return None
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face causal LM: it shifts its labels inside, so the first label of each row carries no loss."""
+    return hf_task(model) == "causal_lm"

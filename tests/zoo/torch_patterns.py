@@ -1,0 +1,232 @@
+"""Plain-PyTorch models in the patterns users bring: dict batches, a dict output with the loss, or a bare
+tensor / tuple output read by ``loss_fn(output, batch)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+H = 32
+
+
+def _ce(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = output[0] if isinstance(output, tuple) else output
+    return F.cross_entropy(logits, batch["labels"])
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.up = nn.Linear(H, 2 * H)
+        self.down = nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class ResidualMLP(nn.Module):
+    """Repeated blocks, returns {'loss': ...}."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
+class NoRepeatedBlocks(nn.Module):
+    """Distinct layers only: nothing to checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 48), nn.Linear(48, 24), nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.cross_entropy(self.c(torch.relu(self.b(torch.relu(self.a(x))))), labels)}
+
+
+class GRUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.rnn = nn.GRU(H, H, num_layers=2, batch_first=True)
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h, _ = self.rnn(self.inp(x))
+        return {"loss": F.cross_entropy(self.head(h[:, -1]), labels)}
+
+
+class LSTMTuple(nn.Module):
+    """Returns a tuple (logits, hidden): the loss comes from loss_fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, H, batch_first=True)
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h, (hn, _) = self.rnn(x)
+        return self.head(h[:, -1]), hn
+
+
+class MHABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(H, 4, batch_first=True)
+        self.norm = nn.LayerNorm(H)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.norm(h + a)
+
+
+class MHANet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.blocks = nn.ModuleList(MHABlock() for _ in range(3))
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.cross_entropy(self.head(h.mean(1)), labels)}
+
+
+class ConvBN(nn.Module):
+    """BatchNorm: its statistics depend on the micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                    for _ in range(3))
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.stem(pixels)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.cross_entropy(self.head(h.mean((2, 3))), labels)}
+
+
+class TiedEmbedding(nn.Module):
+    """Weight sharing: the head is the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, H)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(H, 64, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())}
+
+
+class CalledTwice(nn.Module):
+    """One module applied twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.shared = Block()
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.shared(self.shared(self.inp(x)))
+        return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
+class Frozen(ResidualMLP):
+    """The input layer and the first block frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for p in [*self.inp.parameters(), *self.blocks[0].parameters()]:
+            p.requires_grad_(False)
+
+
+class CountingBuffer(nn.Module):
+    """A buffer updated in every forward (a running mean of the inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(16))
+        self.inner = ResidualMLP()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.inner(x - self.mean, labels)
+
+
+class ReturnsLoss(nn.Module):
+    """Returns the loss tensor itself (read by loss_fn=lambda out, batch: out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ResidualMLP()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, labels)["loss"]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    build: Callable[[], nn.Module]
+    sample: Callable[[int], dict[str, torch.Tensor]]
+    technique: str
+    loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None
+    max_grad_norm: float | None = None
+
+
+def _vectors(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(n, 16, generator=g), "labels": torch.randint(0, 4, (n,), generator=g)}
+
+
+def _sequences(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(n, 6, 16, generator=g), "labels": torch.randint(0, 4, (n,), generator=g)}
+
+
+def _images(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    return {"pixels": torch.randn(n, 3, 8, 8, generator=g), "labels": torch.randint(0, 4, (n,), generator=g)}
+
+
+def _tokens(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (n, 8), generator=g)
+    return {"ids": ids, "labels": ids.roll(-1, 1)}
+
+
+PATTERNS: list[Pattern] = [
+    Pattern("residual_mlp", ResidualMLP, _vectors, "partial"),
+    Pattern("no_repeated_blocks", NoRepeatedBlocks, _vectors, "micro_batch"),
+    Pattern("gru", GRUNet, _sequences, "micro_batch"),
+    Pattern("lstm_tuple_output", LSTMTuple, _sequences, "offload", loss_fn=_ce),
+    Pattern("multihead_attention", MHANet, _sequences, "full"),
+    Pattern("batchnorm", ConvBN, _images, "full"),
+    Pattern("weight_sharing", TiedEmbedding, _tokens, "selective"),
+    Pattern("module_called_twice", CalledTwice, _vectors, "micro_batch"),
+    Pattern("frozen_parameters", Frozen, _vectors, "full"),
+    Pattern("buffer_updated_in_forward", CountingBuffer, _vectors, "full"),
+    Pattern("returns_the_loss", ReturnsLoss, _vectors, "offload", loss_fn=lambda out, batch: out),
+    Pattern("gradient_clipping", ResidualMLP, _vectors, "micro_batch", max_grad_norm=0.05),
+]
