@@ -253,6 +253,10 @@ def _config_keys(cls: type) -> set[str]:
             keys |= {p for p in inspect.signature(c.__init__).parameters if p not in ("self", "kwargs")}
         except (TypeError, ValueError):
             pass
+    try:  # what a default config of the class carries (attributes its __init__ sets for every config)
+        keys |= set(cls().to_dict())
+    except Exception:  # a config class that needs arguments: its fields and signature suffice
+        pass
     attribute_map = dict(getattr(cls, "attribute_map", {}) or {})
     return keys | set(attribute_map) | set(attribute_map.values())
 

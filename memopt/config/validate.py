@@ -174,10 +174,9 @@ def resolve(cfg: Any) -> PlanRequest:
 
 
 def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
+    from memopt.config import checks
     from memopt.hardware import hardware_names, load_hardware
     from memopt.plan.planner import resolve_hardware
-
-    from memopt.config import checks
 
     node = dict(node)
     extra = {k: v for k, v in (node.get("extra") or {}).items() if v is not None}
@@ -185,7 +184,7 @@ def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
     checks.check_nvme_path(extra.get("nvme_path"), problems, key="hardware.extra.nvme_path")
     checks.check_world(node.get("gpus_per_node"), node.get("num_nodes"), problems, prefix="hardware.",
                        names=("gpus_per_node", "num_nodes"))
-    if any(p.startswith("hardware.gpus_per_node") or p.startswith("hardware.num_nodes") for p in problems):
+    if any(p.startswith(("hardware.gpus_per_node", "hardware.num_nodes")) for p in problems):
         return None
     given = {k: v for k, v in node.items() if v is not None and v != {}}
     name = given.get("name", "auto")

@@ -156,7 +156,7 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
             problems.append(f"prediction.{key}={pred[key]!r} must be a non-negative integer of bytes")
     t = data.get("techniques")
     if not isinstance(t, dict):
-        return problems + [f"techniques must be a JSON object, got {type(t).__name__}"]
+        return [*problems, f"techniques must be a JSON object, got {type(t).__name__}"]
     choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTION_BACKENDS}
     for key, valid in choices.items():
         if key in t and t[key] not in valid:
