@@ -66,6 +66,8 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
             raise ValueError(f"{what} must not be negative, got {text}; {_GRAMMAR_HELP}")
         return text
     if isinstance(text, float):
+        if math.isinf(text) and text > 0:
+            raise ValueError(f"{what} {text!r} is too large to be a number of bytes; {_GRAMMAR_HELP}")
         if not math.isfinite(text) or text < 0:
             raise ValueError(f"{what} must be a finite, non-negative number, got {text!r}; {_GRAMMAR_HELP}")
         return int(text)

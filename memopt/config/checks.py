@@ -33,6 +33,7 @@ __all__ = [
     "check_pins_honoured",
     "check_plan_matches",
     "check_world",
+    "check_wrap_args",
     "closest",
     "model_fingerprint",
     "profile_fingerprint",
@@ -61,8 +62,14 @@ def raise_problems(problems: list[str], what: str = "input") -> None:
 
 
 def closest(name: Any, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or ''."""
-    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    """`` (did you mean 'x'?)`` for the one choice that starts with ``name`` (``h100`` -> ``h100_80gb``), else the
+    closest by spelling, or ''."""
+    choices = [str(c) for c in choices]
+    text = str(name)
+    prefixed = [c for c in choices if text and c.lower().startswith(text.lower()) and c != text]
+    if len(prefixed) == 1:
+        return f" (did you mean {prefixed[0]!r}?)"
+    match = difflib.get_close_matches(text, choices, n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
@@ -324,3 +331,34 @@ def check_plan_matches(plan: Any, model: Any, sample: Any = None, *, allow_misma
         problems.append(f"the saved plan is for a global batch of {plan.global_batch}, the sample has batch_size="
                         f"{batch}; make a plan for this batch, or pass allow_plan_mismatch=True")
     raise_problems(problems, "plan")
+
+
+# -- memopt.wrap -------------------------------------------------------------------------------------------------
+def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimizer: Any,
+                    optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
+                    calibration: Any = "use", allow_plan_mismatch: bool = False) -> None:
+    """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
+    problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
+    from memopt.plan.planner import CALIBRATION_MODES
+
+    problems: list[str] = []
+    hw = None
+    if plan is None and budget is not None:
+        import torch
+
+        if hardware not in (None, "auto") or torch.cuda.is_available():
+            hw = check_hardware(hardware, problems)
+        check_budget(budget, problems, device_total_bytes=hw.memory_bytes if hw is not None else None)
+    check_optimizer(optimizer, problems)
+    check_hyperparameters(optimizer_kwargs, problems)
+    if pins is not None and not isinstance(pins, Mapping):
+        problems.append(f"pins must be a dict such as {{'micro_batch_size': 2}}, got {type(pins).__name__}")
+    elif isinstance(sample, Mapping):
+        check_global_batch_pins(pins, sample.get("batch_size"), problems, batch_key="sample batch_size")
+    if transaction not in ("auto", "always", "never"):
+        problems.append(f"transaction={transaction!r}: use one of auto, always, never")
+    if calibration not in CALIBRATION_MODES:
+        problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
+                        f"{closest(calibration, CALIBRATION_MODES)}")
+    raise_problems(problems, "arguments")
+    check_plan_matches(plan, target, sample, allow_mismatch=allow_plan_mismatch)

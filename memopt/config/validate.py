@@ -8,7 +8,6 @@ names the key, what was wrong, and what would be valid.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,12 +61,10 @@ class PlanRequest:
 
 
 def closest(name: Any, choices: list[str] | tuple[str, ...]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or ''."""
-    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    """`` (did you mean 'x'?)`` for the closest choice, or '' (``memopt.config.checks.closest``)."""
+    from memopt.config.checks import closest as _closest
 
-
-_ = difflib
+    return _closest(name, choices)
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
