@@ -367,7 +367,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     is the model output's ``.loss`` or ``loss_fn(output, batch)``. On a GPU the allocator is capped at the
     budget minus the memory held outside it (``enforce_budget``). ``hardware``: not given, the local GPU, or
     ``memopt.hardware.DEFAULT_HARDWARE`` (h100_80gb) where none is visible (the plan's notes say so), as for
-    ``memopt.plan`` and ``memopt.profile``; ``'auto'``: the local GPU only (an error without one). ``guard`` adds per-step memory telemetry (written to ``run_dir``),
+    ``memopt.plan`` and ``memopt.profile``; ``'auto'``: the local GPU only (an error without one).
+    ``guard`` adds per-step memory telemetry (written to ``run_dir``),
     leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``); ``transaction``
     says when the guard copies parameters and optimizer states before an optimizer step, to undo an OOM inside
     it: "auto" (when the step is at risk), "always" or "never". ``autotune``

@@ -134,7 +134,7 @@ def check_nvme_path(path: Any, problems: list[str], *, key: str = "nvme_path") -
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         problems.append(f"{key}={path!r} must be a directory path on a local NVMe drive")
     elif not os.path.isdir(path):
-        problems.append(f"{key}={str(path)!r} does not exist or is not a directory; create it, or give an existing "
+        problems.append(f"{key} {str(path)!r} does not exist or is not a directory; create it, or give an existing "
                         "directory on a local NVMe drive (or no nvme_path: no NVMe offload)")
 
 
