@@ -24,7 +24,7 @@ from memopt.plan.__main__ import main
 from memopt.plan.planner import make_plan
 from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
 
-FUZZ = settings(max_examples=20, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=15, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 MODEL = "tiny_llama"
 GiB = 1 << 30
@@ -169,32 +169,32 @@ def _typo(key: str, i: int) -> str:
 
 
 @FUZZ
-@given(key=st.sampled_from([*_LLAMA_KEYS, "hidden_size", "num_attention_heads"]), typo=st.booleans(),
-       at=st.integers(0, 30), value=st.sampled_from([1, 2, 64, 128]))
+@given(key=st.sampled_from([*_LLAMA_KEYS, "hidden_size", "num_attention_heads", "rms_norm_eps"]),
+       typo=st.booleans(), at=st.integers(0, 30), value=st.sampled_from([1, 2, 64, 128]))
 def test_model_yaml_edits(key, typo, at, value):
+    """A key the model family's config does not have is refused by the CLI and the API, naming it; a real key is
+    accepted by the validation (planning is the other tests' subject: no trace here)."""
     from transformers import LlamaConfig
+
+    from memopt.config import compose_plan_config, validate
 
     name = _typo(key, at) if typo else key
     valid = name in LlamaConfig().to_dict()
-    if valid and key not in _LLAMA_KEYS:
-        return  # head counts and widths must agree with each other: not this test's subject
+    override = f"+model.hf_config.{name}={value}" if typo else f"model.hf_config.{name}={value}"
     argv = [f"model={MODEL}", "hardware=h100_80gb", "budget=8GB", "training.batch_size=2", "training.seq_len=16",
-            f"+model.hf_config.{name}={value}" if typo else f"model.hf_config.{name}={value}", "output=json"]
+            override]
+    event(f"yaml: {'valid' if valid else 'typo'} key")
+    if valid:
+        assert validate(compose_plan_config(argv)) == []
+        return
     code, text = _cli(argv)
-    event(f"yaml: {'valid' if valid else 'typo'} key, exit {code}")
-    if not valid:
-        assert code == 2 and name in text, text[-1500:]
+    assert code == 2 and name in text, text[-1500:]
     spec = {"name": "fuzz", "family": "causal_lm", "architecture": "LlamaForCausalLM",
             "hf_config": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
                           "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2,
                           "vocab_size": 256, name: value}}
-    try:
+    with pytest.raises(ValueError, match=re.escape(name)):
         make_plan(spec, {"batch_size": 2, "seq_len": 16}, budget="8GB", hardware="h100_80gb")
-        accepted = True
-    except ValueError as exc:
-        accepted = False
-        assert name in str(exc) or valid
-    assert valid or not accepted
 
 
 @pytest.fixture(scope="module")
