@@ -241,6 +241,17 @@ def check_pins_honoured(plan: Any, pins: Mapping[str, Any] | None) -> None:
             problems.append(f"pin {key}={pins[key]!r} cannot be honoured by {engine} [{s.label()}] (it runs "
                             f"{key}={have!r}); drop the pin, or pin offload=false to keep it on a plan without "
                             "offload")
+    if "offload" in pins:
+        setting = s.extra("sharding")
+        offloads = setting is not None and any(
+            str(getattr(setting, k, None) if not isinstance(setting, dict) else setting.get(k)) not in ("none", "None")
+            for k in ("offload_optimizer", "offload_params"))
+        if bool(pins["offload"]) != offloads:
+            how = ("on one GPU, offload is planned only where nothing fits without it; give world_size= (or "
+                   "hardware.gpus_per_node) to plan engines that offload, or drop the pin") if pins["offload"] else \
+                "drop the pin, or give a larger budget"
+            problems.append(f"pin offload={pins['offload']!r} cannot be honoured: the plan [{s.label()}] "
+                            f"{'does not offload' if pins['offload'] else 'offloads'}; {how}")
     cp = pins.get("checkpointing")
     if cp is not None and s.checkpointing.mode != cp and not (cp == "none" and s.checkpointing.label() == "none"):
         problems.append(f"pin checkpointing={cp!r} cannot be honoured by the plan [{s.label()}]; drop the pin or "
