@@ -3,12 +3,19 @@
     >>> import memopt
     >>> prof = memopt.profile("llama3_8b", sample={"batch_size": 8, "seq_len": 4096}, hardware="h100_80gb")
     >>> est = memopt.estimate(prof, memopt.Strategy(precision="bf16_autocast"))
+
+Every entry point (``memopt.plan``, ``memopt.profile``, ``memopt.wrap``, ``python -m memopt.plan``) checks its
+input with one validation layer (``memopt.config.checks``) and raises ``InputError`` (a ``ValueError``), one line
+per problem. ``hardware`` left out means the local GPU, or ``h100_80gb`` where none is visible (the plan's notes
+say so); ``hardware="auto"`` insists on the local GPU.
 """
 
 from memopt import estimate, plan, profile
 from memopt.apply.wrap import Wrapped, wrap
 from memopt.categories import MemoryCategory
+from memopt.config.checks import InputError
 from memopt.estimate import Estimate
+from memopt.guard.recovery import MemoptLeakError, MemoptOOMError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan import Plan, Policy, make_plan
 from memopt.profile import Profile
@@ -21,6 +28,9 @@ __all__ = [
     "Checkpointing",
     "Estimate",
     "HardwareSpec",
+    "InputError",
+    "MemoptLeakError",
+    "MemoptOOMError",
     "MemoryCategory",
     "Plan",
     "Policy",

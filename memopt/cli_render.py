@@ -132,13 +132,35 @@ def _verdict(plan: Any) -> Text:
     budget, total, margin = plan.budget_bytes, plan.total_bytes, plan.margin_bytes
     if plan.fits:
         head = Text(" FITS ", style="bold black on green")
-        head.append(f"  {format_bytes(total)} predicted of {format_bytes(budget)} "
+        head.append(f"  GPU: {format_bytes(total)} predicted of {format_bytes(budget)} "
                     f"(margin {format_bytes(margin)}, headroom {format_bytes(budget - total - margin)})")
+        for tier in tier_lines(plan):
+            head.append(f"\n       {tier}")
         return head
     head = Text(" DOES NOT FIT ", style="bold white on red")
     message = (plan.infeasible or {}).get("message", "no strategy fits")
     head.append(f"  {message}")
     return head
+
+
+def tier_lines(plan: Any) -> list[str]:
+    """The host-RAM and NVMe tiers a plan needs, each against what it was checked with (an offload plan's FITS
+    covers them too, so the verdict says them beside the GPU's)."""
+    pred = plan.prediction or {}
+    lines = []
+    host = pred.get("host_bytes_per_node")
+    if host:
+        ram = (plan.search or {}).get("host_memory_bytes_per_node")
+        source = (plan.search or {}).get("host_memory_source") or "hardware.host_memory_bytes"
+        against = f" of {format_bytes(ram)} ({source})" if ram else ""
+        lines.append(f"host RAM: {format_bytes(host)} per node{against}")
+    nvme = pred.get("nvme_bytes_per_node")
+    if nvme:
+        path = dict(plan.strategy.extras).get("sharding")
+        path = getattr(path, "nvme_path", None) if path is not None and not isinstance(path, dict) else \
+            (path or {}).get("nvme_path")
+        lines.append(f"NVMe: {format_bytes(nvme)} per node" + (f" at {path}" if path else ""))
+    return lines
 
 
 def _techniques_table(plan: Any) -> Table:

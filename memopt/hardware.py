@@ -16,7 +16,12 @@ import yaml
 from memopt.resources import config_names, configs_dir
 from memopt.units import MiB, parse_bytes
 
-__all__ = ["HardwareSpec", "detect_hardware", "hardware_names", "load_hardware"]
+__all__ = ["DEFAULT_HARDWARE", "HardwareSpec", "default_hardware_note", "detect_hardware", "hardware_names",
+           "load_hardware"]
+
+#: what every entry point (``memopt.plan``, ``memopt.profile``, ``memopt.wrap``) plans for when ``hardware`` is
+#: not given and no GPU is visible; ``hardware="auto"`` insists on the local GPU instead
+DEFAULT_HARDWARE = "h100_80gb"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +94,19 @@ def hardware_names() -> list[str]:
     return config_names("hardware")
 
 
-def load_hardware(name: str | HardwareSpec | dict[str, Any]) -> HardwareSpec:
-    """A spec by config name (``h100_80gb``), from a dict, or passed through."""
+def load_hardware(name: str | HardwareSpec | dict[str, Any] | None) -> HardwareSpec:
+    """A spec by config name (``h100_80gb``), from a dict, or passed through. ``"auto"``: the local GPU (an error
+    without one); None (not given): the local GPU, or ``DEFAULT_HARDWARE`` when none is visible."""
     if isinstance(name, HardwareSpec):
         return name
+    if name is None or name == "auto":
+        local = detect_hardware()
+        if local is not None:
+            return local
+        if name is None:
+            return load_hardware(DEFAULT_HARDWARE)
+        raise ValueError("hardware='auto' needs a local GPU and none is visible; name the GPU you plan for, "
+                         f"e.g. hardware={DEFAULT_HARDWARE} (shipped: {', '.join(hardware_names())})")
     if isinstance(name, dict):
         return _from_dict(name)
     path = configs_dir() / "hardware" / f"{name}.yaml"
@@ -103,6 +117,14 @@ def load_hardware(name: str | HardwareSpec | dict[str, Any]) -> HardwareSpec:
         data = yaml.safe_load(f)
     data.setdefault("name", name)
     return _from_dict(data)
+
+
+def default_hardware_note(hardware: Any, spec: HardwareSpec) -> str | None:
+    """The note a plan carries when ``hardware`` was not given and no GPU was visible (what was used instead)."""
+    if hardware is None and spec.name == DEFAULT_HARDWARE and detect_hardware() is None:
+        return (f"no hardware named and no GPU visible: planned for {DEFAULT_HARDWARE} (name hardware= for another "
+                "GPU)")
+    return None
 
 
 def detect_hardware() -> HardwareSpec | None:

@@ -66,15 +66,21 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
             raise ValueError(f"{what} must not be negative, got {text}; {_GRAMMAR_HELP}")
         return text
     if isinstance(text, float):
+        if math.isinf(text) and text > 0:
+            raise ValueError(f"{what} {text!r} is too large to be a number of bytes; {_GRAMMAR_HELP}")
         if not math.isfinite(text) or text < 0:
             raise ValueError(f"{what} must be a finite, non-negative number, got {text!r}; {_GRAMMAR_HELP}")
         return int(text)
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string or a number, got {type(text).__name__}; {_GRAMMAR_HELP}")
     match = _PATTERN.match(text)
+    if not match and text.strip().startswith("-"):
+        raise ValueError(f"{what} must not be negative, got {text!r}; {_GRAMMAR_HELP}")
     if not match:
         raise ValueError(f"cannot read {what} {text!r}: {_GRAMMAR_HELP}")
     number, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(number):
+        raise ValueError(f"{what} {text!r} is too large to be a number of bytes; {_GRAMMAR_HELP}")
     if unit == "%":
         raise ValueError(f"{what} {text!r} is a percentage, which needs the device's total memory; {_GRAMMAR_HELP}")
     if unit not in _UNITS:
@@ -88,7 +94,7 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
         match = _PATTERN.match(text)
         if match and match.group(2) == "%":
             pct = float(match.group(1))
-            if not 0 < pct <= 100:
+            if not math.isfinite(pct) or not 0 < pct <= 100:
                 raise ValueError(f"budget {text!r}: a percentage must be in (0, 100]; {_GRAMMAR_HELP}")
             if device_total_bytes is None:
                 raise ValueError(

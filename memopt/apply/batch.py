@@ -203,7 +203,7 @@ def _accepts(model: nn.Module) -> set[str] | None:
         return None
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        from memopt.apply.hf_models import hf_forward_kwargs, is_hf_model
+        from memopt.models.hf_task import hf_forward_kwargs, is_hf_model
 
         if not is_hf_model(model):
             return None

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.hf_models import is_causal_lm
 from memopt.apply.train_step import LossFn, TrainStep
 from memopt.blocks import BlockStack, find_block_stacks
 from memopt.models.hf_task import is_causal_lm

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +38,11 @@ from memopt.plan.planner import make_plan, resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes, parse_budget
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from memopt.distributed.wrapped import ShardedWrapped
 
 __all__ = ["Wrapped", "wrap"]
 
@@ -87,7 +92,7 @@ class Wrapped:
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
-                 checkpoint: Any = None, transaction: str = "auto") -> None:
+                 checkpoint: Any = None, transaction: str = "auto", calibration: str = "use") -> None:
         _check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
@@ -107,6 +112,7 @@ class Wrapped:
         self._guard_enabled = guard
         self._run_dir = run_dir
         self._transaction = transaction
+        self._calibration = calibration
         self._profile: Any = None
         self.guard: Any = None
         self.plan: Plan | None = plan
@@ -146,7 +152,7 @@ class Wrapped:
         self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
             self._user_model, sample, budget=self._budget, hardware=hw, policy=self._policy_args["policy"],
             fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
-            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile)
+            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration)
         self._plan_pins = merged_pins
         plan = self._replan(merged_pins)
         if not plan.fits:
@@ -245,7 +251,9 @@ class Wrapped:
         from memopt.guard.recovery import PlanEscalator, PreparedReplanner, step_down
         from memopt.guard.runtime import RuntimeGuard
 
-        escalate = PlanEscalator(self._profile) if self._profile is not None else step_down
+        escalate = step_down
+        if self._profile is not None:  # calibration="ignore"/"clear": the escalation does not read it either
+            escalate = PlanEscalator(self._profile, calibration_ratio=None if self._calibration == "use" else 1.0)
         replanner = PreparedReplanner(self._prepared, dict(prepare_kwargs), escalate)
         self.guard = RuntimeGuard(self._prepared.step, plan, run_dir=self._run_dir, replanner=replanner,
                                   transaction=self._transaction)
@@ -400,12 +408,13 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          training_step: Callable[[nn.Module, Any], torch.Tensor] | None = None,
          lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None, max_grad_norm: float | None = None,
-         hardware: Any = "auto", policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
+         hardware: Any = None, policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
          forbid: dict[str, Any] | None = None, device: Any = None, enforce_budget: bool = True,
          use_cache: bool = True, guard: bool = True, run_dir: str | os.PathLike[str] | None = None,
          autotune: bool | None = None,
          checkpoint: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None,
-         transaction: str = "auto") -> Any:
+         transaction: str = "auto", calibration: str = "use",
+         allow_plan_mismatch: bool = False) -> Wrapped | ShardedWrapped | Trainer:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``. ``optimizer`` is a
@@ -415,8 +424,10 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     Lightning-style step: you call the model), else the model called on the batch (a dict's keys that ``forward``
     takes, a tensor, or a tuple/list ``(inputs..., target)``) and ``loss_fn(output, batch)`` or the output's
     ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. On a GPU the
-    allocator is capped at the budget minus the memory held outside it (``enforce_budget``). ``hardware='auto'``
-    detects the local GPU; without one, name the GPU to plan for. ``guard`` adds per-step memory telemetry (written
+    allocator is capped at the budget minus the memory held outside it (``enforce_budget``). ``hardware``: not
+    given, the local GPU, or ``memopt.hardware.DEFAULT_HARDWARE`` (h100_80gb) where none is visible (the plan's
+    notes say so), as for ``memopt.plan`` and ``memopt.profile``; ``'auto'``: the local GPU only (an error
+    without one). ``guard`` adds per-step memory telemetry (written
     to ``run_dir``), leak detection and OOM recovery (re-plan, retry the same batch; see ``memopt.guard``);
     ``transaction`` says when the guard copies parameters and optimizer states before an optimizer step, to undo an
     OOM inside it: "auto" (when the step is at risk), "always" or "never". ``autotune`` (default: on a GPU when wrap
@@ -428,6 +439,13 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     The plan is made first, and the weights then load straight onto the GPU in the plan's precision, layer by
     layer; with quantized weights each target linear is quantized as it loads (``load_quantized``), so the
     full-precision model never sits in GPU memory.
+
+    Every argument is checked first, with the checks and messages of ``memopt.plan`` (``memopt.config.checks``):
+    bad input raises one ``ValueError`` naming each problem and what would work. ``calibration``: "use" the
+    stored measured/predicted ratios of clean earlier runs, "ignore" them, or "clear" them first. A saved
+    ``plan=`` made for another model (its fingerprint) or another global batch is refused unless
+    ``allow_plan_mismatch=True``. Returns a ``Wrapped`` (one GPU), a ``ShardedWrapped`` (a sharded plan under
+    torchrun) or the ``Trainer`` it was given, set up from the plan.
     """
     kwargs = dict(optimizer_kwargs or {})
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
@@ -440,6 +458,11 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                              "a training_step calls the model and makes the loss itself")
         loss_fn = TrainingStep(training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    from memopt.config.checks import check_wrap_args
+
+    check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
+                    hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
+                    allow_plan_mismatch=allow_plan_mismatch)
     if _is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer
 
@@ -467,4 +490,4 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
                    enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
-                   autotune=autotune, checkpoint=checkpoint, transaction=transaction)
+                   autotune=autotune, checkpoint=checkpoint, transaction=transaction, calibration=calibration)

@@ -63,7 +63,8 @@ class HardwareConfig:
     inter_node_bandwidth: float | None = None
     host_memory_bytes: Any = None
     notes: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # nvme_path is declared so that the documented `hardware.extra.nvme_path=/mnt/nvme` works without a `+`
+    extra: dict[str, Any] = field(default_factory=lambda: {"nvme_path": None})
 
 
 @dataclass
@@ -166,3 +167,4 @@ class PlanConfig:
     output: str = "table"  # table | json
     save_plan: str | None = None  # write the plan as JSON here (a multirun job saves into its own folder)
     use_cache: bool = True  # reuse profiles under $MEMOPT_CACHE_DIR (default ~/.cache/memopt)
+    calibration: str = "use"  # use | ignore | clear: earlier runs' measured/predicted ratios (memopt.guard.calibration)

@@ -8,7 +8,6 @@ names the key, what was wrong, and what would be valid.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,19 +49,22 @@ class PlanRequest:
     output: str = "table"
     save_plan: str | None = None
     use_cache: bool = True
+    calibration: str = "use"
 
     def plan(self) -> Any:
         """Run the planner (``memopt.plan.make_plan``) on this request."""
         from memopt.plan.planner import make_plan
 
         return make_plan(self.model, self.sample, budget=self.budget_bytes, hardware=self.hardware,
-                         policy=self.policy, loss_fn=self.loss_fn, use_cache=self.use_cache)
+                         policy=self.policy, loss_fn=self.loss_fn, use_cache=self.use_cache,
+                         calibration=self.calibration)
 
 
 def closest(name: Any, choices: list[str] | tuple[str, ...]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or ''."""
-    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    """`` (did you mean 'x'?)`` for the closest choice, or '' (``memopt.config.checks.closest``)."""
+    from memopt.config.checks import closest as _closest
+
+    return _closest(name, choices)
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
@@ -105,8 +107,11 @@ def validate(cfg: Any) -> list[str]:
 
 
 def resolve(cfg: Any) -> PlanRequest:
-    """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem."""
-    from memopt.units import format_bytes, parse_budget
+    """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem. The
+    checks are those of the Python API (:mod:`memopt.config.checks`), with the config's key names."""
+    from memopt.config import checks
+    from memopt.plan.planner import CALIBRATION_MODES
+    from memopt.units import format_bytes
 
     data = to_plain(cfg)
     problems: list[str] = []
@@ -119,14 +124,11 @@ def resolve(cfg: Any) -> PlanRequest:
     sample = _sample(spec, model, training, problems)
 
     budget_text = data.get("budget")
-    budget_bytes = 0
-    if budget_text is None:
-        problems.append("budget is required: e.g. budget=40GB (10^9 bytes), 40GiB (2^30), 80% (of the GPU)")
-    else:
-        try:
-            budget_bytes = parse_budget(budget_text, device_total_bytes=hardware.memory_bytes if hardware else None)
-        except ValueError as exc:
-            problems.append(str(exc))
+    budget_bytes = checks.check_budget(budget_text, problems,
+                                       device_total_bytes=hardware.memory_bytes if hardware else None) or 0
+    checks.check_margin(policy, budget_bytes, problems)
+    if spec is not None:
+        checks.check_model_keys(spec, problems)
     if budget_bytes and hardware is not None and budget_bytes <= hardware.runtime_overhead_bytes:
         margin = policy.margin(budget_bytes) if policy is not None else 0
         least = hardware.runtime_overhead_bytes + margin + (1 << 30)
@@ -135,13 +137,17 @@ def resolve(cfg: Any) -> PlanRequest:
             f"{hardware.name} ({format_bytes(hardware.runtime_overhead_bytes)} outside PyTorch's allocator); "
             f"give at least {format_bytes(least)} (budget={-(-least // 10**9)}GB) for the smallest models")
 
-    if policy is not None and sample is not None and spec is not None and "micro_batch_size" in policy.pins:
-        batch = sample.get("batch_size", spec.sample.get("batch_size"))
-        mb = policy.pins["micro_batch_size"]
-        if isinstance(batch, int) and batch % mb:
-            divisors = [b for b in range(1, batch + 1) if batch % b == 0]
-            problems.append(f"policy.pins.micro_batch_size={mb} does not divide the global batch {batch} "
-                            f"(training.batch_size); use one of {', '.join(map(str, divisors))}")
+    if policy is not None and sample is not None and "micro_batch_size" in policy.pins:
+        batch = sample.get("batch_size", spec.sample.get("batch_size") if spec is not None else None) \
+            if isinstance(sample, dict) and not model.get("_target_") else (training.get("batch_size"))
+        checks.check_global_batch_pins(policy.pins, batch, problems, key="policy.pins.micro_batch_size",
+                                       batch_key="training.batch_size")
+    checks.check_hyperparameters(training.get("optimizer_kwargs") or {}, problems,
+                                 prefix="training.optimizer_kwargs.")
+    calibration = data.get("calibration", "use")
+    if calibration not in CALIBRATION_MODES:
+        problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
+                        f"{closest(calibration, CALIBRATION_MODES)}")
 
     output = data.get("output")
     if output not in OUTPUTS:
@@ -158,16 +164,25 @@ def resolve(cfg: Any) -> PlanRequest:
     return PlanRequest(model=model_arg, model_label=label, sample=sample, hardware=hardware, budget=budget_text,
                        budget_bytes=budget_bytes, policy=policy, loss_fn=loss_fn,
                        optimizer=training.get("optimizer") or "auto", optimizer_kwargs=kwargs, output=output,
-                       save_plan=save_plan, use_cache=use_cache)
+                       save_plan=save_plan, use_cache=use_cache, calibration=calibration)
 
 
 # -- the parts ------------------------------------------------------------------------------------------------
 
 
 def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
+    from memopt.config import checks
     from memopt.hardware import hardware_names, load_hardware
     from memopt.plan.planner import resolve_hardware
 
+    node = dict(node)
+    extra = {k: v for k, v in (node.get("extra") or {}).items() if v is not None}
+    node["extra"] = extra
+    checks.check_nvme_path(extra.get("nvme_path"), problems, key="hardware.extra.nvme_path")
+    checks.check_world(node.get("gpus_per_node"), node.get("num_nodes"), problems, prefix="hardware.",
+                       names=("gpus_per_node", "num_nodes"))
+    if any(p.startswith(("hardware.gpus_per_node", "hardware.num_nodes")) for p in problems):
+        return None
     given = {k: v for k, v in node.items() if v is not None and v != {}}
     name = given.get("name", "auto")
     try:

@@ -115,8 +115,8 @@ class ShardedWrapped:
             set_expandable_segments(strategy.expandable_segments)
             self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
                                             self.device)
-        from memopt.apply.hf_models import is_causal_lm
         from memopt.blocks import find_block_stacks
+        from memopt.models.hf_task import is_causal_lm
         from memopt.techniques.checkpointing import apply_checkpointing
 
         self._causal_lm = is_causal_lm(model)  # before an engine wraps it

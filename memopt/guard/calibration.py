@@ -7,6 +7,20 @@ A run under a plan measures the real peaks (``Telemetry``); an OOM gives a lower
 ratios measured / predicted; the planner can tighten its margin with ``Calibration.margin_bytes`` when the
 predictions came out low (it never loosens them: a plan that over-predicted is only slower than it could be).
 Peaks are maxima, so repeated runs of one strategy keep the highest measurement.
+
+What is learnt, and what not:
+
+* only clean steps: ``RuntimeGuard`` records nothing at an OOM and nothing from a run's steps after an OOM, a
+  retry or memory the plan does not own (``memopt.guard.foreign``); ``record_calibration(oom=True)`` stores
+  nothing;
+* bounded: a measurement more than ``MAX_RATIO`` above (or below ``1 / MAX_RATIO`` of) its prediction is not a
+  property of the estimator but of something else in the process, and is refused; the margin the planner
+  derives never grows by more than ``MAX_RATIO``; at most ``MAX_ENTRIES`` strategies are kept (the newest);
+* keyed to the estimator: each file records the digest of the estimator's code (``memopt.estimate.store.
+  code_digest``); a file from another estimator is ignored (and replaced by the next clean run);
+* shown when used (the plan's notes name the file), ignored with ``calibration="ignore"`` (``memopt.plan``,
+  ``memopt.wrap``, ``python -m memopt.plan calibration=ignore``), cleared with ``calibration="clear"`` or
+  ``python -m memopt.calibration clear``.
 """
 
 from __future__ import annotations
@@ -27,11 +41,22 @@ __all__ = [
     "CalibrationEntry",
     "calibration_for",
     "calibration_path",
+    "clear_calibration",
     "record_calibration",
     "record_from_telemetry",
 ]
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
+#: a measurement this far from its prediction (either way) is refused; the widened margin is capped by it too
+MAX_RATIO = 1.5
+#: strategies kept per model and GPU kind (the most recently measured)
+MAX_ENTRIES = 64
+
+
+def estimator_version() -> str:
+    from memopt.estimate.store import code_digest
+
+    return code_digest()
 
 
 @dataclass
@@ -86,6 +111,7 @@ class Calibration:
     hardware: str
     entries: dict[str, CalibrationEntry] = field(default_factory=dict)
     version: int = CALIBRATION_VERSION
+    estimator: str = field(default_factory=estimator_version)
 
     def _max(self, attr: str) -> float | None:
         vals = [getattr(e, attr) for e in self.entries.values() if getattr(e, attr) is not None]
@@ -117,10 +143,12 @@ class Calibration:
         r = self.ratio(strategy_label)
         if r is None or r <= 1.0:
             return policy_margin_bytes
+        r = min(r, MAX_RATIO)
         return int(budget_bytes - max(budget_bytes - policy_margin_bytes, 0) / r)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "profile_key": self.profile_key, "hardware": self.hardware,
+        return {"version": self.version, "estimator": self.estimator, "profile_key": self.profile_key,
+                "hardware": self.hardware,
                 "ratio_allocated": self.ratio_allocated, "ratio_reserved": self.ratio_reserved,
                 "ratio_total": self.ratio_total,
                 "entries": {k: e.to_dict() for k, e in sorted(self.entries.items())}}
@@ -129,6 +157,8 @@ class Calibration:
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
         if data.get("version") != CALIBRATION_VERSION:
             raise ValueError(f"calibration version {data.get('version')!r} is not {CALIBRATION_VERSION}")
+        if data.get("estimator") != estimator_version():
+            raise ValueError("calibration made by another estimator")
         return cls(profile_key=data["profile_key"], hardware=data["hardware"],
                    entries={k: CalibrationEntry.from_dict(v) for k, v in data.get("entries", {}).items()})
 
@@ -162,9 +192,26 @@ def record_calibration(profile_key: str, hardware: str, strategy: str, *, predic
 
     ``predicted``: a plan's prediction (``peak_allocated_bytes``, ``peak_reserved_bytes``, ``total_bytes``);
     ``measured``: ``peak_allocated_bytes``, ``peak_reserved_bytes`` and, on a GPU, ``measured_total_bytes``.
-    A stored entry whose prediction differs (another memopt) is replaced rather than merged.
+    A stored entry whose prediction differs (another memopt) is replaced rather than merged. An OOM's lower
+    bound (``oom=True``) and a measurement outside ``MAX_RATIO`` of its prediction are not stored (returns what
+    is stored, or None).
     """
-    cal = calibration_for(profile_key, hardware, directory=directory) or Calibration(profile_key, hardware)
+    cal = calibration_for(profile_key, hardware, directory=directory)
+    if oom:
+        return cal
+    predicted_total = int(predicted.get("total_bytes") or 0)
+    measured_total = measured.get("measured_total_bytes") or measured.get("peak_reserved_bytes")
+    predicted_ref = predicted_total if measured.get("measured_total_bytes") else \
+        int(predicted.get("peak_reserved_bytes") or 0)
+    if predicted_ref and measured_total and not 1 / MAX_RATIO <= int(measured_total) / predicted_ref <= MAX_RATIO:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "calibration: %s measured %d bytes against a prediction of %d; not learnt (more than %.0f%% off: "
+            "something other than the plan held memory)", strategy, measured_total, predicted_ref,
+            100 * (MAX_RATIO - 1))
+        return cal
+    cal = cal or Calibration(profile_key, hardware)
     new = CalibrationEntry(strategy=strategy,
                            predicted_peak_allocated_bytes=int(predicted["peak_allocated_bytes"]),
                            predicted_peak_reserved_bytes=int(predicted["peak_reserved_bytes"]),
@@ -187,6 +234,9 @@ def record_calibration(profile_key: str, hardware: str, strategy: str, *, predic
         new.steps += old.steps
         new.oom = old.oom or new.oom
     cal.entries[strategy] = new
+    if len(cal.entries) > MAX_ENTRIES:
+        newest = sorted(cal.entries.values(), key=lambda e: e.updated)[-MAX_ENTRIES:]
+        cal.entries = {e.strategy: e for e in newest}
     path = calibration_path(profile_key, hardware, directory=directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -214,3 +264,26 @@ def record_from_telemetry(telemetry: Any, *, directory: str | os.PathLike[str] |
         cal = record_calibration(key, plan.hardware, label, predicted=m["prediction"], measured=m,
                                  steps=m["steps"], directory=directory)
     return cal
+
+
+def clear_calibration(profile_key: str | None = None, hardware: str | None = None, *,
+                      directory: str | os.PathLike[str] | None = None) -> int:
+    """Delete stored calibrations (of one model profile and/or GPU kind; all without arguments); returns how
+    many files were removed."""
+    if profile_key is not None and hardware is not None:
+        paths = [calibration_path(profile_key, hardware, directory=directory)]
+    else:
+        folder = calibration_path("x", "x", directory=directory).parent
+        paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        if hardware is not None:
+            paths = [p for p in paths if p.name.startswith(f"{_safe(hardware)}__")]
+        if profile_key is not None:
+            paths = [p for p in paths if p.name.endswith(f"__{_safe(profile_key)}.json")]
+    removed = 0
+    for p in paths:
+        try:
+            p.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

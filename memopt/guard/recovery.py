@@ -244,6 +244,8 @@ class OOMMeasurement:
     predicted: dict[str, Any] = field(default_factory=dict)  # the failing plan's prediction
     budget_bytes: int | None = None
     snapshot_path: str | None = None
+    foreign_bytes: int | None = None  # memory the plan does not own, measured after freeing (memopt.guard.foreign)
+    foreign: dict[str, Any] | None = None  # ForeignMemory.to_dict() plus a description
 
     @property
     def needed_bytes(self) -> int | None:
@@ -260,11 +262,12 @@ class OOMMeasurement:
 
     @property
     def ratio(self) -> float | None:
-        """needed / predicted total: how far the plan under-predicted, at least."""
+        """needed / predicted total: how far the plan under-predicted, at least (foreign memory is not the plan's
+        under-prediction, so it is left out)."""
         needed, predicted = self.needed_bytes, self.predicted.get("total_bytes")
         if not needed or not predicted:
             return None
-        return needed / predicted
+        return max(needed - (self.foreign_bytes or 0), 0) / predicted
 
     @property
     def shortfall_bytes(self) -> int:
@@ -358,9 +361,11 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     asks for strictly less. Fidelity stays the user's (lossy techniques only when the policy allows them)
     unless ``extra_allowances`` adds some; the allocator mode (expandable segments) stays the running one.
     """
+    from memopt.guard.foreign import remaining_budget
+
     pol = policy_from_plan(plan)
-    budget = plan.budget_bytes
-    old_margin = plan.margin_bytes or pol.margin(budget)
+    budget = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
+    old_margin = plan.margin_bytes or pol.margin(plan.budget_bytes)
     predicted = plan.total_bytes
     ratio = 1.0
     if measured is not None and measured.ratio:
@@ -406,8 +411,15 @@ class PlanEscalator:
             ratio = cal.ratio_total if cal is not None else None
         policy = escalation_policy(plan, measured, attempt, step_fraction=self.step_fraction,
                                    calibration_ratio=ratio, extra_allowances=self.extra_allowances)
-        new = make_plan(None, None, budget=plan.budget_bytes, hardware=self.hardware or plan.hardware,
-                        policy=policy, profile=self.profile)
+        from memopt.guard.foreign import remaining_budget
+
+        left = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
+        new = make_plan(None, None, budget=left, hardware=self.hardware or plan.hardware, policy=policy,
+                        profile=self.profile, calibration="ignore" if left != plan.budget_bytes else "use")
+        if left != plan.budget_bytes:  # the cap stays the user's budget; the plan was made for what is left of it
+            new = dataclasses.replace(new, budget_bytes=plan.budget_bytes, notes=[*new.notes, (
+                f"re-planned for {format_bytes(left)} left of the {format_bytes(plan.budget_bytes)} budget: "
+                f"{format_bytes(measured.foreign_bytes)} of foreign memory (not the plan's) is on the device")])
         if not new.fits:
             raise EscalationFailed("no plan fits with the margin the OOM calls for ("
                                    f"{format_bytes(policy.margin_bytes)}): "
@@ -469,6 +481,19 @@ def _batching_only(old: Strategy, new: Strategy) -> bool:
     return old.replace(micro_batch_size=new.micro_batch_size, grad_accum_steps=new.grad_accum_steps) == new
 
 
+def _to_host(obj: Any) -> Any:
+    """A state dict with its device tensors copied to host memory (host tensors are kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_host(v) for v in obj)
+    return obj
+
+
 def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
     """``prepared`` (a ``memopt.apply.prepare.Prepared``) under ``strategy``, training state carried over.
 
@@ -485,12 +510,16 @@ def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
         old.strategy = strategy
         return prepared
     same_opt = old.strategy.optimizer == strategy.optimizer
-    opt_state = prepared.optimizer.state_dict() if same_opt else None
-    masters = [m.detach() for m in old.master.masters] if old.master is not None else None
+    # the old plan's states move to the host before the new plan is prepared, so that the device never holds
+    # both plans' optimizer states and master weights (the new ones load from the host copies)
+    opt_state = _to_host(prepared.optimizer.state_dict()) if same_opt else None
+    masters = [m.detach().to("cpu", copy=True) for m in old.master.masters] if old.master is not None else None
+    prepared.optimizer.state.clear()
     sched = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
     scaler = old.scaler.state_dict() if old.scaler is not None and hasattr(old.scaler, "state_dict") else None
     steps_done = old.steps_done
     prepared.undo()
+    release_cache()
     new: Prepared = prepare(prepared.model, strategy, stacks=prepared.stacks, **prepare_kwargs)
     if masters is not None and new.step.master is not None:
         new.step.master.load_state_dict({"masters": masters})
@@ -762,8 +791,14 @@ class OOMGuard:
                  is_oom: Callable[[BaseException], bool] = is_oom,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  on_retry: Callable[[Any], None] | None = None, empty_cache: bool = True,
-                 leak_check: Callable[[OOMMeasurement], LeakReport | None] | None = None) -> None:
+                 leak_check: Callable[[OOMMeasurement], LeakReport | None] | None = None,
+                 foreign_threshold_bytes: int | None = None) -> None:
+        from memopt.guard.foreign import DEFAULT_FOREIGN_THRESHOLD
+
         self.plan = plan
+        # None: the default; 0 or less: do not look for foreign memory
+        self.foreign_threshold_bytes = DEFAULT_FOREIGN_THRESHOLD if foreign_threshold_bytes is None \
+            else foreign_threshold_bytes
         self.leak_check = leak_check
         if replanner is None:
             replanner = FunctionReplanner(escalate or step_down, apply or switch_micro_batch(step))
@@ -896,9 +931,14 @@ class OOMGuard:
             if leak is not None:
                 self.report.final = leak_message(leak, failure)
                 raise MemoptLeakError(self.report.final, self.report)
+            self._find_foreign(failure, batch)
             if self.escalations >= self.max_escalations:
                 self.report.final = (f"still out of memory after {self.escalations} re-plan(s) "
                                      f"(max_escalations={self.max_escalations}); stopping")
+                if failure.foreign_bytes:
+                    from memopt.guard.foreign import foreign_message
+
+                    self.report.final = foreign_message(failure, self.plan, self.report.final)
                 raise MemoptOOMError(self.report.final, self.report)
             self.escalations += 1
             new_plan = self._escalate(self._worst(failure, rows, attempt, location))
@@ -981,8 +1021,39 @@ class OOMGuard:
             plan, error = self._broadcast_plan(plan, error)
         if plan is None:
             self.report.final = f"out of memory and no smaller plan: {error}"
+            if failure.foreign_bytes:
+                from memopt.guard.foreign import foreign_message
+
+                self.report.final = foreign_message(failure, self.plan, f"no smaller plan: {error}")
             raise MemoptOOMError(self.report.final, self.report)
         return plan
+
+    def _find_foreign(self, failure: OOMMeasurement, batch: Any) -> None:
+        """Measure memory the plan does not own (the failed step is freed by now); on every rank alike."""
+        if self.foreign_threshold_bytes is None or self.foreign_threshold_bytes <= 0:
+            return
+        from memopt.guard.foreign import measure_foreign
+
+        found = None
+        try:
+            found = measure_foreign(self.memory, self.step, self.plan, batch,
+                                    threshold_bytes=self.foreign_threshold_bytes)
+        except Exception:  # a measurement must never hide the OOM
+            log.exception("could not measure foreign memory at the OOM")
+        foreign = found.total_bytes if found is not None else 0
+        if self.distributed:  # the rank with the most foreign memory decides what every rank plans for
+            t = torch.tensor([foreign], dtype=torch.int64, device=self._device())
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.pg)
+            foreign = int(t.item())
+        if not foreign:
+            return
+        failure.foreign_bytes = foreign
+        failure.foreign = {**(found.to_dict() if found is not None else {}),
+                           "description": found.describe() if found is not None else
+                           f"{format_bytes(foreign)} of foreign memory (on another rank)"}
+        log.warning("out of memory with %s on the device; re-planning for what is left of the budget",
+                    failure.foreign["description"])
+        self._event("foreign_memory", {"step": failure.step, "attempt": failure.attempt, **failure.foreign})
 
     def _swap(self, step: Steppable) -> None:
         if step is not self.step:

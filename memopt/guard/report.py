@@ -46,17 +46,42 @@ class RunData:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; a line cut short by a crash is skipped, but a file none of whose lines
+    is a JSON record is corrupt, and says so (it is not "missing")."""
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    bad: list[int] = []
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not a memopt telemetry "
+                         "file any more") from None
+    for i, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if line:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
+                bad.append(i)
                 continue  # a line cut short by a crash
+            if isinstance(rec, dict):
+                out.append(rec)
+            else:
+                bad.append(i)
+    if bad and not out:
+        raise ValueError(f"{path} is corrupt: none of its {len(bad)} line(s) is a JSON record (first bad line "
+                         f"{bad[0]}); it was damaged or is not a memopt telemetry file")
     return out
+
+
+def _json_file(path: Path) -> Any:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is corrupt ({exc}); remove it or re-run to write it again") from None
 
 
 def load_run(run_dir: str | os.PathLike[str], *, rank: int = 0) -> RunData:
@@ -67,12 +92,12 @@ def load_run(run_dir: str | os.PathLike[str], *, rank: int = 0) -> RunData:
     if not steps and not events:
         raise FileNotFoundError(f"{d} has no telemetry{suffix}.jsonl or events{suffix}.jsonl: not a memopt run "
                                 "directory (RuntimeGuard/Telemetry with run_dir= writes them)")
-    plan = json.loads((d / "plan.json").read_text()) if (d / "plan.json").exists() else None
+    plan = _json_file(d / "plan.json")
     plans = []
     if (d / "plans").is_dir():
         files = sorted((d / "plans").glob("plan_*.json"), key=lambda p: int(p.stem.split("_")[1]))
-        plans = [json.loads(p.read_text()) for p in files]
-    oom = json.loads((d / "oom_report.json").read_text()) if (d / "oom_report.json").exists() else None
+        plans = [_json_file(p) for p in files]
+    oom = _json_file(d / "oom_report.json")
     return RunData(run_dir=d, steps=steps, events=events, plan=plan, plans=plans, oom_report=oom)
 
 

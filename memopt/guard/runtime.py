@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memopt.guard.calibration import record_calibration, record_from_telemetry
+from memopt.guard.calibration import record_from_telemetry
 from memopt.guard.leaks import LeakDetector, LeakReport
 from memopt.guard.memory import MemorySource, default_memory_source
 from memopt.guard.recovery import (
@@ -36,7 +36,6 @@ from memopt.guard.recovery import (
     OOMMeasurement,
     Replanner,
     Steppable,
-    prediction_is_current,
 )
 from memopt.guard.telemetry import Telemetry
 from memopt.plan.schema import Plan
@@ -54,7 +53,9 @@ class RuntimeGuard:
     (with a leak detector): at an OOM, first ask the detector whether memory has been leaking
     (``LeakDetector.diagnose_oom``); if so, stop with ``MemoptLeakError`` and a "leak" event instead of
     re-planning (``memopt.guard.recovery``, "A leak is not a plan problem"). ``calibrate``: store measured
-    peaks for the planner when the run closes (GPU runs only).
+    peaks for the planner when the run closes (GPU runs only; clean steps only: none after an OOM or foreign
+    memory in the run). ``foreign_threshold_bytes``: at an OOM, memory the plan does not own above this is planned
+    around (``memopt.guard.foreign``; None: 64 MiB, 0: off).
     """
 
     def __init__(self, step: Steppable, plan: Plan, *, run_dir: str | os.PathLike[str] | None = None,
@@ -63,7 +64,8 @@ class RuntimeGuard:
                  transaction: str = "auto", leaks: LeakDetector | bool = True, leak_threshold_bytes: int = 32 * MiB,
                  leak_window: int = 5, census: bool | str = "auto", record_modules: bool = False,
                  calibrate: bool = True, calibration_dir: str | os.PathLike[str] | None = None,
-                 process_group: Any = None, diagnose_leaks: bool = True) -> None:
+                 process_group: Any = None, diagnose_leaks: bool = True,
+                 foreign_threshold_bytes: int | None = None) -> None:
         self.memory = memory if memory is not None else default_memory_source()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.rank = torch.distributed.get_rank(process_group) if (
@@ -79,7 +81,7 @@ class RuntimeGuard:
             self.oom = OOMGuard(step, plan, replanner=replanner, escalate=escalate, apply=apply,
                                 max_escalations=max_escalations, transaction=transaction, memory=self.memory,
                                 run_dir=self.run_dir, process_group=process_group, on_event=self._on_event,
-                                on_retry=self.telemetry.retry,
+                                on_retry=self.telemetry.retry, foreign_threshold_bytes=foreign_threshold_bytes,
                                 leak_check=self._leak_check if diagnose_leaks and self.telemetry.leaks else None)
             self.oom.phase_listeners.append(self.telemetry.on_phase)
             self.telemetry.bind(step)
@@ -132,7 +134,12 @@ class RuntimeGuard:
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "oom":
             self.telemetry.event("oom", **data)
-            self._calibrate_oom(data)
+            # an OOM's figures are never learnt (memopt.guard.calibration learns from clean steps only), and the
+            # run's later steps neither: memory the step did not plan for may still be there
+            self.telemetry.block_calibration("out-of-memory error")
+        elif kind == "foreign_memory":
+            self.telemetry.event("foreign_memory", **data)
+            self.telemetry.block_calibration("foreign memory")
         elif kind == "leak":
             self.telemetry.event("leak", **data)
         elif kind == "replan":
@@ -140,20 +147,6 @@ class RuntimeGuard:
             self.telemetry.bind(self.oom.step)
             self.telemetry.set_plan(plan, reason=f"out of memory (re-plan {data['attempt']}): [{data['from']}] -> "
                                                  f"[{data['to']}]")
-
-    def _calibrate_oom(self, data: dict[str, Any]) -> None:
-        """An OOM is a measurement too: the step needed at least ``needed_bytes``."""
-        plan = self.telemetry.plan
-        key = (plan.model or {}).get("profile_key") if plan is not None else None
-        needed = data.get("needed_bytes")
-        if not (self.calibrate and key and needed and self.memory is not None and self.memory.kind == "cuda"
-                and self.rank == 0 and data.get("phase") != "peer" and prediction_is_current(plan)):
-            return
-        outside = max((data.get("device_used_bytes") or 0) - (data.get("reserved_bytes") or 0), 0)
-        record_calibration(key, plan.hardware, data["strategy"], predicted=plan.prediction,
-                           measured={"peak_allocated_bytes": data.get("peak_allocated_bytes"),
-                                     "peak_reserved_bytes": needed - outside, "measured_total_bytes": needed},
-                           steps=0, oom=True, directory=self.calibration_dir)
 
     def close(self) -> None:
         if self._closed:

@@ -180,6 +180,7 @@ class Telemetry:
         self._plan_count = 0
         self._started = False
         self.measured: dict[str, dict[str, Any]] = {}  # strategy label -> max measured + prediction (calibration)
+        self.calibration_blocked: str | None = None  # why the run's later steps are not learnt (OOM, foreign memory)
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, step: Any, *, chain_phases: bool = True) -> Telemetry:
@@ -422,9 +423,17 @@ class Telemetry:
         exclude = [x for x in (self.model, self.optimizer) if x is not None]
         return live_tensor_census(self.memory.device_type, exclude=exclude)
 
+    def block_calibration(self, reason: str) -> None:
+        """Learn nothing more from this run (calibration takes clean steps only: no OOM, no retry, no memory the
+        plan does not own); what clean steps measured before stays."""
+        if self.calibration_blocked is None:
+            self.calibration_blocked = reason
+
     def _update_measured(self, rec: dict[str, Any]) -> None:
         if self.plan is None or rec.get("peak_allocated_bytes") is None or rec.get("prediction_recomputed") is False:
             return  # calibration compares with a prediction made for this strategy only
+        if (rec.get("attempts") or 1) > 1 or self.calibration_blocked is not None:
+            return  # not a clean step
         label = self.plan.strategy.label()
         m = self.measured.setdefault(label, {"steps": 0, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0,
                                              "measured_total_bytes": 0, "prediction": self.plan.prediction,

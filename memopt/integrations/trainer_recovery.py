@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from memopt.apply.hf_models import is_causal_lm
 from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.guard.recovery import (
     EscalationFailed,

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["HF_TASKS", "hf_task", "is_causal_lm", "is_hf_model"]
+__all__ = ["HF_TASKS", "hf_forward_kwargs", "hf_task", "is_causal_lm", "is_hf_model"]
 
 #: task -> the transformers auto-mapping (model_type -> class name) that lists its classes; a class listed under
 #: two tasks takes the first (Bart's head is in the masked-LM mapping too, but it is trained as seq2seq; XLM's
@@ -42,22 +42,33 @@ def _task_of_class_name() -> dict[str, str]:
     return out
 
 
+def _peft_inner(model: Any) -> Any:
+    """The transformers model inside a peft wrapper (PeftModel -> LoraModel -> model), else ``model``."""
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    return inner if inner is not None and inner is not model else model
+
+
 def is_hf_model(model: Any) -> bool:
-    """A ``transformers.PreTrainedModel`` (without importing transformers when the user never did)."""
+    """A ``transformers.PreTrainedModel``, through a peft wrapper too (without importing transformers when the user
+    never did)."""
     import sys
 
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel)
+    return isinstance(model, PreTrainedModel) or isinstance(_peft_inner(model), PreTrainedModel)
 
 
 def hf_task(model: nn.Module | type) -> str | None:
     """The task of a Hugging Face model (a key of :data:`HF_TASKS`), or None for anything else."""
+    if not isinstance(model, type):
+        if not is_hf_model(model):
+            return None
+        from transformers import PreTrainedModel
+
+        model = model if isinstance(model, PreTrainedModel) else _peft_inner(model)
     cls = model if isinstance(model, type) else type(model)
-    if not isinstance(model, type) and not is_hf_model(model):
-        return None
     table = _task_of_class_name()
     for klass in cls.__mro__:
         task = table.get(klass.__name__)
@@ -69,3 +80,13 @@ def hf_task(model: nn.Module | type) -> str | None:
 def is_causal_lm(model: nn.Module) -> bool:
     """A Hugging Face causal LM: it shifts its labels inside, so the first label of each row carries no loss."""
     return hf_task(model) == "causal_lm"
+
+
+@functools.cache
+def hf_forward_kwargs() -> frozenset[str]:
+    """The keywords a transformers model takes through its ``**kwargs`` (``TransformersKwargs``)."""
+    try:
+        from transformers.utils import TransformersKwargs
+    except ImportError:
+        return frozenset()
+    return frozenset(getattr(TransformersKwargs, "__annotations__", {}))

@@ -10,7 +10,9 @@ Plans the fastest strategy that fits a memory budget, on the CPU, and prints why
     python -m memopt.plan --config-dir recipes --config-name llama3_8b_full_ft_h100
 
 Exit status: 0 a plan fits; 3 nothing fits the budget (the report says what would); 2 bad input (every
-problem is listed, with what would be valid); 1 an internal error. A multirun exits with the worst of its
+problem is listed, with what would be valid). Nothing else: an unexpected error inside memopt is reported
+as one line (its type and message, and where to report it) with status 2 too, never as a traceback
+(``MEMOPT_DEBUG=1`` shows the traceback). A multirun exits with the worst of its
 jobs (2 over 3 over 0). In a multirun each job saves its plan as ``multirun/<date>/<time>/<job>/plan.json``
 (a relative ``save_plan`` is placed in the job's folder too), and ``output=json`` prints one JSON object
 per line.
@@ -79,7 +81,13 @@ def run(cfg: Any) -> int:
     try:
         plan = request.plan()
     except ValueError as exc:
-        render_errors([str(exc)], console=err, title=title)
+        problems = getattr(exc, "problems", None) or [str(exc)]
+        render_errors(problems, console=err, title=title)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # never a traceback: one line, and how to report it
+        if os.environ.get("MEMOPT_DEBUG"):
+            raise
+        render_errors([unexpected(exc)], console=err, title=title)
         return EXIT_BAD_INPUT
     path = _save_path(request.save_plan, multirun, job_dir)
     if path is not None:
@@ -117,6 +125,13 @@ def _argv_parts(argv: list[str]) -> tuple[list[str], str, str | None]:
     return list(args.overrides or []), args.config_name or "plan", args.config_dir
 
 
+def unexpected(exc: BaseException) -> str:
+    """One line for an error memopt did not expect (a bug, or input no check caught)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return (f"unexpected error {type(exc).__name__}: {first} -- the input may be invalid in a way memopt does not "
+            "check yet; please report it with the command line (MEMOPT_DEBUG=1 shows the traceback)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the dry run as Hydra does from ``sys.argv`` (or ``argv``); returns the exit status."""
     from hydra.errors import HydraException
@@ -145,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             problems = []
         render_errors(problems or explain_hydra_error(exc, primary_dirs=[configs_dir()]))
+        return EXIT_BAD_INPUT
+    except SystemExit as exc:  # Hydra's own exits (--help: 0; its error printer: 1, which is bad input here)
+        if exc.code in (0, None):
+            return EXIT_OK
+        return EXIT_BAD_INPUT if exc.code not in (EXIT_BAD_INPUT, EXIT_INFEASIBLE) else int(exc.code)
+    except Exception as exc:
+        if os.environ.get("MEMOPT_DEBUG"):
+            raise
+        render_errors([unexpected(exc)])
         return EXIT_BAD_INPUT
     finally:
         if previous is None:

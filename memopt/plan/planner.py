@@ -10,7 +10,7 @@ from typing import Any
 from memopt.estimate.allocator import EventStreamError
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
-from memopt.hardware import HardwareSpec, detect_hardware, load_hardware
+from memopt.hardware import HardwareSpec, default_hardware_note, load_hardware
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
@@ -23,18 +23,14 @@ from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
-from memopt.units import format_bytes, parse_budget, parse_bytes
+from memopt.units import format_bytes, parse_bytes
 
-__all__ = ["make_plan", "resolve_hardware", "resolve_policy"]
+__all__ = ["CALIBRATION_MODES", "make_plan", "resolve_hardware", "resolve_policy"]
 
 
 def resolve_hardware(hardware: str | HardwareSpec | dict | None) -> HardwareSpec:
-    if hardware in (None, "auto"):
-        local = detect_hardware()
-        if local is None:
-            raise ValueError("hardware='auto' needs a local GPU and none is visible; name the GPU you plan for, "
-                             "e.g. hardware=h100_80gb (shipped: see configs/hardware/)")
-        return local
+    """The spec to plan for: a shipped name, a dict, a spec; ``"auto"`` the local GPU (an error without one); None
+    the local GPU or, when none is visible, ``memopt.hardware.DEFAULT_HARDWARE`` (the plan's notes say so)."""
     return load_hardware(hardware)
 
 
@@ -70,21 +66,25 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
                          max_micro_batch=policy.max_micro_batch)
 
 
-def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = "h100_80gb",
+def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = None,
               policy: Policy | dict[str, Any] | None = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
               forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
               profile: Profile | None = None, use_cache: bool = True, use_calibration: bool = True,
-              world_size: int | None = None, nodes: int | None = None, host_memory: str | int | None = None,
-              nvme_path: str | None = None) -> Plan:
+              calibration: str = "use", world_size: int | None = None, nodes: int | None = None,
+              host_memory: str | int | None = None, nvme_path: str | None = None) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
     sample's batch size is the global batch; micro-batching keeps it. ``budget`` follows DEVELOPERS.md
     ("40GB", "40GiB", "80%", bytes). ``policy`` (or ``fidelity``/``pins``/``forbid``) says what may change.
     ``optimizer`` is a callable taking the parameters when the user brings their own optimizer.
-    ``use_calibration``: where earlier runs of this model on this GPU kind measured more than was predicted
-    (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio and
-    say so in the plan's notes.
+    ``calibration``: "use" (default): where earlier clean runs of this model on this GPU kind measured more than was
+    predicted (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio
+    and say so in the plan's notes; "ignore": plan without it; "clear": delete this model's stored calibration on
+    this GPU kind first (``use_calibration=False`` is "ignore"). ``hardware``: a shipped name, a dict or a
+    ``HardwareSpec``; "auto" the local GPU; not given: the local GPU, else ``memopt.hardware.DEFAULT_HARDWARE``
+    (the notes say so). Every argument is checked first; bad input raises one ``ValueError`` listing each
+    problem on its own line (``memopt.config.checks``).
 
     Beyond one GPU (``memopt.plan.sharded``): ``world_size`` GPUs over ``nodes`` nodes (default: the hardware
     spec's ``gpus_per_node x num_nodes``) are planned with DDP, ZeRO-1/2/3, FSDP2 (hybrid across nodes) and CPU /
@@ -93,10 +93,16 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     directory on a local NVMe drive for ZeRO-Infinity (default: the spec's ``extra["nvme_path"]``; none: no NVMe).
     """
     start = time.perf_counter()
-    hw = resolve_hardware(hardware)
-    budget_bytes = parse_budget(budget, device_total_bytes=hw.memory_bytes)
-    pol = resolve_policy(policy, fidelity=fidelity, pins=pins, forbid=forbid)
+    hw, budget_bytes, pol = _checked_args(model, sample, budget=budget, hardware=hardware, policy=policy,
+                                          fidelity=fidelity, pins=pins, forbid=forbid, optimizer=optimizer,
+                                          calibration=calibration, world_size=world_size, nodes=nodes,
+                                          host_memory=host_memory, nvme_path=nvme_path)
+    if not use_calibration:
+        calibration = "ignore"
     notes: list[str] = []
+    hw_note = default_hardware_note(hardware, hw)
+    if hw_note:
+        notes.append(hw_note)
     if budget_bytes <= hw.runtime_overhead_bytes:
         raise ValueError(
             f"budget {format_bytes(budget_bytes)} is below what the CUDA runtime alone holds on {hw.name} "
@@ -110,9 +116,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     if prof.sample.get("variable_length"):
         notes.append(f"batches vary in length: planned for the longest (seq_len={prof.sample.get('seq_len')})")
     notes.extend(prof.notes)
-    if use_calibration:
-        pol = _calibrated(pol, prof, hw, budget_bytes, notes)
+    pol = _calibrated(pol, prof, hw, budget_bytes, notes, calibration)
     global_batch = int(prof.sample["batch_size"])
+    _check_batch(pol, global_batch, world_size or world_of(hw)[0])
     ctx = _context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
     store = EstimateStore(prof) if use_cache else None
     estimates = _Estimates(prof, hw, store=store)
@@ -141,7 +147,82 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                 plan = _with_offload(plan, offload)
     if store is not None:
         store.save()
+    from memopt.config.checks import check_pins_honoured, profile_fingerprint
+
+    plan.model["fingerprint"] = profile_fingerprint(prof)
+    check_pins_honoured(plan, pol.pins)
     return plan
+
+
+def _checked_args(model: Any, sample: Any, *, budget: Any, hardware: Any, policy: Any, fidelity: Any, pins: Any,
+                  forbid: Any, optimizer: Any, calibration: Any, world_size: Any, nodes: Any, host_memory: Any,
+                  nvme_path: Any) -> tuple[HardwareSpec, int, Policy]:
+    """Every argument of ``make_plan`` checked before anything is traced: (hardware, budget bytes, policy), or
+    one ``InputError`` (a ValueError) listing every problem."""
+    from memopt.config import checks
+
+    problems: list[str] = []
+    hw = checks.check_hardware(hardware, problems)
+    budget_bytes = checks.check_budget(budget, problems, device_total_bytes=hw.memory_bytes if hw else None)
+    pol = None
+    for name, value in (("pins", pins), ("forbid", forbid)):
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{name} must be a dict such as {{'micro_batch_size': 2}}, got {type(value).__name__}")
+    if not any(p.startswith(("pins must", "forbid must")) for p in problems):
+        try:
+            pol = resolve_policy(policy, fidelity=fidelity, pins=pins, forbid=forbid)
+        except (ValueError, TypeError) as exc:
+            lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")]
+            problems.extend(f"policy: {ln}" for ln in (lines or [str(exc)]))
+    checks.check_margin(pol, budget_bytes, problems)
+    checks.check_world(world_size, nodes, problems)
+    checks.check_nvme_path(nvme_path, problems)
+    if host_memory is not None:
+        try:
+            if parse_bytes(host_memory, what="host_memory") == 0:
+                problems.append("host_memory=0: give the RAM per node, e.g. host_memory='512GiB'")
+        except (ValueError, OverflowError) as exc:
+            problems.append(str(exc))
+    if isinstance(optimizer, str) or (optimizer is not None and not callable(optimizer)):
+        checks.check_optimizer(optimizer, problems)
+    if calibration not in CALIBRATION_MODES:
+        problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
+                        f"{checks.closest(calibration, CALIBRATION_MODES)}")
+    spec = _spec_of(model)
+    if spec is not None:
+        checks.check_model_keys(spec, problems)
+    if isinstance(sample, dict) and pol is not None:
+        checks.check_global_batch_pins(pol.pins, sample.get("batch_size"), problems, key="pins.micro_batch_size",
+                                       batch_key="sample batch_size")
+    checks.raise_problems(problems, "arguments")
+    assert hw is not None and budget_bytes is not None and pol is not None
+    return hw, budget_bytes, pol
+
+
+def _spec_of(model: Any) -> Any:
+    """The model spec behind a shipped name / YAML path / dict / ModelSpec, else None (a module, a callable)."""
+    if isinstance(model, (str, dict)) or type(model).__name__ == "ModelSpec":
+        if isinstance(model, dict) and "_target_" in model:
+            return None
+        from memopt.models import load_model_spec
+
+        try:
+            return load_model_spec(model)
+        except (ValueError, TypeError, OSError):
+            return None  # profile_model reports it
+    return None
+
+
+def _check_batch(pol: Policy, global_batch: int, world: Any) -> None:
+    """A pinned micro-batch against the profile's global batch (per rank on several GPUs)."""
+    from memopt.config import checks
+
+    problems: list[str] = []
+    per_rank = global_batch // world if isinstance(world, int) and world > 1 and global_batch % world == 0 \
+        else global_batch
+    checks.check_global_batch_pins(pol.pins, per_rank, problems,
+                                   batch_key="the batch per GPU" if per_rank != global_batch else "batch_size")
+    checks.raise_problems(problems, "pins")
 
 
 def _sharded(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str], world: int, nodes: int,
@@ -165,10 +246,23 @@ def _with_offload(single: Plan, offload: Plan) -> Plan:
     return single
 
 
-def _calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, notes: list[str]) -> Policy:
-    """The policy with its margin widened by this model's measured / predicted ratio on this GPU kind, if any."""
-    from memopt.guard.calibration import calibration_for, calibration_path
+CALIBRATION_MODES = ("use", "ignore", "clear")
 
+
+def _calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, notes: list[str],
+                mode: str = "use") -> Policy:
+    """The policy with its margin widened by this model's measured / predicted ratio on this GPU kind, if any
+    (``mode`` "ignore": unchanged; "clear": the stored calibration is deleted first)."""
+    from memopt.guard.calibration import calibration_for, calibration_path, clear_calibration
+
+    if mode == "clear":
+        removed = clear_calibration(prof.key, hw.name)
+        notes.append(f"calibration cleared ({removed} file(s) removed); planned without it")
+        return pol
+    if mode == "ignore":
+        if calibration_for(prof.key, hw.name) is not None:
+            notes.append("calibration ignored (calibration='ignore'): the margin is the policy's")
+        return pol
     cal = calibration_for(prof.key, hw.name)
     if cal is None or not cal.entries:
         return pol
@@ -464,14 +558,15 @@ def _build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, resul
     reach = smallest.total_bytes if smallest is not None else None
     bound = smallest is not None and smallest.floor_only
     message = (f"needs {'at least ' if bound else ''}{format_bytes(reach)} with every allowed technique"
-               f"{', for its model states alone' if bound else ''} (budget {format_bytes(budget)}, "
+               f"{', for its model states alone plus the CUDA runtime (no activations yet)' if bound else ''} "
+               f"(budget {format_bytes(budget)}, "
                f"margin {format_bytes(margin)})" if reach is not None else "no candidate could be estimated")
     for r in relax:
         if not r["lower_bound"]:
             message += f"; allowing {r['allow']} reaches {format_bytes(r['reaches_bytes'])}"
         elif r["fits"] is None:
-            message += (f"; allowing {r['allow']}: its model states take {format_bytes(r['reaches_bytes'])} "
-                        "(not estimated further)")
+            message += (f"; allowing {r['allow']}: its model states and the CUDA runtime take "
+                        f"{format_bytes(r['reaches_bytes'])} (not estimated further)")
         else:
             message += f"; allowing {r['allow']} still needs at least {format_bytes(r['reaches_bytes'])}"
     if not any(r["fits"] for r in relax):

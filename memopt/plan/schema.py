@@ -10,7 +10,7 @@ from typing import Any
 
 from memopt.strategy import Strategy
 
-__all__ = ["PLAN_SCHEMA_VERSION", "Plan"]
+__all__ = ["PLAN_SCHEMA_VERSION", "Plan", "plan_problems"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -97,6 +97,11 @@ class Plan:
                                "global_batch") if k not in data]
         if missing:
             raise ValueError(f"not a memopt plan: missing {', '.join(missing)}")
+        problems = plan_problems(data)
+        if problems:
+            from memopt.config.checks import InputError
+
+            raise InputError([f"plan: {p}" for p in problems], "plan")
         return cls(fits=data["fits"], strategy=Strategy.from_dict(data["techniques"]),
                    budget_bytes=data["budget_bytes"], margin_bytes=data.get("margin_bytes", 0),
                    prediction=data["prediction"], model=data["model"], hardware=data["hardware"],
@@ -120,3 +125,56 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}); it is not a memopt plan") from exc
         return cls.from_dict(data)
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def plan_problems(data: dict[str, Any]) -> list[str]:
+    """Every field of a plan's JSON that memopt could not apply as written (a hand edit such as
+    ``"precision": "fp8"``), one line each with what would be valid."""
+    from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
+
+    problems: list[str] = []
+    if not isinstance(data.get("fits"), bool):
+        problems.append(f"fits={data.get('fits')!r} must be true or false")
+    if not _is_int(data.get("budget_bytes"), 1):
+        problems.append(f"budget_bytes={data.get('budget_bytes')!r} must be a positive integer of bytes")
+    if not _is_int(data.get("margin_bytes", 0)):
+        problems.append(f"margin_bytes={data.get('margin_bytes')!r} must be a non-negative integer of bytes")
+    if not _is_int(data.get("global_batch"), 1):
+        problems.append(f"global_batch={data.get('global_batch')!r} must be a positive integer")
+    if not isinstance(data.get("hardware"), str) or not data.get("hardware"):
+        problems.append(f"hardware={data.get('hardware')!r} must be a hardware name such as 'h100_80gb'")
+    for key in ("prediction", "model", "policy"):
+        if not isinstance(data.get(key), dict):
+            problems.append(f"{key} must be a JSON object, got {type(data.get(key)).__name__}")
+    pred = data.get("prediction") if isinstance(data.get("prediction"), dict) else {}
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "total_bytes", "runtime_bytes"):
+        if key in pred and not _is_int(pred[key]):
+            problems.append(f"prediction.{key}={pred[key]!r} must be a non-negative integer of bytes")
+    t = data.get("techniques")
+    if not isinstance(t, dict):
+        return [*problems, f"techniques must be a JSON object, got {type(t).__name__}"]
+    choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTION_BACKENDS}
+    for key, valid in choices.items():
+        if key in t and t[key] not in valid:
+            problems.append(f"techniques.{key}={t[key]!r} is not one of {', '.join(valid)}")
+    for key in ("activation_offload", "expandable_segments"):
+        if key in t and not isinstance(t[key], bool):
+            problems.append(f"techniques.{key}={t[key]!r} must be true or false")
+    for key, low in (("micro_batch_size", 1), ("grad_accum_steps", 1), ("chunked_ce", 0)):
+        if key in t and not _is_int(t[key], low):
+            problems.append(f"techniques.{key}={t[key]!r} must be an integer >= {low}")
+    cp = t.get("checkpointing", {})
+    if not isinstance(cp, dict) or cp.get("mode", "none") not in ("none", "full", "selective") or \
+            (cp.get("num_blocks") is not None and not _is_int(cp.get("num_blocks"))):
+        problems.append(f"techniques.checkpointing={cp!r} must be {{mode: none|full|selective, num_blocks: null or "
+                        "an integer >= 0}")
+    mb, acc, gb = t.get("micro_batch_size", 1), t.get("grad_accum_steps", 1), data.get("global_batch")
+    sharded = isinstance(t.get("extras"), dict) and t["extras"].get("sharding") is not None  # per-rank batches
+    if _is_int(mb, 1) and _is_int(acc, 1) and _is_int(gb, 1) and mb * acc != gb and not sharded:
+        problems.append(f"techniques: micro_batch_size {mb} x grad_accum_steps {acc} = {mb * acc} is not the "
+                        f"global batch {gb}")
+    return problems

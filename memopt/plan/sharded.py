@@ -322,6 +322,8 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
                 timed(c)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
     plan = _plan_of(profile, hw, budget_bytes, policy, fitting, candidates, notes, host_ram, nvme_path, facts)
+    plan.search["host_memory_source"] = ("host_memory" if host_memory_bytes else "hardware.host_memory_bytes"
+                                         if hw.host_memory_bytes else "this machine's RAM")
     return plan, fitting + [c for c in candidates if not c.fits]
 
 

@@ -214,7 +214,7 @@ def _vocab_size(module: nn.Module) -> int | None:
     return vocab if isinstance(vocab, int) else None
 
 
-def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec = "h100_80gb",
+def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
                   loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
                   variants: list[VariantKey] | None = None) -> Profile:
     """Profile ``model`` for ``sample`` on ``hardware`` (see :class:`Profile`); the first variant is traced now.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from memopt.guard.report import load_run, render_report, summarize
@@ -24,10 +25,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         paths = render_report(args.run_dir, args.out, rank=args.rank)
-    except FileNotFoundError as exc:
+        summary = summarize(load_run(args.run_dir, rank=args.rank))
+    except (FileNotFoundError, ValueError) as exc:  # missing or corrupt run files: one line, exit 2
         print(f"memopt.report: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(load_run(args.run_dir, rank=args.rank))
+    except Exception as exc:  # never a traceback
+        if os.environ.get("MEMOPT_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"memopt.report: unexpected error {type(exc).__name__}: {first} -- please report it with the run "
+              "directory (MEMOPT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
     print(f"{summary['steps']} steps, strategies: {', '.join(summary['strategies']) or 'n/a'}")
     for pm in summary["postmortem"]:
         print(f"OOM at step {pm['step']} ({pm['phase']}): {pm['verdict']}")

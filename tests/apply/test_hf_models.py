@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.apply.hf_models import hf_task, is_causal_lm, is_hf_model
+from memopt.models.hf_task import hf_task, is_causal_lm, is_hf_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from memopt.guard.calibration import calibration_for, calibration_path, record_calibration, record_from_telemetry
+from memopt.guard.calibration import (
+    CALIBRATION_VERSION,
+    calibration_for,
+    calibration_path,
+    record_calibration,
+    record_from_telemetry,
+)
 from memopt.guard.memory import SimulatedMemorySource
 from memopt.guard.telemetry import Telemetry
 from memopt.strategy import Strategy
@@ -53,7 +59,7 @@ def test_a_new_prediction_replaces_the_entry_and_the_cache_dir_is_memopts(tmp_pa
                        measured={"peak_allocated_bytes": 1000 * MiB, "peak_reserved_bytes": 1000 * MiB})
     cal = calibration_for("k", "H200 SXM")
     assert cal.entries["s"].steps == 1 and cal.entries["s"].measured_peak_allocated_bytes == 1000 * MiB
-    assert json.loads(calibration_path("k", "H200 SXM").read_text())["version"] == 1
+    assert json.loads(calibration_path("k", "H200 SXM").read_text())["version"] == CALIBRATION_VERSION
     # without a measured total the reserved ratio stands in
     assert cal.ratio("s") == pytest.approx(1000 / 1100)
 
