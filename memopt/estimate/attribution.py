@@ -345,3 +345,19 @@ def downsample(levels: list[int], phases: list[tuple[str, int]], points: int = T
             continue
         merged.append([name, i / n])
     return {"x": xs, "bytes": ys, "phases": merged}
+
+
+def attach_to_plan(plan: Any, profile: Any, hardware: Any) -> None:
+    """Put the chosen strategy's attribution into ``plan.prediction["attribution"]`` (single-GPU plans whose
+    prediction is an estimate); a profile that cannot attribute leaves a note instead of failing the plan."""
+    if plan.strategy.extra("sharding") is not None or "peak_at" not in plan.prediction:
+        return
+    try:
+        attribution = predict_attribution(profile, plan.strategy, hardware=hardware, prediction=plan.prediction)
+    except ValueError as exc:
+        plan.notes.append(f"no memory attribution: {exc}")
+        return
+    if attribution["peak_allocated_bytes"] != int(plan.prediction["peak_allocated_bytes"]):
+        plan.notes.append("no memory attribution: the plan's allocated peak is not the composed one")
+        return
+    plan.prediction["attribution"] = attribution
