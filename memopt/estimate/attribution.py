@@ -200,7 +200,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     """What is live at the predicted peak of ``strategy`` (``peak``), and at each of the two steps' own peaks
     (``steps``: the first creates the optimizer states, the second is the steady state), by module group,
     module and category, with the ``top`` largest live tensors and the predicted memory over the second step
-    (``timeline``). ``prediction``: the strategy's ``Estimate.to_dict()`` when known (else estimated here)."""
+    (``timeline``) and the first (``timeline_first_step``). ``prediction``: the strategy's ``Estimate.to_dict()`` when known (else estimated here)."""
     from memopt.estimate.estimator import _static, estimate_strategy, step_plan
 
     if prediction is None:
@@ -253,8 +253,13 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     out = tables["peak"]
     out.update({"where": peak.where, "total_bytes_predicted": int(prediction["total_bytes"]),
                 "peak_allocated_bytes": peak.peak_bytes, "steps": [tables["step1"], tables["step2"]],
-                "timeline": _timeline(events[n1:], origins, layout, static_total)})
+                "timeline": _timeline(events[n1:], origins, layout, _level_at(events, n1, static_total)),
+                "timeline_first_step": _timeline(events[:n1], origins, layout, static_total)})
     return out
+
+
+def _level_at(events: list[tuple[int, int, int]], n: int, start: int) -> int:
+    return start + sum(allocator_size(size) if kind == ALLOC else -allocator_size(size) for kind, _, size in events[:n])
 
 
 def _weights(by_group: dict[str, int], state_bytes: int) -> dict[str, int]:

@@ -28,8 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EMBEDDING", "HEAD", "BETWEEN", "OPTIMIZER", "RUNTIME", "ModuleAttribution", "block_pattern",
-           "group_of", "iter_tensors_shallow"]
+__all__ = [
+    "BETWEEN",
+    "EMBEDDING",
+    "HEAD",
+    "OPTIMIZER",
+    "RUNTIME",
+    "ModuleAttribution",
+    "block_pattern",
+    "group_of",
+    "iter_tensors_shallow",
+]
 
 EMBEDDING, HEAD, BETWEEN, OPTIMIZER, RUNTIME = "embedding", "head and loss", "between stacks", "optimizer", "runtime"
 _KEY = "memopt_module"

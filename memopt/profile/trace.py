@@ -34,11 +34,11 @@ from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
+from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
-from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.markers import install_markers
 from memopt.profile.simulate import trace_device
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker

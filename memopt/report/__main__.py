@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memopt.guard.report import load_run, render_report, summarize
+from memopt.guard.report import load_run, summarize
+from memopt.report import render_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OOM at step {pm['step']} ({pm['phase']}): {pm['verdict']}")
     for leak in summary["leaks"]:
         print(leak["message"])
+    for pm in summary["postmortem"]:
+        if pm.get("module_verdict"):
+            print(f"  where: {pm['module_verdict']}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

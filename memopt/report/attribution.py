@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ def timeline_png(path: Path, predicted: dict[str, Any] | None, measured: dict[st
     axes = fig.subplots(len(series), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for ax, (name, t) in zip(axes, series):
         starts = t["phases"] + [["end", 1.0]]
-        for (ph, x0), (_, x1) in zip(starts, starts[1:]):
+        for (ph, x0), (_, x1) in itertools.pairwise(starts):
             ax.axvspan(x0, x1, color=_PHASE_COLORS.get(ph.split("[")[0], "#eeeeee"), alpha=0.8, linewidth=0)
         for ph in {p.split("[")[0] for p, _ in t["phases"]}:
             ax.plot([], [], color=_PHASE_COLORS.get(ph, "#eeeeee"), linewidth=8, label=ph)
@@ -174,7 +175,7 @@ def _predicted_for(plan: dict[str, Any] | None, step: int) -> dict[str, Any] | N
     if not steps:
         return attr
     table = dict(steps[0] if step == 0 else steps[-1])
-    table["timeline"] = attr.get("timeline")
+    table["timeline"] = attr.get("timeline_first_step" if step == 0 else "timeline") or attr.get("timeline")
     return table
 
 
