@@ -42,6 +42,7 @@ __all__ = [
 
 EMBEDDING, HEAD, BETWEEN, OPTIMIZER, RUNTIME = "embedding", "head and loss", "between stacks", "optimizer", "runtime"
 _KEY = "memopt_module"
+OUTSIDE = "(train step)"  # no module running and no autograd node: the train step's own code (loss bookkeeping)
 _ACC = "torch::autograd::AccumulateGrad"
 
 
@@ -113,7 +114,7 @@ class ModuleAttribution:
         node = torch._C._current_autograd_node()
         if node is not None:
             return node.metadata.get(_KEY, "")
-        return ""
+        return OUTSIDE
 
     def remove(self) -> None:
         for h in self._handles:
@@ -162,6 +163,8 @@ def group_of(path: str, phase: str, stack_paths: Sequence[str], first_phase: dic
     s, _, _ = block_pattern(path, stack_paths)
     if s >= 0:
         return stack_paths[s]
+    if path == OUTSIDE:  # before the model's forward it is the input's, after it the loss's
+        return HEAD if phase.startswith(("bwd", "backward")) else phase_group(phase, stack_paths)
     if path == "" or any(sp == path or sp.startswith(path + ".") for sp in stack_paths):
         return phase_group(phase, stack_paths)
     first = (first_phase or {}).get(path)
