@@ -106,7 +106,7 @@ def test_parameter_and_optimizer_bytes_per_group_by_hand(mlp_profile):
 
 
 def test_activation_bytes_of_an_mlp_block_by_hand(mlp_profile):
-    model, prof = mlp_profile
+    _model, prof = mlp_profile
     attr = predict_attribution(prof, FP32)
     n = B * T
     mods = attr["steps"][0]["by_module"]  # the peak of the first step: in the loss backward, every block saved
