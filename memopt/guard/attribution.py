@@ -404,11 +404,13 @@ def record_wrapped_step(wrapped: Any, batch: Any) -> Iterator[StepAttribution | 
 
 
 # -- the post-mortem's module line ------------------------------------------------------------------------------
-def oom_verdict(run_dir: str | os.PathLike[str], event: dict[str, Any], events: list[dict[str, Any]],
+def oom_verdict(run_dir: str | os.PathLike[str] | None, event: dict[str, Any], events: list[dict[str, Any]],
                 plan: dict[str, Any] | None) -> dict[str, Any] | None:
     """For an "oom" event of a run whose failing step was recorded: the module group and category whose live bytes
     at the failure exceeded the plan's most (against the plan's predicted table for that step), by how much, the
     module and op that failed, and what the guard did next. None when the failure was not recorded."""
+    if run_dir is None:
+        return None
     path = Path(run_dir) / OOM_FILE
     if not path.exists():
         return None
