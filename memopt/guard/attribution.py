@@ -79,6 +79,53 @@ def _cuda_allocated() -> int:
     return int(nested(torch.cuda.current_device())["allocated_bytes"]["all"]["current"])
 
 
+class _AllocatorHistory:
+    """The CUDA caching allocator's own history over the step (``torch.cuda.memory._record_memory_history``), when
+    nobody else records it: the allocator's allocated bytes event by event (kernel scratch included), beside the
+    per-tensor figures, and a snapshot to open in https://pytorch.org/memory_viz."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.start = 0
+
+    def begin(self) -> None:
+        try:
+            if any(torch.cuda.memory._snapshot()["device_traces"]):
+                return  # someone records already: leave their history alone
+            torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=2_000_000)
+            self.on = True
+            self.start = _cuda_allocated()
+        except (AttributeError, RuntimeError, TypeError):
+            self.on = False
+
+    def end(self, snapshot_path: Path | None) -> dict[str, Any] | None:
+        if not self.on:
+            return None
+        try:
+            snap = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(None)
+            self.on = False
+        trace = snap["device_traces"][torch.cuda.current_device()]
+        level, levels = self.start, []
+        for e in trace:
+            if e["action"] == "alloc":
+                level += e["size"]
+            elif e["action"] == "free_completed":
+                level -= e["size"]
+            else:
+                continue
+            levels.append(level)
+        if snapshot_path is not None:
+            import pickle
+
+            snapshot_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(snapshot_path, "wb") as f:
+                pickle.dump(snap, f)
+        return {"timeline": downsample(levels, []), "peak_allocated_bytes": max(levels, default=self.start),
+                "snapshot": snapshot_path.name if snapshot_path is not None else None}
+
+
 def _owners(model: nn.Module) -> dict[int, str]:
     return {id(p): name.rpartition(".")[0] for name, p in model.named_parameters()}
 
@@ -106,6 +153,7 @@ class StepAttribution:
         self._untracked_start = 0
         self._start_bytes = 0
         self._first_event = 0
+        self._history = _AllocatorHistory()
 
     # -- phases ----------------------------------------------------------------------------------------------
     def on_phase(self, name: str) -> None:
@@ -166,6 +214,7 @@ class StepAttribution:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self._untracked_start = max(_cuda_allocated() - t.current_bytes, 0)
+            self._history.begin()
         t.set_phase("step")
         self._first_event = len(t.run.events)
         return self
@@ -178,6 +227,14 @@ class StepAttribution:
                 if t.cuda:
                     self.result["allocator_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         finally:
+            if t.cuda:
+                snapshot = self.run_dir / f"attribution_step{self.step}_snapshot.pickle" if self.run_dir else None
+                try:
+                    history = self._history.end(snapshot)
+                except Exception:  # the history is a cross-check; the step's own record stands without it
+                    history = None
+                if history is not None and self.result is not None:
+                    self.result["allocator_history"] = history
             t.record = False
             for undo in reversed(self._undo):
                 undo()

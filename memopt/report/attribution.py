@@ -129,6 +129,10 @@ def timeline_png(path: Path, predicted: dict[str, Any] | None, measured: dict[st
             ax.plot([], [], color=_PHASE_COLORS.get(ph, "#eeeeee"), linewidth=8, label=ph)
         ax.plot(t["x"], [y / unit for y in t["bytes"]], color="tab:blue" if name == "predicted" else "tab:red",
                 linewidth=1.2, label=f"{name} allocated")
+        alloc = t.get("allocator")
+        if alloc and alloc.get("x"):
+            ax.plot(alloc["x"], [y / unit for y in alloc["bytes"]], color="black", linestyle="--", linewidth=0.9,
+                    label="the allocator's own count")
         ax.set_ylabel(uname)
         ax.set_title(f"{name}", fontsize=9, loc="left")
         ax.grid(alpha=0.3)
@@ -197,7 +201,10 @@ def render_attribution(run_dir: str | Path, out_dir: str | Path, *, rank: int = 
     predicted = _predicted_for(plan, int(measured.get("step", 0)))
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
-    png = timeline_png(out / "attribution_timeline.png", (predicted or {}).get("timeline"), measured.get("timeline"),
+    mtimeline = dict(measured.get("timeline") or {})
+    if (measured.get("allocator_history") or {}).get("timeline"):
+        mtimeline["allocator"] = measured["allocator_history"]["timeline"]
+    png = timeline_png(out / "attribution_timeline.png", (predicted or {}).get("timeline"), mtimeline or None,
                        title=f"step {measured.get('step')} ({measured.get('strategy', '')})")
     if png is not None:
         paths["attribution_timeline"] = png
@@ -221,6 +228,11 @@ def _markdown(measured: dict[str, Any], predicted: dict[str, Any] | None, cmp: d
     if measured.get("allocator_peak_allocated_bytes") is not None:
         lines.append(f"The allocator's own peak: {format_bytes(measured['allocator_peak_allocated_bytes'])} allocated; "
                      f"attributed here: {format_bytes(measured.get('peak_allocated_bytes', 0))}.")
+    history = measured.get("allocator_history")
+    if history:
+        lines.append(f"The allocator's history over the step peaks at {format_bytes(history['peak_allocated_bytes'])}"
+                     + (f"; its snapshot `{history['snapshot']}` opens in https://pytorch.org/memory_viz."
+                        if history.get("snapshot") else "."))
     if predicted is None:
         lines += ["", "The plan carries no predicted attribution (made by an older memopt, or re-planned "
                       "without one): measured figures only."]
