@@ -38,7 +38,8 @@ from memopt.profile.markers import install_markers
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
 from memopt.units import format_bytes
 
-__all__ = ["MEASURED_FILE", "OOM_FILE", "StepAttribution", "oom_verdict"]
+__all__ = ["MEASURED_FILE", "OOM_FILE", "StepAttribution", "TrainerStepAttribution", "oom_verdict",
+           "record_wrapped_step"]
 
 Cat = MemoryCategory
 MEASURED_FILE = "attribution_measured.json"
@@ -458,6 +459,59 @@ def record_wrapped_step(wrapped: Any, batch: Any) -> Iterator[StepAttribution | 
             rec.write(run_dir)
         else:
             rec.write(run_dir, rank=rank)
+
+
+# -- one step of a Hugging Face Trainer -------------------------------------------------------------------------
+class TrainerStepAttribution:
+    """A ``TrainerCallback`` recording one Trainer step by module (``step``: the global step, 0 the first) into
+    ``run_dir`` (default ``<output_dir>/memopt``), with the plan beside it, for ``python -m memopt.report``. The
+    Trainer signals its step and its optimizer step; forward and backward are told apart by the block markers."""
+
+    def __init__(self, plan: Any, *, run_dir: str | os.PathLike[str] | None = None, step: int = 0) -> None:
+        self.plan, self.step = plan, step
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.rec: StepAttribution | None = None
+        self.done = False
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                      **kwargs: Any) -> Any:
+        if self.done or self.rec is not None or state.global_step != self.step or model is None:
+            return control
+        run_dir = self.run_dir or Path(args.output_dir) / "memopt"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.plan is not None and not (run_dir / "plan.json").exists():
+            self.plan.save(run_dir / "plan.json")
+        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+        param = next(model.parameters(), None)
+        self.rec = StepAttribution(model, opt, device_type=param.device.type if param is not None else "cpu",
+                                   step=state.global_step, run_dir=run_dir,
+                                   strategy=self.plan.strategy.label() if self.plan is not None else "")
+        self.rec.__enter__()
+        self.rec.on_phase("forward[0]")
+        return control
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.rec is not None:
+            self.rec.on_phase("optimizer")
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._close()
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._close()
+        return control
+
+    def _close(self) -> None:
+        if self.rec is not None:
+            rec, self.rec, self.done = self.rec, None, True
+            rec.__exit__(None, None, None)
+
+    def __getattr__(self, name: str) -> Any:  # every other TrainerCallback event: nothing to do
+        if name.startswith("on_"):
+            return lambda args, state, control, **kwargs: control
+        raise AttributeError(name)
 
 
 # -- the post-mortem's module line ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from memopt.guard.report import load_run, postmortem, summarize
 from memopt.guard.report import render_report as _render_guard_report
-from memopt.report.attribution import render_attribution
+from memopt.report.attribution import has_attribution, render_attribution
 
 __all__ = ["load_run", "postmortem", "render_attribution", "render_report", "summarize"]
 
@@ -20,7 +20,12 @@ __all__ = ["load_run", "postmortem", "render_attribution", "render_report", "sum
 def render_report(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
                   rank: int = 0) -> dict[str, Path]:
     """Every report file of a run directory (default folder ``RUN_DIR/report``); returns their paths by name."""
-    paths = _render_guard_report(run_dir, out_dir, rank=rank)
+    try:
+        paths = _render_guard_report(run_dir, out_dir, rank=rank)
+    except FileNotFoundError:  # a run with no telemetry (a Hugging Face Trainer's): its recorded step only
+        if not has_attribution(run_dir, rank=rank):
+            raise
+        paths = {}
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     paths.update(render_attribution(run_dir, out, rank=rank))
     return paths

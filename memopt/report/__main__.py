@@ -22,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"memopt.report: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(load_run(args.run_dir, rank=args.rank))
+    try:
+        summary = summarize(load_run(args.run_dir, rank=args.rank))
+    except FileNotFoundError:  # only a recorded step (a Hugging Face Trainer's run directory)
+        summary = {"steps": 0, "strategies": [], "postmortem": [], "leaks": []}
     print(f"{summary['steps']} steps, strategies: {', '.join(summary['strategies']) or 'n/a'}")
     for pm in summary["postmortem"]:
         print(f"OOM at step {pm['step']} ({pm['phase']}): {pm['verdict']}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from memopt.units import GiB, MiB, format_bytes
 
-__all__ = ["CATEGORY_ORDER", "compare", "plan_renderables", "render_attribution", "timeline_png"]
+__all__ = ["CATEGORY_ORDER", "compare", "has_attribution", "plan_renderables", "render_attribution", "timeline_png"]
 
 CATEGORY_ORDER = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "allocator_overhead",
                   "runtime")
@@ -181,6 +181,11 @@ def _predicted_for(plan: dict[str, Any] | None, step: int) -> dict[str, Any] | N
     table = dict(steps[0] if step == 0 else steps[-1])
     table["timeline"] = attr.get("timeline_first_step" if step == 0 else "timeline") or attr.get("timeline")
     return table
+
+
+def has_attribution(run_dir: str | Path, *, rank: int = 0) -> bool:
+    suffix = "" if rank == 0 else f".rank{rank}"
+    return (Path(run_dir) / f"attribution_measured{suffix}.json").exists()
 
 
 def render_attribution(run_dir: str | Path, out_dir: str | Path, *, rank: int = 0) -> dict[str, Path]:

@@ -119,3 +119,27 @@ def test_injected_oom_post_mortem_names_the_module_group(tmp_path):
     assert where["text"] in pm["module_verdict"] and failure["module"] in pm["module_verdict"]
     md = (tmp_path / "report" / "summary.md").read_text()
     assert "Where:" in md
+
+
+def test_a_hugging_face_trainer_records_its_first_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (ids := torch.randint(3, 256, (32,), generator=g)), "labels": ids.clone()}
+            for _ in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                             learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True)
+    trainer = memopt.wrap(Trainer(model=model, args=args, train_dataset=data), budget="4GB", hardware="h200")
+    trainer.train()
+    run = tmp_path / "memopt"
+    measured = json.loads((run / "attribution_measured.json").read_text())
+    expected: dict[str, int] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        expected[_group(name)] = expected.get(_group(name), 0) + a(t.numel() * t.element_size())
+    assert {g: v["parameters"] for g, v in measured["by_group"].items() if v.get("parameters")} == expected
+    assert [p for p, _ in measured["timeline"]["phases"]] == ["forward", "backward", "optimizer"]
+    assert report_main([str(run)]) == 0
+    assert (run / "report" / "attribution.html").exists()
