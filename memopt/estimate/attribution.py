@@ -218,7 +218,9 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     peak = allocated_peak(traces, layout, b, m, opt, static)
     origins: dict[int, Any] = {}
     events, _ = event_stream(traces, layout, b, m, opt, [], num_steps=2, origins=origins)
-    n1 = len(event_stream(traces, layout, b, m, opt, [], num_steps=1)[0])
+    n1 = _first_step_length(events, origins, layout)
+    if n1 is None:  # an optimizer step that allocates nothing: the first step's stream alone tells
+        n1 = len(event_stream(traces, layout, b, m, opt, [], num_steps=1)[0])
     static_total = sum(static.values())
     # the highest point of the whole run and of each step (first reached, as allocated_peak reports it)
     best = [(static_total, -1)] * 3
@@ -291,6 +293,21 @@ def _levels(events: list[tuple[int, int, int]], start: int) -> Iterator[int]:
 def _level_at(events: list[tuple[int, int, int]], n: int, start: int) -> int:
     *_, last = _levels(events[:n], start) if n else iter([start])
     return last
+
+
+def _first_step_length(events: list[tuple[int, int, int]], origins: dict[int, Any], layout: Any) -> int | None:
+    """Where the second step begins: the first forward allocation after the first step's optimizer events."""
+    forward = set(layout.forward)
+    seen_optimizer = False
+    for i, (kind, key, _) in enumerate(events):
+        if kind != ALLOC:
+            continue
+        inst = origins[key][0]
+        if inst is None:
+            seen_optimizer = True
+        elif seen_optimizer and inst in forward:
+            return i
+    return None
 
 
 def _weights(by_group: dict[str, int], state_bytes: int) -> dict[str, int]:
