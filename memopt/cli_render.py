@@ -316,7 +316,11 @@ def render_plan(plan: Any, *, hardware: Any = None, budget_text: Any = None, con
     relax = _relaxations_table(plan)
     if relax is not None:
         parts += [Text(""), relax]
-    parts += [Text(""), _breakdown_table(plan), _peak_line(plan), Text(""), _time_line(plan)]
+    parts += [Text(""), _breakdown_table(plan), _peak_line(plan)]
+    from memopt.report.attribution import plan_renderables  # where the bytes go: module group x category
+
+    parts += plan_renderables(plan)
+    parts += [Text(""), _time_line(plan)]
     for table in (_runners_up_table(plan), _rejected_table(plan)):
         if table is not None:
             parts += [Text(""), table]

@@ -120,6 +120,7 @@ class Wrapped:
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
         self.steps_done = 0
         self.items_seen = 0
+        self.attribution_step: int | None = 0  # the step recorded by module into run_dir (None: none)
         # measured choice among the planner's best candidates (memopt.apply.autotune): by default on a GPU when
         # wrap makes the plan itself; never for a saved plan, which is applied unchanged
         self._autotune = (self.device.type == "cuda") if autotune is None else bool(autotune)
@@ -303,14 +304,17 @@ class Wrapped:
             return loss
         if self._autotune_pending:
             self._run_autotune(batch)
-        if self.guard is not None:
-            loss = self.guard.step(batch)
-            if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
-                self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
-            if self.guard.plan is not None:
-                self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
-        else:
-            loss = self._prepared.step.step(batch)
+        from memopt.guard.attribution import record_wrapped_step
+
+        with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir (memopt.report)
+            if self.guard is not None:
+                loss = self.guard.step(batch)
+                if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
+                    self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
+                if self.guard.plan is not None:
+                    self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
+            else:
+                loss = self._prepared.step.step(batch)
         self.steps_done += 1
         self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss

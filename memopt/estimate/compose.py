@@ -470,8 +470,12 @@ def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b
 # -- full event stream ----------------------------------------------------------------------------
 def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: int, m: int,
                  optimizer: OptimizerTrace, static_events: list[tuple[int, int, int]],
-                 num_steps: int = 3) -> tuple[list[tuple[int, int, int]], int]:
-    """The full run's allocation events ``(kind, key, bytes)`` and the index where the steps begin."""
+                 num_steps: int = 3, origins: dict[int, tuple[Instance | None, int]] | None = None
+                 ) -> tuple[list[tuple[int, int, int]], int]:
+    """The full run's allocation events ``(kind, key, bytes)`` and the index where the steps begin.
+
+    ``origins`` (attribution, ``memopt.estimate.attribution``): filled with each fresh key's source, the
+    segment instance and the traced key it repeats (instance None: the optimizer step's)."""
     out: list[tuple[int, int, int]] = list(static_events)
     start = len(out)
     next_key = [10**12]
@@ -492,6 +496,8 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
                 if not is_grad:
                     transient[k] = size
                 live[(scope, key)] = k
+                if origins is not None:
+                    origins[k] = (inst, key)
                 if slot is not None:
                     slots[slot] = k
                 out.append((ALLOC, k, size))
@@ -559,6 +565,8 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
                 next_key[0] += 1
                 remap[key] = next_key[0]
                 out.append((ALLOC, remap[key], size))
+                if origins is not None:
+                    origins[remap[key]] = (None, key)
             elif key in remap:
                 out.append((FREE, remap.pop(key), size))
         for k, size in grads_live:

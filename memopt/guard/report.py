@@ -187,13 +187,26 @@ def postmortem(run: RunData) -> list[dict[str, Any]]:
                         f"{format_bytes(total)} ({needed / total - 1:+.1%})")
         if e.get("budget_bytes"):
             verdict += f", budget {format_bytes(e['budget_bytes'])}"
+        from memopt.guard.attribution import oom_verdict  # the module, when the failing step was recorded
+
+        where = oom_verdict(run.run_dir, e, run.events, _plan_for(run, e))
         out.append({"step": e.get("step"), "attempt": e.get("attempt"), "phase": e.get("phase"),
                     "location": e.get("location"), "strategy": e.get("strategy"), "rank": e.get("rank"),
                     "requested_bytes": e.get("requested_bytes"), "needed_bytes": needed,
                     "predicted_total_bytes": total, "predicted_peak_at": pred.get("peak_at"), "rows": rows,
                     "culprit": worst["category"] if worst is not None and worst["over_bytes"] > 0 else None,
-                    "verdict": verdict, "snapshot": e.get("snapshot_path")})
+                    "verdict": verdict, "snapshot": e.get("snapshot_path"),
+                    "module_verdict": where["text"] if where else None, "attribution": where})
     return out
+
+
+def _plan_for(run: RunData, event: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan the failing step ran under: the last re-plan before the event, else the first plan."""
+    replans = [e for e in run.events if e.get("kind") == "replan" and e.get("step", 0) <= event.get("step", 0)
+               and run.events.index(e) < run.events.index(event)]
+    if replans and run.plans and len(replans) <= len(run.plans):
+        return run.plans[len(replans) - 1]
+    return run.plan
 
 
 def _row_adder(rows: list[dict[str, Any]]) -> Any:
@@ -371,7 +384,9 @@ def _markdown(summary: dict[str, Any], images: dict[str, Path]) -> str:
     for pm in summary["postmortem"]:
         lines += ["", f"## Post-mortem: OOM at step {pm['step']} (attempt {pm['attempt']}, {pm['phase']})", "",
                   f"Strategy `{pm['strategy']}`; the plan predicted its peak at: {pm['predicted_peak_at']}.", "",
-                  f"**{pm['verdict']}**", "", "| category | measured | planned | over |", "|---|---|---|---|"]
+                  f"**{pm['verdict']}**", "", *([f"Where: {pm['module_verdict']}.", ""] if pm.get("module_verdict")
+                                                  else []),
+                  "| category | measured | planned | over |", "|---|---|---|---|"]
         for r in pm["rows"]:
             lines.append(f"| {r['category']} | {_fmt(r['measured_bytes'])} | {_fmt(r['predicted_bytes'])} | "
                          f"{_fmt(r['over_bytes'])} |")

@@ -145,6 +145,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                                floors_only=offload is not None and offload.fits)
             if offload is not None:
                 plan = _with_offload(plan, offload)
+            from memopt.estimate.attribution import attach_to_plan
+
+            attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
     if store is not None:
         store.save()
     from memopt.config.checks import check_pins_honoured, profile_fingerprint

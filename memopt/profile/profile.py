@@ -51,7 +51,8 @@ SCHEMA_VERSION = 1
 #    optimizer traces are keyed on those extras too; CUDA softmax kernels' temporaries (softmax backward's
 #    grad*output, _safe_softmax's mask) are recorded
 # 5: phase costs count the calls of bitsandbytes' 4-bit linear (``bnb4_calls``, the time model's host floor)
-TRACE_REVISION = 5
+# 6: every allocation records the module and op that made it (memopt.profile.attribution)
+TRACE_REVISION = 6
 
 
 def cache_dir() -> Path:

@@ -34,6 +34,7 @@ from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
+from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy
@@ -185,6 +186,8 @@ class VariantTrace:
     # variants with extras: the transformed truncated model's state, {"params": [[shape, dtype, trainable, stack,
     # unit], ...], "buffers": [[shape, dtype, stack, unit], ...]} in the model's order (stack -1: outside blocks)
     model_state: dict[str, Any] | None = None
+    # which module and op made each allocation (memopt.profile.attribution.trace_record); None in old profiles
+    attribution: dict[str, Any] | None = None
 
     def size(self, lo_bytes: int, hi_bytes: int, b: int) -> int:
         """Requested bytes at micro-batch ``b`` (linear between/beyond the traced sizes)."""
@@ -200,7 +203,8 @@ class VariantTrace:
                 "grad_keys": sorted(self.grad_keys), "persistent_keys": sorted(self.persistent_keys),
                 "input_bytes": list(self.input_bytes), "input_sizes": [list(x) for x in self.input_sizes],
                 "attention_backends": self.attention_backends, "traced_blocks": self.traced_blocks,
-                "lo": self.lo, "hi": self.hi, "min_b": self.min_b, "model_state": self.model_state}
+                "lo": self.lo, "hi": self.hi, "min_b": self.min_b, "model_state": self.model_state,
+                "attribution": self.attribution}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VariantTrace:
@@ -208,7 +212,8 @@ class VariantTrace:
                    grad_keys=set(d["grad_keys"]), persistent_keys=set(d["persistent_keys"]),
                    input_bytes=tuple(d["input_bytes"]), input_sizes=[tuple(x) for x in d["input_sizes"]],
                    attention_backends=list(d["attention_backends"]), traced_blocks=list(d["traced_blocks"]),
-                   lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1), model_state=d.get("model_state"))
+                   lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1), model_state=d.get("model_state"),
+                   attribution=d.get("attribution"))
 
 
 def expand_model_state(state: dict[str, Any], traced_blocks: Sequence[int], full_counts: Sequence[int]
@@ -275,6 +280,7 @@ class _RawTrace:
     offload: dict[int, int]  # phase -> bytes copied to the host
     micro_batch: int = 1
     model_state: dict[str, Any] | None = None
+    attribution: dict[str, Any] | None = None
 
 
 BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.apply.batch)
@@ -296,6 +302,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
         has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
         model_state = _model_state(clone, prepared.stacks) if has_extras else None
         remove = install_markers(prepared.stacks, tracker.set_phase)
+        attrib = ModuleAttribution(clone, lambda: tracker.run.phases[tracker._phase])
+        tracker.module_fn = attrib.current
         tracker.op_hooks.append(costs)
         offload_by_phase: dict[int, int] = {}
         if prepared.step.offload is not None:
@@ -328,22 +336,28 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
                 del loss
                 tracker.set_phase("end")
                 grads = {tracker.key_of(p.grad) for p in clone.parameters() if p.grad is not None} - {None}
+            record = trace_record(clone, [s.path for s in prepared.stacks], tracker, attrib, {})
         finally:
+            attrib.remove()
             remove()
             prepared.undo()
     setup_end = tracker.run.phases.index("forward[0]")
     labels = tracker.run.labels
     alloc_label: dict[int, str] = {}
+    op_of: dict[int, str] = {}
     events = []
     for k, key, size, ph, lab in tracker.run.events:
         if k == ALLOC:
             alloc_label[key] = labels[lab]
         if ph >= setup_end:
             events.append((k, key, size, ph, alloc_label.get(key, "")))
+            if k == ALLOC:
+                op_of[key] = labels[lab]
     return _RawTrace(phases=tracker.run.phases, events=events, costs=dict(costs.costs), grad_keys=grads,
                      persistent_keys=set(tracker.run.persistent_keys), inputs=inputs, attention=attention,
                      traced_blocks=[len(s) for s in find_block_stacks(clone)], offload=offload_by_phase,
-                     micro_batch=micro_batch, model_state=model_state)
+                     micro_batch=micro_batch, model_state=model_state,
+                     attribution=attribution_with_ops(record, tracker, op_of))
 
 
 def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, str]]]]:
@@ -431,7 +445,9 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                             input_bytes=(sum(raw1.inputs), sum(raw2.inputs)),
                             input_sizes=list(zip(raw1.inputs, raw2.inputs)),
                             attention_backends=sorted(set(raw1.attention)), traced_blocks=raw1.traced_blocks,
-                            lo=lo, hi=hi, min_b=min_b, model_state=raw1.model_state)
+                            lo=lo, hi=hi, min_b=min_b, model_state=raw1.model_state,
+                            attribution=merge_record(raw1.attribution, raw2.attribution if raw2 is not raw1 else None,
+                                                     {e[1] for seg in segments for e in seg.events}, _UNMATCHED))
 
     if key.micro_batch is not None:
         raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)

@@ -73,6 +73,8 @@ class TrackedRun:
     phases: list[str] = field(default_factory=list)
     categories: dict[int, MemoryCategory] = field(default_factory=dict)  # key -> category, where known
     persistent_keys: set[int] = field(default_factory=set)  # process-lifetime buffers (cuBLAS workspaces)
+    # key -> the module that was running when it was allocated (only with ``MemoryTracker.module_fn`` set)
+    alloc_module: dict[int, str] = field(default_factory=dict)
 
     def peak(self, start_bytes: int = 0) -> tuple[int, int]:
         """(peak bytes, index of the event at which it is reached) replaying the log from ``start_bytes``."""
@@ -104,6 +106,8 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = 0
         self._next_synthetic = -1
         self.op_hooks: list = []  # callables (func, args, out) run after each op (cuda_semantics uses one)
+        # attribution (memopt.profile.attribution): returns the running module's path, recorded per allocation
+        self.module_fn: Any = None
         self.set_phase("setup")
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -129,6 +133,8 @@ class MemoryTracker(TorchDispatchMode):
             self.peak_bytes = self.current_bytes
         if self.record:
             self.run.events.append((ALLOC, key, nbytes, self._phase, label))
+            if self.module_fn is not None:
+                self.run.alloc_module[key] = self.module_fn()
 
     def _free(self, key: int) -> None:
         size = self._sizes.pop(key, None)

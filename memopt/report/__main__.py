@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from memopt.guard.report import load_run, render_report, summarize
+from memopt.guard.report import load_run, summarize
+from memopt.report import render_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         paths = render_report(args.run_dir, args.out, rank=args.rank)
-        summary = summarize(load_run(args.run_dir, rank=args.rank))
+        try:
+            summary = summarize(load_run(args.run_dir, rank=args.rank))
+        except FileNotFoundError:  # only a recorded step (a Hugging Face Trainer's run directory)
+            summary = {"steps": 0, "strategies": [], "postmortem": [], "leaks": []}
     except (FileNotFoundError, ValueError) as exc:  # missing or corrupt run files: one line, exit 2
         print(f"memopt.report: {exc}", file=sys.stderr)
         return 2
@@ -41,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OOM at step {pm['step']} ({pm['phase']}): {pm['verdict']}")
     for leak in summary["leaks"]:
         print(leak["message"])
+    for pm in summary["postmortem"]:
+        if pm.get("module_verdict"):
+            print(f"  where: {pm['module_verdict']}")
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

@@ -55,7 +55,8 @@ def train(model_name: str, *, budget: str, steps: int, batch_size: int, seq_len:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "checkpoint.pt"
     wrapped = memopt.wrap(model, budget=budget if plan_path is None else None, plan=plan_path,
-                          sample=sample.to_dict(), hardware=hardware, fidelity=fidelity, lr=lr, run_dir=run_dir)
+                          sample=sample.to_dict(), hardware=hardware, fidelity=fidelity, lr=lr,
+                          run_dir=run_dir)  # telemetry and one step by module, for python -m memopt.report
     wrapped.plan.save(run_dir / "plan.json")
     start = 0
     if resume and ckpt.exists():
