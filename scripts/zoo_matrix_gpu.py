@@ -127,6 +127,13 @@ ROWS: list[ZooRow] = [
            budget="8GiB"),
     ZooRow("mha-encoder-32x1024-12GiB", "custom", "mha_encoder", dict(vocab=32000, width=1024, layers=12), 32,
            1024, budget="12GiB"),
+    # the same kinds of model fed as a plain loop feeds them: (inputs, targets) tuples and a loss of the user's
+    ZooRow("tuple-resnet152-96x224-12GiB", "torchvision", "resnet152", {}, 96, image_size=224, budget="12GiB",
+           extra={"tuple": True}),
+    ZooRow("tuple-gru-lm-16x1024-6GiB", "custom", "gru_lm", dict(vocab=16000, width=2048, layers=2), 16, 1024,
+           budget="6GiB", extra={"tuple": True}),
+    ZooRow("step-mha-encoder-16x2048-10GB", "custom", "mha_encoder", dict(vocab=32000, width=1536, layers=16), 16,
+           2048, budget="10GB", extra={"training_step": True}),
 ]
 
 
@@ -250,6 +257,28 @@ class _TorchvisionAdapter:
         return Adapter(model)
 
 
+def _as_tuple_loop(row: ZooRow, model: Any, batch: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """The model as a plain loop holds it: called on the inputs alone, the loss made from (output, (x, y))."""
+    import torch
+
+    if row.kind == "torchvision":
+        inner = model.inner  # the adapter's torchvision module takes the image tensor positionally
+        return inner, (batch["x"], batch["labels"]), {
+            "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.float(), b[1])}
+
+    class Logits(torch.nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h, _ = self.lm.rnn(self.lm.embed(ids))
+            return self.lm.head(h)
+
+    return Logits(model), (batch["input_ids"], batch["labels"]), {
+        "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), b[1].flatten())}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one row
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,10 +319,14 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
         out["num_params"] = sum(p.numel() for p in model.parameters())
         out["build_s"] = time.perf_counter() - t0
         loss_fn = _torchvision_loss if row.kind == "torchvision" else None
+        calls: dict[str, Any] = {"loss_fn": loss_fn}
+        if row.extra.get("tuple"):  # a plain loop's (inputs, targets): the model called on the inputs
+            model, batch, calls = _as_tuple_loop(row, model, batch)
+        elif row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
+            calls = {"training_step": lambda m, b: m(**b)["loss"]}
         stage = "wrap"
         t_wrap = time.perf_counter()
-        wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4,
-                              loss_fn=loss_fn)
+        wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4, **calls)
         out["wrap_s"] = time.perf_counter() - t_wrap
         plan = wrapped.plan
         out["plan"] = plan.strategy.label()
