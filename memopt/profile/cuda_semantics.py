@@ -172,6 +172,14 @@ def cuda_kernel_facts(policy: KernelPolicy, tracker: MemoryTracker | None = None
     MoE experts pass under autocast: ``_grouped_mm`` has no autocast kernel, so autocast never casts them)."""
     lib = Library("aten", "IMPL")
     with contextlib.ExitStack() as stack:
+        # torch <= 2.12 registers _grouped_mm's meta function from Python and refuses a second Python kernel for the
+        # same key (later versions override by default): step aside its bookkeeping while ours is registered; the
+        # dispatcher itself stacks the kernels and restores the original when ours is destroyed
+        registered = getattr(torch.library, "_impls", set())
+        key = "aten/_grouped_mm/Meta"
+        if key in registered:
+            registered.discard(key)
+            stack.callback(registered.add, key)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
             lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")

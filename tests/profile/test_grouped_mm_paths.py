@@ -61,3 +61,26 @@ def test_without_the_shared_kernel_facts_fake_cuda_crashes_as_reported():
             "    torch._grouped_mm(a, b, offs=torch.tensor([3, 6, 9, 12], dtype=torch.int32, device='cuda'))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "Expected inputs of BF16 type" in run.stderr
+
+
+def test_kernel_facts_enter_where_torch_refuses_a_second_python_meta_kernel(monkeypatch):
+    """torch 2.11 (the GPU machine's) raises when a Python kernel already overrides the key, as the grouped GEMM's
+    meta function does: every trace on that machine failed before the facts stepped aside."""
+    import torch.library
+
+    from memopt.profile.cuda_semantics import cuda_kernel_facts
+
+    original = torch.library.Library.impl
+
+    def strict(self, op_name, fn, dispatch_key="", **kwargs):
+        kwargs["allow_override"] = False
+        return original(self, op_name, fn, dispatch_key, **kwargs)
+
+    monkeypatch.setattr(torch.library.Library, "impl", strict)
+    policy = KernelPolicy()
+    before = "aten/_grouped_mm/Meta" in torch.library._impls
+    with cuda_kernel_facts(policy):
+        pass
+    with cuda_kernel_facts(policy):  # and again: the bookkeeping is restored as it was
+        pass
+    assert ("aten/_grouped_mm/Meta" in torch.library._impls) == before
