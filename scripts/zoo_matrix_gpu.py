@@ -395,8 +395,8 @@ def _run_pool(rows: list[ZooRow], out_file: Path, width: int, deadline_s: float,
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     while pending or running:
         for r in list(running):
-            row, proc, t, _ = r
-            if proc.poll() is not None or time.time() - t > deadline_s:
+            row, proc, _, _ = r
+            if proc.poll() is not None or time.time() - start > deadline_s + 60:  # the run's end: nothing outlives it
                 if proc.poll() is None:
                     proc.kill()
                     with out_file.open("a") as f:
@@ -462,6 +462,8 @@ def main() -> int:
     r.add_argument("--width", type=int, default=3)
     r.add_argument("--deadline-s", type=float, default=540)
     r.add_argument("--steps", type=int, default=6)
+    r.add_argument("--gpu-fraction", type=float, default=0.92, help="share of the GPU the rows' budgets may fill")
+    r.add_argument("--skip", default="", help="rows to leave out")
     one = sub.add_parser("row")
     one.add_argument("id")
     one.add_argument("--out", required=True)
@@ -489,8 +491,9 @@ def main() -> int:
     import torch
 
     wanted = [x for x in args.rows.split(",") if x]
-    rows = [x for x in ROWS if not wanted or x.id in wanted]
-    gpu_bytes = int(torch.cuda.get_device_properties(0).total_memory * 0.92)
+    skipped = {x for x in args.skip.split(",") if x}
+    rows = [x for x in ROWS if (not wanted or x.id in wanted) and x.id not in skipped]
+    gpu_bytes = int(torch.cuda.get_device_properties(0).total_memory * args.gpu_fraction)
     _run_pool(rows, Path(args.out), args.width, args.deadline_s, args.steps, gpu_bytes)
     return 0
 
