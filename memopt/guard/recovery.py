@@ -381,7 +381,12 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     # nor its training method: an OOM never turns full fine-tuning into LoRA, or LoRA into QLoRA, mid-run
     from memopt.techniques.quantization import extras_pins
 
-    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **pol.pins}
+    # a running single-process step cannot be re-applied as a DeepSpeed / FSDP2 engine: escalations stay on this
+    # process's engine (a pinned offload=False makes the planner report "nothing fits" instead of an offload plan
+    # that could not honour the other pins)
+    offload = {} if plan.strategy.extra("sharding") is not None else {"offload": False}
+    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **offload,
+            **pol.pins}
     return dataclasses.replace(pol, margin_fraction=0.0, margin_bytes=int(margin), pins=pins,
                                allow=pol.allow | frozenset(extra_allowances))
 

@@ -38,9 +38,11 @@ def test_plan_escalator_replans_on_the_same_profile_and_training_continues(tmp_p
     assert new.strategy != plan.strategy and new.fits
     assert new.total_bytes < plan.total_bytes  # the escalated plan asks for less
     assert new.strategy.global_batch == 8  # same global batch: micro-batching and accumulation
-    # the running allocator mode and training method stay (no adapters or quantization appear mid-run)
+    # the running allocator mode, engine and training method stay (no adapters or quantization appear mid-run, no
+    # offload engine: a running single-process step cannot become one; on the H200 an escalation that planned an
+    # offload engine was refused for the allocator-mode pin it could not honour, with a traceback)
     assert new.policy["pins"] == {**plan.policy["pins"], "expandable_segments": plan.strategy.expandable_segments,
-                                  "adapter_rank": 0, "quant_bits": 0}
+                                  "adapter_rank": 0, "quant_bits": 0, "offload": False}
     assert set(new.policy["allow"]) == set(plan.policy["allow"])  # no lossier technique than the user allowed
     assert any("re-planned after an out-of-memory error" in n for n in new.notes)
     assert guard.step.strategy == new.strategy and guard.step.steps_done == 3
