@@ -60,19 +60,31 @@ def set_expandable_segments(enabled: bool) -> bool:
 
 
 def process_device_bytes(device: int | None = None) -> int | None:
-    """Device memory held by this process alone (NVML's per-process figure), or None when NVML cannot say."""
+    """Device memory held by this process alone, or None when NVML cannot say.
+
+    NVML's per-process figure where it lists this process with its usage; where it does not (a process that has just
+    made its context, or a container whose process ids differ from the host's), the device's used memory less what
+    NVML lists for every other process. Without that second way, a process started beside five others on an H200
+    took their 17.5 GB for its own runtime and refused a budget that fit."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device() if device is None else device
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid() and proc.usedGpuMemory:
-                return int(proc.usedGpuMemory)
+        procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except Exception:
         return None
-    return None
+    for proc in procs:
+        if proc.pid == os.getpid() and proc.usedGpuMemory:
+            return int(proc.usedGpuMemory)
+    others = [p for p in procs if p.pid != os.getpid()]
+    if not others:
+        return None  # nobody else listed: the device-wide figure is this process's
+    if any(not p.usedGpuMemory for p in others):
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - sum(int(p.usedGpuMemory) for p in others))
 
 
 def outside_allocator_bytes(device: int | None = None) -> int:
