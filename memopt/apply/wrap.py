@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.batch import TrainingStep, check_batch
+from memopt.apply.batch import as_loss, check_batch
 from memopt.apply.budget import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -434,11 +434,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
         if value is not None:
             kwargs[name] = value
     StepTransaction.check_mode(transaction)
-    if training_step is not None:
-        if loss_fn is not None:
-            raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
-                             "a training_step calls the model and makes the loss itself")
-        loss_fn = TrainingStep(training_step)
+    loss_fn = as_loss(loss_fn, training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if _is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer
