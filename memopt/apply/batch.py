@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
-           "forward_kwargs", "like", "shard", "split", "structure", "tensors", "to_device", "token_labels", "tree_map"]
+           "forward_kwargs", "leaves", "like", "shard", "split", "structure", "tensors", "to_device", "token_labels",
+           "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -88,25 +89,26 @@ def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     return batch
 
 
-def _leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor: ``x``, ``[0]``, ``inputs[1].mask``."""
     if isinstance(batch, torch.Tensor):
         return [(path or "batch", batch)]
     if isinstance(batch, Mapping):
-        return [leaf for k, v in batch.items() for leaf in _leaves(v, f"{path}.{k}" if path else str(k))]
+        return [leaf for k, v in batch.items() for leaf in leaves(v, f"{path}.{k}" if path else str(k))]
     if isinstance(batch, (list, tuple)):
-        return [leaf for i, v in enumerate(batch) for leaf in _leaves(v, f"{path}[{i}]")]
+        return [leaf for i, v in enumerate(batch) for leaf in leaves(v, f"{path}[{i}]")]
     return []
 
 
 def tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor in the batch."""
-    return [t for _, t in _leaves(batch)]
+    return [t for _, t in leaves(batch)]
 
 
 def batch_size(batch: Any) -> int:
     """The number of samples: dim 0 of every tensor with a dimension (they must agree)."""
     sizes: dict[int, list[str]] = {}
-    for path, t in _leaves(batch):
+    for path, t in leaves(batch):
         if t.dim() > 0:
             sizes.setdefault(int(t.shape[0]), []).append(path)
     if not sizes:

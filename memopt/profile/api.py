@@ -126,7 +126,8 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
     def factory(b: int, device: str) -> Any:
         return batch_contract.like(template, b, device)
 
-    return factory, {"batch_size": batch_size, "structure": batch_contract.structure(sample)}, None
+    tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_contract.leaves(sample)}  # for reports
+    return factory, {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}, None
 
 
 def default_variant(hardware: HardwareSpec) -> VariantKey:
