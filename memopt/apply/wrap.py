@@ -334,6 +334,10 @@ class Wrapped:
 
     def unwrap(self) -> nn.Module:
         """Remove every technique and return the user's module (weights keep their trained values)."""
+        if self._sharded is not None:
+            raise ValueError(f"an offload plan's {self._sharded.setting.engine} engine holds the parameters (sharded "
+                             "and on the host): write them with save(dir) and load that checkpoint where you need "
+                             "them, or keep training through step(batch)")
         self.close()
         if self._prepared is not None:
             self._prepared.undo()
