@@ -5,6 +5,11 @@
     >>> for batch in loader:                 # the global batch; memopt splits it into the plan's micro-batches
     ...     loss = wrapped.step(batch)
 
+Any batch structure works (a tensor, an ``(x, y)`` tuple, a dict, nested), with the loss from the model's
+``.loss``, ``loss_fn(output, batch)`` or ``training_step(model, batch)``: ``memopt.apply.batch``. A plan that
+offloads the model states (nothing fits on the GPU alone) is applied in this process by its engine
+(``memopt.distributed.wrapped``, a one-process group started for it).
+
 The pieces stay usable for a hand-written loop (``wrapped.model``, ``wrapped.optimizer``,
 ``wrapped.autocast()``, ``wrapped.backward(loss)``, ``wrapped.optimizer_step()``), e.g. with accelerate.
 ``wrapped.unwrap()`` removes every technique and returns the user's module (its state_dict loads into
