@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from memopt.apply.budget import (
 )
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
+from memopt.apply.wrap_checks import batchnorm_warning, check_model, is_trainer, optimizer_choice
 from memopt.guard.recovery import StepTransaction
 from memopt.plan.planner import make_plan, resolve_hardware
 from memopt.plan.schema import Plan
@@ -45,44 +45,6 @@ from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes, parse_budget
 
 __all__ = ["Wrapped", "wrap"]
-
-_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
-
-
-def _optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
-    """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
-    if callable(optimizer) and not isinstance(optimizer, str):
-        return {"optimizer": "user"}, optimizer
-    if optimizer in (None, "adamw", "adam"):
-        return {}, None
-    if optimizer in _ADAM_FAMILY or optimizer == "sgd":
-        return {"optimizer": optimizer}, None
-    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
-                     f"{', '.join((*_ADAM_FAMILY, 'sgd'))}, or a callable taking the parameters")
-
-
-def _is_trainer(obj: Any) -> bool:
-    return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
-
-
-def _check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
-    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
-        raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
-                         "that memopt's plan does not account for. Wrap the uncompiled model")
-    if not weights_pending and any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("the model has parameters on the meta device (no weights): load or initialize the weights "
-                         "first, pass checkpoint=<safetensors file(s)> to load them under the plan, or use "
-                         "memopt.plan(...) for a dry run without weights")
-
-
-def _batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if norms and micro < global_batch:
-        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}; the model has "
-                      f"BatchNorm layers ({', '.join(norms[:3])}{'...' if len(norms) > 3 else ''}) whose batch "
-                      "statistics then come from micro-batches, which changes training; pin micro_batch_size="
-                      f"{global_batch} to keep them", stacklevel=3)
-
 
 class Wrapped:
     """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
@@ -93,7 +55,7 @@ class Wrapped:
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
                  checkpoint: Any = None, transaction: str = "auto") -> None:
-        _check_model(model, weights_pending=checkpoint is not None)
+        check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
         self._user_model = model
@@ -137,7 +99,7 @@ class Wrapped:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
         from memopt.profile.api import profile_model
 
-        pins, user_opt = _optimizer_choice(self._optimizer_arg)
+        pins, user_opt = optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
         if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
             merged_pins.setdefault("chunked_ce", 0)
@@ -173,7 +135,7 @@ class Wrapped:
         cuda = self.device.type == "cuda"
         if cuda:
             set_expandable_segments(strategy.expandable_segments)
-        _batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
+        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
         model = self._user_model
         if cuda:
             torch.cuda.init()
@@ -445,7 +407,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     StepTransaction.check_mode(transaction)
     loss_fn = as_loss(loss_fn, training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    if _is_trainer(target):
+    if is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer
 
         return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,
