@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TrainingStep", "batch_size", "compute_loss", "count_loss_items", "default_loss", "forward_kwargs",
-           "shard", "split", "structure", "tensors", "to_device", "token_labels", "tree_map"]
+__all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
+           "forward_kwargs", "leaves", "like", "shard", "split", "structure", "tensors", "to_device", "token_labels",
+           "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -55,6 +56,16 @@ class TrainingStep:
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.fn(model, batch)
+
+
+def as_loss(loss_fn: Any, training_step: Any) -> Any:
+    """The one loss callable every path carries: ``loss_fn``, or ``training_step`` wrapped (not both)."""
+    if training_step is None:
+        return loss_fn
+    if loss_fn is not None:
+        raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
+                         "a training_step calls the model and makes the loss itself")
+    return training_step if isinstance(training_step, TrainingStep) else TrainingStep(training_step)
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -78,25 +89,26 @@ def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     return batch
 
 
-def _leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor: ``x``, ``[0]``, ``inputs[1].mask``."""
     if isinstance(batch, torch.Tensor):
         return [(path or "batch", batch)]
     if isinstance(batch, Mapping):
-        return [leaf for k, v in batch.items() for leaf in _leaves(v, f"{path}.{k}" if path else str(k))]
+        return [leaf for k, v in batch.items() for leaf in leaves(v, f"{path}.{k}" if path else str(k))]
     if isinstance(batch, (list, tuple)):
-        return [leaf for i, v in enumerate(batch) for leaf in _leaves(v, f"{path}[{i}]")]
+        return [leaf for i, v in enumerate(batch) for leaf in leaves(v, f"{path}[{i}]")]
     return []
 
 
 def tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor in the batch."""
-    return [t for _, t in _leaves(batch)]
+    return [t for _, t in leaves(batch)]
 
 
 def batch_size(batch: Any) -> int:
     """The number of samples: dim 0 of every tensor with a dimension (they must agree)."""
     sizes: dict[int, list[str]] = {}
-    for path, t in _leaves(batch):
+    for path, t in leaves(batch):
         if t.dim() > 0:
             sizes.setdefault(int(t.shape[0]), []).append(path)
     if not sizes:
@@ -269,11 +281,25 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         if not batch:
             raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
         inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
+        if loss_fn is None:
+            _check_takes(model, len(inputs))
         output = model(*inputs)
     else:
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
                          "list or dict of tensors (samples along dim 0)")
     return (loss_fn or default_loss)(output, batch)
+
+
+def _check_takes(model: nn.Module, count: int) -> None:
+    """A one-line error when a tuple batch goes whole to a ``forward`` that cannot take that many arguments."""
+    try:
+        inspect.signature(_unwrapped(model).forward).bind(*range(count))
+    except TypeError:
+        raise ValueError(f"{type(_unwrapped(model)).__name__}.forward does not take the batch's {count} elements: "
+                         "for an (inputs..., target) batch pass loss_fn=(output, batch) -> loss (the target is "
+                         "then not passed to the model) or training_step=(model, batch) -> loss") from None
+    except ValueError:  # no signature to read: let the call say
+        return
 
 
 def check_batch(batch: Any) -> int:

@@ -5,6 +5,11 @@
     >>> for batch in loader:                 # the global batch; memopt splits it into the plan's micro-batches
     ...     loss = wrapped.step(batch)
 
+Any batch structure works (a tensor, an ``(x, y)`` tuple, a dict, nested), with the loss from the model's
+``.loss``, ``loss_fn(output, batch)`` or ``training_step(model, batch)``: ``memopt.apply.batch``. A plan that
+offloads the model states (nothing fits on the GPU alone) is applied in this process by its engine
+(``memopt.distributed.wrapped``, a one-process group started for it).
+
 The pieces stay usable for a hand-written loop (``wrapped.model``, ``wrapped.optimizer``,
 ``wrapped.autocast()``, ``wrapped.backward(loss)``, ``wrapped.optimizer_step()``), e.g. with accelerate.
 ``wrapped.unwrap()`` removes every technique and returns the user's module (its state_dict loads into
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memopt.apply.batch import TrainingStep, check_batch
+from memopt.apply.batch import as_loss, check_batch
 from memopt.apply.budget import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -33,6 +37,7 @@ from memopt.apply.budget import (
 )
 from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items
+from memopt.apply.wrap_checks import batchnorm_warning, check_model, is_trainer, optimizer_choice
 from memopt.guard.recovery import StepTransaction
 from memopt.plan.planner import make_plan, resolve_hardware
 from memopt.plan.schema import Plan
@@ -46,44 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Wrapped", "wrap"]
 
-_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
-
-
-def _optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
-    """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
-    if callable(optimizer) and not isinstance(optimizer, str):
-        return {"optimizer": "user"}, optimizer
-    if optimizer in (None, "adamw", "adam"):
-        return {}, None
-    if optimizer in _ADAM_FAMILY or optimizer == "sgd":
-        return {"optimizer": optimizer}, None
-    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
-                     f"{', '.join((*_ADAM_FAMILY, 'sgd'))}, or a callable taking the parameters")
-
-
-def _is_trainer(obj: Any) -> bool:
-    return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
-
-
-def _check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
-    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
-        raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
-                         "that memopt's plan does not account for. Wrap the uncompiled model")
-    if not weights_pending and any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("the model has parameters on the meta device (no weights): load or initialize the weights "
-                         "first, pass checkpoint=<safetensors file(s)> to load them under the plan, or use "
-                         "memopt.plan(...) for a dry run without weights")
-
-
-def _batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if norms and micro < global_batch:
-        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}; the model has "
-                      f"BatchNorm layers ({', '.join(norms[:3])}{'...' if len(norms) > 3 else ''}) whose batch "
-                      "statistics then come from micro-batches, which changes training; pin micro_batch_size="
-                      f"{global_batch} to keep them", stacklevel=3)
-
-
 class Wrapped:
     """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
 
@@ -93,7 +60,7 @@ class Wrapped:
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
                  checkpoint: Any = None, transaction: str = "auto", calibration: str = "use") -> None:
-        _check_model(model, weights_pending=checkpoint is not None)
+        check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
         self._user_model = model
@@ -139,7 +106,7 @@ class Wrapped:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
         from memopt.profile.api import profile_model
 
-        pins, user_opt = _optimizer_choice(self._optimizer_arg)
+        pins, user_opt = optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
         if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
             merged_pins.setdefault("chunked_ce", 0)
@@ -175,7 +142,7 @@ class Wrapped:
         cuda = self.device.type == "cuda"
         if cuda:
             set_expandable_segments(strategy.expandable_segments)
-        _batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
+        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
         model = self._user_model
         if cuda:
             torch.cuda.init()
@@ -346,6 +313,10 @@ class Wrapped:
 
     def unwrap(self) -> nn.Module:
         """Remove every technique and return the user's module (weights keep their trained values)."""
+        if self._sharded is not None:
+            raise ValueError(f"an offload plan's {self._sharded.setting.engine} engine holds the parameters (sharded "
+                             "and on the host): write them with save(dir) and load that checkpoint where you need "
+                             "them, or keep training through step(batch)")
         self.close()
         if self._prepared is not None:
             self._prepared.undo()
@@ -456,18 +427,14 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
         if value is not None:
             kwargs[name] = value
     StepTransaction.check_mode(transaction)
-    if training_step is not None:
-        if loss_fn is not None:
-            raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
-                             "a training_step calls the model and makes the loss itself")
-        loss_fn = TrainingStep(training_step)
+    loss_fn = as_loss(loss_fn, training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     from memopt.config.checks import check_wrap_args
 
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
                     allow_plan_mismatch=allow_plan_mismatch)
-    if _is_trainer(target):
+    if is_trainer(target):
         from memopt.integrations.hf_trainer import wrap_trainer
 
         return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,

@@ -69,15 +69,16 @@ def _context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Poli
 def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hardware: Any = None,
               policy: Policy | dict[str, Any] | None = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
               forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
-              profile: Profile | None = None, use_cache: bool = True, use_calibration: bool = True,
-              calibration: str = "use", world_size: int | None = None, nodes: int | None = None,
-              host_memory: str | int | None = None, nvme_path: str | None = None) -> Plan:
+              training_step: Any = None, profile: Profile | None = None, use_cache: bool = True,
+              use_calibration: bool = True, calibration: str = "use", world_size: int | None = None,
+              nodes: int | None = None, host_memory: str | int | None = None, nvme_path: str | None = None) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
     sample's batch size is the global batch; micro-batching keeps it. ``budget`` follows DEVELOPERS.md
     ("40GB", "40GiB", "80%", bytes). ``policy`` (or ``fidelity``/``pins``/``forbid``) says what may change.
-    ``optimizer`` is a callable taking the parameters when the user brings their own optimizer.
+    ``optimizer`` is a callable taking the parameters when the user brings their own optimizer. ``loss_fn`` /
+    ``training_step``: how the loss is made (``memopt.apply.batch``), as in ``memopt.wrap``.
     ``calibration``: "use" (default): where earlier clean runs of this model on this GPU kind measured more than was
     predicted (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio
     and say so in the plan's notes; "ignore": plan without it; "clear": delete this model's stored calibration on
@@ -93,6 +94,12 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     directory on a local NVMe drive for ZeRO-Infinity (default: the spec's ``extra["nvme_path"]``; none: no NVMe).
     """
     start = time.perf_counter()
+    if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.apply.batch
+        from memopt.apply.batch import as_loss
+
+        loss_fn = as_loss(loss_fn, training_step)
+    if loss_fn is not None and profile is None:  # chunked cross-entropy replaces the model's own loss, not the user's
+        pins = {"chunked_ce": 0, **(pins or {})}
     hw, budget_bytes, pol = _checked_args(model, sample, budget=budget, hardware=hardware, policy=policy,
                                           fidelity=fidelity, pins=pins, forbid=forbid, optimizer=optimizer,
                                           calibration=calibration, world_size=world_size, nodes=nodes,

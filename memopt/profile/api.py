@@ -123,7 +123,8 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
     def factory(b: int, device: str) -> Any:
         return batch_contract.like(template, b, device)
 
-    return factory, {"batch_size": batch_size, "structure": batch_contract.structure(sample)}, None
+    tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_contract.leaves(sample)}  # for reports
+    return factory, {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}, None
 
 
 def default_variant(hardware: HardwareSpec) -> VariantKey:
@@ -216,12 +217,16 @@ def _vocab_size(module: nn.Module) -> int | None:
 
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
                   loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
-                  variants: list[VariantKey] | None = None) -> Profile:
+                  variants: list[VariantKey] | None = None, training_step: Any = None) -> Profile:
     """Profile ``model`` for ``sample`` on ``hardware`` (see :class:`Profile`); the first variant is traced now.
 
     A model spec (shipped name, YAML, dict) is keyed on the spec itself: a cached profile is found without
     building the model, which is built (on meta) only when a trace is missing.
     """
+    if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.apply.batch
+        from memopt.apply.batch import as_loss
+
+        loss_fn = as_loss(loss_fn, training_step)
     hw = load_hardware(hardware)
     policy = kernel_policy_for(hw)
     spec = _shipped_spec(model)

@@ -29,16 +29,22 @@ def main(out: str, engine: str, mode: str) -> None:
     from memopt.plan import Policy
     from memopt.plan.sharded import plan_sharded
 
-    if engine == "deepspeed":
+    if engine.startswith("deepspeed"):
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT build one process does not need
     hw = load_hardware("h100_80gb")
     sample = w.global_batch(0)
     prof = memopt.profile(w.tiny_model(), sample, hardware=hw, use_cache=False)
-    setting = (ShardingSetting(engine="fsdp2", world_size=1, offload_optimizer="cpu", offload_params="cpu",
-                               pin_memory=False) if engine == "fsdp2" else
-               ShardingSetting(engine="deepspeed", stage=2, world_size=1, offload_optimizer="cpu", pin_memory=False))
+    settings = {
+        "fsdp2": ShardingSetting(engine="fsdp2", world_size=1, offload_optimizer="cpu", offload_params="cpu",
+                                 pin_memory=False),
+        "deepspeed": ShardingSetting(engine="deepspeed", stage=2, world_size=1, offload_optimizer="cpu",
+                                     pin_memory=False),
+        # no offload: DeepSpeed's own process-group handling over the group memopt started, without CPUAdam's build
+        "deepspeed_zero2": ShardingSetting(engine="deepspeed", stage=2, world_size=1),
+    }
+    setting = settings[engine]
     plan, _ = plan_sharded(prof, hw, 1 << 40, Policy.build(), world_size=1, nodes=1, host_memory_bytes=1 << 40,
                            settings=[setting])
     # fp32 on the CPU, the reference's micro-batching: the trajectory is then comparable number for number

@@ -293,3 +293,21 @@ def test_autotune_times_tuple_batches():
         opt.zero_grad()
         want.append(float(loss.detach()))
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_plan_and_profile_take_a_training_step():
+    torch.manual_seed(0)
+    x, y = _xy(8)
+
+    def step(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    plan = memopt.plan(Blocks(), (x, y), budget="4GB", hardware="h100_80gb", training_step=step, use_cache=False)
+    assert plan.fits and plan.global_batch == 8
+    prof = memopt.profile(Blocks(), (x, y), hardware="h100_80gb", training_step=step, use_cache=False)
+    assert prof.sample["batch_size"] == 8
+
+
+def test_a_tuple_the_model_cannot_take_whole_says_to_pass_a_loss():
+    with pytest.raises(ValueError, match=r"does not take the batch's 2 elements: for an \(inputs\.\.\., target\)"):
+        memopt.wrap(Blocks(), budget="4GB", sample=_xy(), hardware="h100_80gb", device="cpu", use_cache=False)

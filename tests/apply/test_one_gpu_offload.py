@@ -54,3 +54,15 @@ def test_deepspeed_offload_plan_applied_in_process(tmp_path):
     ref = w.reference_losses(3)
     assert got["losses"][0] == pytest.approx(ref[0], rel=1e-5)
     assert got["losses"] == pytest.approx(ref, rel=1e-3)  # CPUAdam's own arithmetic
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_runs_on_the_group_memopt_started(tmp_path):
+    """DeepSpeed (ZeRO-2 without offload: no CPUAdam build needed) initializes over the one-process group memopt
+    started, in a process no launcher set up."""
+    pytest.importorskip("deepspeed")
+    got = _run(tmp_path, "deepspeed_zero2", "budget")
+    assert got["engine"] == "DeepSpeedEngine" and got["group"] == 1 and got["started_group"] is True
+    ref = w.reference_losses(3)
+    assert got["losses"][0] == pytest.approx(ref[0], rel=1e-5)
+    assert got["losses"] == pytest.approx(ref, rel=1e-3)  # DeepSpeed's flat fp32 partitions and its AdamW

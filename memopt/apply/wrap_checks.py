@@ -1,0 +1,48 @@
+"""The checks and choices ``memopt.wrap`` makes before planning: the optimizer argument, what the target is, a
+model it cannot train as planned."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+__all__ = ["batchnorm_warning", "check_model", "is_trainer", "optimizer_choice"]
+
+_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
+
+
+def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
+    if callable(optimizer) and not isinstance(optimizer, str):
+        return {"optimizer": "user"}, optimizer
+    if optimizer in (None, "adamw", "adam"):
+        return {}, None
+    if optimizer in _ADAM_FAMILY or optimizer == "sgd":
+        return {"optimizer": optimizer}, None
+    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
+                     f"{', '.join((*_ADAM_FAMILY, 'sgd'))}, or a callable taking the parameters")
+
+
+def is_trainer(obj: Any) -> bool:
+    return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
+
+
+def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
+    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
+        raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
+                         "that memopt's plan does not account for. Wrap the uncompiled model")
+    if not weights_pending and any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model has parameters on the meta device (no weights): load or initialize the weights "
+                         "first, pass checkpoint=<safetensors file(s)> to load them under the plan, or use "
+                         "memopt.plan(...) for a dry run without weights")
+
+
+def batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms and micro < global_batch:
+        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}; the model has "
+                      f"BatchNorm layers ({', '.join(norms[:3])}{'...' if len(norms) > 3 else ''}) whose batch "
+                      "statistics then come from micro-batches, which changes training; pin micro_batch_size="
+                      f"{global_batch} to keep them", stacklevel=3)
