@@ -381,7 +381,11 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     # nor its training method: an OOM never turns full fine-tuning into LoRA, or LoRA into QLoRA, mid-run
     from memopt.techniques.quantization import extras_pins
 
-    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **pol.pins}
+    # and its engine: a process training on one GPU cannot move its states into an offload engine mid-run (the
+    # re-plans of a run that found foreign memory were offload plans, applied on top of the old plan's states)
+    engine = {"offload": False} if plan.strategy.extra("sharding") is None else {}
+    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **engine,
+            **pol.pins}
     return dataclasses.replace(pol, margin_fraction=0.0, margin_bytes=int(margin), pins=pins,
                                allow=pol.allow | frozenset(extra_allowances))
 

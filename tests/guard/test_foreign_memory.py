@@ -161,3 +161,22 @@ def test_foreign_memory_outside_the_allocator_is_counted():
     assert found.remaining_bytes == (1 << 30) - (300 << 20)
     assert measure_foreign(SimulatedMemorySource(device_total_bytes=2 << 30, outside_allocator_bytes=100 << 20),
                            step, plan, None, threshold_bytes=1 << 20) is None  # the runtime alone: not foreign
+
+
+def test_escalation_plans_for_what_is_left_and_keeps_the_engine():
+    """By hand: budget 1 GiB, the plan predicted 400 MiB (100 MiB runtime); at the OOM 1000 MiB were reserved
+    (600 MiB of them foreign) and 64 MiB asked for. The plan's own under-prediction is (1064 - 600) / 400 =
+    1.16, not 1064 / 400; the re-plan may predict min((424 - 16) / 1.16, 400 - 30) MiB of the 424 MiB left."""
+    from memopt.guard.recovery import escalation_policy
+
+    MiB = 1 << 20
+    plan = fake_plan(CATALOG[0], total=400 * MiB, runtime=100 * MiB, budget=1024 * MiB)
+    m = OOMMeasurement(step=3, attempt=1, phase="forward[0]", location="before_optimizer", message="oom",
+                       strategy=plan.strategy.label(), reserved_bytes=1000 * MiB, requested_bytes=64 * MiB,
+                       predicted={"total_bytes": 400 * MiB}, budget_bytes=1024 * MiB, foreign_bytes=600 * MiB)
+    assert m.ratio == pytest.approx(464 / 400)
+    assert remaining_budget(plan, m) == 424 * MiB
+    pol = escalation_policy(plan, m, 1)
+    target = min(int((424 * MiB - plan.margin_bytes) / (464 / 400)), 400 * MiB - 30 * MiB)
+    assert pol.margin(424 * MiB) == pytest.approx(424 * MiB - target, abs=2)
+    assert pol.pins["offload"] is False  # a one-GPU run is not re-planned onto an offload engine mid-run
