@@ -418,8 +418,13 @@ class PlanEscalator:
         from memopt.guard.foreign import remaining_budget
 
         left = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
-        new = make_plan(None, None, budget=left, hardware=self.hardware or plan.hardware, policy=policy,
-                        profile=self.profile, calibration="ignore" if left != plan.budget_bytes else "use")
+        try:
+            new = make_plan(None, None, budget=left, hardware=self.hardware or plan.hardware, policy=policy,
+                            profile=self.profile, calibration="ignore" if left != plan.budget_bytes else "use")
+        except EscalationFailed:
+            raise
+        except ValueError as exc:  # e.g. what is left is below what the CUDA runtime alone holds
+            raise EscalationFailed(str(exc).splitlines()[0]) from None
         if left != plan.budget_bytes:  # the cap stays the user's budget; the plan was made for what is left of it
             new = dataclasses.replace(new, budget_bytes=plan.budget_bytes, notes=[*new.notes, (
                 f"re-planned for {format_bytes(left)} left of the {format_bytes(plan.budget_bytes)} budget: "
