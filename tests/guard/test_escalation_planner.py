@@ -70,5 +70,5 @@ def test_plan_escalator_plans_for_what_foreign_memory_leaves(tmp_path, monkeypat
     assert any("left of the" in n and "foreign memory" in n for n in new.notes)
     with pytest.raises(EscalationFailed):
         PlanEscalator(prof)(plan, oom(budget - (800 << 20)), 1)  # leaves less than plan and margin need
-    with pytest.raises(EscalationFailed, match="100.00 MiB"):  # a planner refusal is an escalation failure
+    with pytest.raises(EscalationFailed, match=r"100\.00 MiB"):  # a planner refusal is an escalation failure
         PlanEscalator(prof)(plan, oom(budget - (100 << 20)), 1)  # leaves less than the CUDA runtime alone
