@@ -5,9 +5,11 @@ continue with no step lost, or, when nothing fits in what is left, stop with a m
 
     python scripts/guard_foreign_memory_gpu.py --out benchmarks/guard/foreign_memory_h200.json
 
-For each --foreign size (GiB), one run: the model (a shipped spec, --layers blocks, random weights) is wrapped
+For each --foreign size (GiB, or "fill": all the cap leaves but 256 MiB), one run: the model (a shipped spec,
+--layers blocks, random weights) is wrapped
 at --budget with the planner's choice (autotune off, so the first plan is the planner's), trained --steps steps on
-fixed batches, and a tensor of that size is allocated (and kept) before step K (seeded random, >= 1). Then a
+fixed batches, and a tensor of that size is allocated (and kept) before step K (seeded random, >= 1; clamped
+to what the cap still has room for, so that the allocation itself succeeds). Then a
 reference run from the same seed with no foreign memory switches to the final plan at step K
 (``reprepare``, as the guard does); the JSON gives, per run: recovered or the stop message, the events (oom,
 foreign_memory, replan), the measured foreign bytes against the allocated size, the plans before and after,
@@ -46,7 +48,21 @@ def _batches(model_name: str, sample: dict, steps: int, overrides: dict) -> list
             for _ in range(steps)]
 
 
-def one_run(args: argparse.Namespace, foreign_gib: float, run_dir: Path, seed: int) -> dict:
+def _foreign_bytes(wrapped, foreign: str) -> tuple[int, int]:
+    """(bytes to allocate, room under the cap now): ``foreign`` in GiB, or "fill" for all the cap has left but
+    256 MiB (so that the allocation itself succeeds and no plan fits in what remains); a size beyond the room is
+    clamped to it likewise."""
+    import torch
+
+    torch.cuda.empty_cache()  # the cap applies to reserved memory: hand cached blocks back first
+    total = torch.cuda.mem_get_info()[1]
+    cap = int(getattr(wrapped, "cap_fraction", 1.0) * total)
+    room = cap - torch.cuda.memory_reserved()
+    want = room - (256 << 20) if foreign == "fill" else int(float(foreign) * GiB)
+    return max(min(want, room - (256 << 20)), 0), room
+
+
+def one_run(args: argparse.Namespace, foreign: str, run_dir: Path, seed: int) -> dict:
     import torch
 
     import memopt
@@ -65,11 +81,13 @@ def one_run(args: argparse.Namespace, foreign_gib: float, run_dir: Path, seed: i
     kwargs = wrapped._prepare_kwargs()
     torch.cuda.reset_peak_memory_stats()
     hog = None
+    size, room = 0, 0
     losses, stopped, t0 = [], None, time.perf_counter()
     try:
         for i, batch in enumerate(batches):
             if i == at_step:
-                hog = torch.empty(int(foreign_gib * GiB), dtype=torch.uint8, device="cuda")
+                size, room = _foreign_bytes(wrapped, foreign)
+                hog = torch.empty(size, dtype=torch.uint8, device="cuda")
             losses.append(wrapped.step(batch))
     except memopt.MemoptOOMError as exc:
         stopped = str(exc).splitlines()[0]
@@ -80,7 +98,8 @@ def one_run(args: argparse.Namespace, foreign_gib: float, run_dir: Path, seed: i
     events = _events(run_dir)
     foreign_events = [e for e in events if e.get("kind") == "foreign_memory"]
     result = {
-        "foreign_allocated_bytes": int(foreign_gib * GiB), "at_step": at_step, "steps_done": len(losses),
+        "foreign_requested": foreign, "foreign_allocated_bytes": size, "room_under_cap_bytes": room,
+        "at_step": at_step, "steps_done": len(losses),
         "recovered": stopped is None and len(losses) == args.steps, "stopped": stopped, "seconds": seconds,
         "first_plan": first.strategy.label(), "first_predicted_total_bytes": first.total_bytes,
         "final_plan": final.strategy.label(), "final_predicted_total_bytes": final.total_bytes,
@@ -123,8 +142,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--foreign", type=float, nargs="+", default=[4.0, 8.0, 22.0],
-                        help="GiB allocated outside the plan, one run each (the last should leave nothing)")
+    parser.add_argument("--foreign", nargs="+", default=["4", "8", "fill"],
+                        help="GiB allocated outside the plan, one run each; 'fill': all the cap has left but 256 MiB "
+                             "(no plan fits: the run must stop naming it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "guard" / "foreign_memory_h200.json"))
     parser.add_argument("--run-dir", default="/tmp/memopt_foreign")
@@ -136,8 +156,8 @@ def main() -> None:
     out = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model, "layers": args.layers, "budget": args.budget,
            "sample": {"batch_size": args.batch, "seq_len": args.seq}, "steps": args.steps, "runs": []}
-    for i, gib in enumerate(args.foreign):
-        run = one_run(args, gib, Path(args.run_dir) / f"foreign_{gib:g}GiB", args.seed + i)
+    for i, foreign in enumerate(args.foreign):
+        run = one_run(args, foreign, Path(args.run_dir) / f"foreign_{foreign}", args.seed + i)
         out["runs"].append(run)
         print(json.dumps({k: run[k] for k in ("foreign_allocated_bytes", "foreign_measured_bytes", "at_step",
                                               "recovered", "stopped", "first_plan", "final_plan")}), flush=True)

@@ -98,7 +98,11 @@ def check_margin(policy: Any, budget_bytes: int | None, problems: list[str]) -> 
     if policy is None or not budget_bytes:
         return
     frac = float(getattr(policy, "margin_fraction", 0.0))
-    if not 0 <= frac < 1:
+    if frac < 0 or int(getattr(policy, "margin_bytes", 0)) < 0:
+        problems.append("policy margin must not be negative; give a share of the budget such as margin=3% or a size "
+                        "such as margin=1GiB (null: 2% of the budget + 256 MiB)")
+        return
+    if not frac < 1:
         problems.append(f"policy margin {100 * frac:g}% of the budget leaves nothing to plan with; give a margin "
                         "below 100% (e.g. margin=3%) or a size such as margin=1GiB")
         return

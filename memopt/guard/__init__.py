@@ -6,7 +6,10 @@
 * ``memopt.guard.recovery``: ``OOMGuard`` (free, re-plan, re-apply, retry the same batch; atomic optimizer
   step; ranks retry together; an OOM that a leak explains stops with ``MemoptLeakError`` instead of
   re-planning) and the escalations ``PlanEscalator``/``step_down``;
-* ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner;
+* ``memopt.guard.foreign``: memory the plan does not own, measured at an OOM, re-planned around (the budget
+  less it) or named when nothing fits in what is left;
+* ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner, from
+  clean steps only (bounded, keyed to the estimator; ``python -m memopt.calibration clear``);
 * ``memopt.guard.runtime``: ``RuntimeGuard``, all of the above around a train step (for ``memopt.wrap``);
 * ``memopt.guard.report``: ``python -m memopt.report RUN_DIR``.
 """

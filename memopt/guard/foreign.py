@@ -8,7 +8,8 @@ measured/predicted ratio of a step that also carried it) only asks for ever smal
 
 At an OOM, once the failed step has been freed (its gradients dropped, the cache emptied), the guard measures
 what is left (:func:`measure_foreign`): allocated bytes beyond what the plan's own live states and the batch
-hold, plus device memory in use outside the allocator beyond the plan's predicted runtime. When that exceeds
+hold, plus the part of the budget the device can no longer give because memory outside this process's
+allocator (another process, a library allocating on its own) holds it. When that exceeds
 ``threshold_bytes``, the OOM's ``foreign_bytes`` is set, a "foreign_memory" event says so, the escalation plans
 for ``budget - foreign`` (:func:`remaining_budget`) with the failing plan's own under-prediction measured
 without the foreign part, and if nothing fits in what is left the run stops with a message that names the
@@ -25,8 +26,9 @@ from memopt.units import MiB, format_bytes
 
 __all__ = ["DEFAULT_FOREIGN_THRESHOLD", "ForeignMemory", "foreign_message", "measure_foreign", "remaining_budget"]
 
-#: below this, what is left after freeing a failed step is noise (allocator rounding, small caches)
-DEFAULT_FOREIGN_THRESHOLD = 64 * MiB
+#: below this, what is left after freeing a failed step is the step's own small change: cuBLAS workspaces (32 MiB
+#: per handle, allocated through PyTorch's allocator), a scaler's tensors, allocator rounding
+DEFAULT_FOREIGN_THRESHOLD = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class ForeignMemory:
     """Device memory in use that the plan did not make (bytes)."""
 
     inside_allocator_bytes: int  # allocated through PyTorch by something other than the plan
-    outside_allocator_bytes: int  # in use outside PyTorch's allocator beyond the plan's runtime prediction
+    outside_allocator_bytes: int  # of the budget the device cannot give: used outside this process's allocator
     own_bytes: int  # what the plan's live states and the batch hold (counted, not foreign)
     allocated_bytes: int  # allocated when measured (after the failed step was freed)
     budget_bytes: int
@@ -53,8 +55,8 @@ class ForeignMemory:
             parts.append(f"{format_bytes(self.inside_allocator_bytes)} allocated through PyTorch by something other "
                          "than the plan")
         if self.outside_allocator_bytes:
-            parts.append(f"{format_bytes(self.outside_allocator_bytes)} in use outside PyTorch's allocator beyond "
-                         "the CUDA runtime")
+            parts.append(f"{format_bytes(self.outside_allocator_bytes)} of the budget held on the device outside "
+                         "PyTorch's allocator (other processes or libraries), beyond the CUDA runtime")
         return f"{format_bytes(self.total_bytes)} of foreign memory (" + "; ".join(parts) + ")"
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,9 +87,13 @@ def measure_foreign(memory: MemorySource | None, step: Any, plan: Any, batch: An
     own = _own_bytes(memory, step, batch)
     inside = max(sample.allocated_bytes - own, 0)
     outside = 0
-    if sample.device_used_bytes is not None:
+    if sample.device_used_bytes is not None and sample.device_total_bytes is not None:
+        # memory outside this process's allocator (other processes, libraries that allocate on their own) takes
+        # from the budget only where the device no longer has the budget to give: what the process could still
+        # hold is the device's free memory, what it reserves, and the runtime the plan predicted
         runtime = int((plan.prediction or {}).get("runtime_bytes") or 0)
-        outside = max(sample.device_used_bytes - sample.reserved_bytes - runtime, 0)
+        free = sample.device_total_bytes - sample.device_used_bytes
+        outside = max(int(plan.budget_bytes) - (free + sample.reserved_bytes + runtime), 0)
     found = ForeignMemory(inside_allocator_bytes=inside, outside_allocator_bytes=outside, own_bytes=own,
                           allocated_bytes=sample.allocated_bytes, budget_bytes=int(plan.budget_bytes))
     return found if found.total_bytes >= threshold_bytes else None

@@ -381,11 +381,10 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     # nor its training method: an OOM never turns full fine-tuning into LoRA, or LoRA into QLoRA, mid-run
     from memopt.techniques.quantization import extras_pins
 
-    # a running single-process step cannot be re-applied as a DeepSpeed / FSDP2 engine: escalations stay on this
-    # process's engine (a pinned offload=False makes the planner report "nothing fits" instead of an offload plan
-    # that could not honour the other pins)
-    offload = {} if plan.strategy.extra("sharding") is not None else {"offload": False}
-    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **offload,
+    # and its engine: a process training on one GPU cannot move its states into an offload engine mid-run (the
+    # re-plans of a run that found foreign memory were offload plans, applied on top of the old plan's states)
+    engine = {"offload": False} if plan.strategy.extra("sharding") is None else {}
+    pins = {"expandable_segments": plan.strategy.expandable_segments, **extras_pins(plan.strategy), **engine,
             **pol.pins}
     return dataclasses.replace(pol, margin_fraction=0.0, margin_bytes=int(margin), pins=pins,
                                allow=pol.allow | frozenset(extra_allowances))
@@ -419,8 +418,13 @@ class PlanEscalator:
         from memopt.guard.foreign import remaining_budget
 
         left = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
-        new = make_plan(None, None, budget=left, hardware=self.hardware or plan.hardware, policy=policy,
-                        profile=self.profile, calibration="ignore" if left != plan.budget_bytes else "use")
+        try:
+            new = make_plan(None, None, budget=left, hardware=self.hardware or plan.hardware, policy=policy,
+                            profile=self.profile, calibration="ignore" if left != plan.budget_bytes else "use")
+        except EscalationFailed:
+            raise
+        except ValueError as exc:  # e.g. what is left is below what the CUDA runtime alone holds
+            raise EscalationFailed(str(exc).splitlines()[0]) from None
         if left != plan.budget_bytes:  # the cap stays the user's budget; the plan was made for what is left of it
             new = dataclasses.replace(new, budget_bytes=plan.budget_bytes, notes=[*new.notes, (
                 f"re-planned for {format_bytes(left)} left of the {format_bytes(plan.budget_bytes)} budget: "

@@ -55,7 +55,7 @@ class RuntimeGuard:
     re-planning (``memopt.guard.recovery``, "A leak is not a plan problem"). ``calibrate``: store measured
     peaks for the planner when the run closes (GPU runs only; clean steps only: none after an OOM or foreign
     memory in the run). ``foreign_threshold_bytes``: at an OOM, memory the plan does not own above this is planned
-    around (``memopt.guard.foreign``; None: 64 MiB, 0: off).
+    around (``memopt.guard.foreign``; None: 256 MiB, 0: off).
     """
 
     def __init__(self, step: Steppable, plan: Plan, *, run_dir: str | os.PathLike[str] | None = None,

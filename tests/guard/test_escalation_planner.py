@@ -46,3 +46,31 @@ def test_plan_escalator_replans_on_the_same_profile_and_training_continues(tmp_p
     assert set(new.policy["allow"]) == set(plan.policy["allow"])  # no lossier technique than the user allowed
     assert any("re-planned after an out-of-memory error" in n for n in new.notes)
     assert guard.step.strategy == new.strategy and guard.step.steps_done == 3
+
+
+def test_plan_escalator_plans_for_what_foreign_memory_leaves(tmp_path, monkeypatch):
+    from memopt.guard.recovery import EscalationFailed, OOMMeasurement
+
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    sample = {"batch_size": 16, "seq_len": 128}  # activations ~50 MiB of a ~900 MiB total: smaller plans exist
+    prof = profile_model("tiny_gpt2", sample, hardware="h100_80gb")
+    plan = make_plan(None, None, profile=prof, budget="2GiB", hardware="h100_80gb",
+                     pins={"precision": "fp32", "attention": "math"})
+    budget = plan.budget_bytes
+    foreign = budget - plan.total_bytes - plan.margin_bytes + (10 << 20)  # the running plan misses by 10 MiB
+
+    def oom(foreign_bytes: int) -> OOMMeasurement:
+        return OOMMeasurement(step=2, attempt=1, phase="forward[0]", location="before_optimizer", message="oom",
+                              strategy=plan.strategy.label(), reserved_bytes=plan.peak_reserved_bytes + foreign_bytes,
+                              requested_bytes=1 << 20, predicted={"total_bytes": plan.total_bytes},
+                              budget_bytes=budget, foreign_bytes=foreign_bytes)
+
+    new = PlanEscalator(prof)(plan, oom(foreign), 1)
+    left = budget - foreign
+    assert new.fits and new.budget_bytes == budget  # the cap stays the user's budget
+    assert new.total_bytes + new.margin_bytes <= left < plan.total_bytes + plan.margin_bytes
+    assert any("left of the" in n and "foreign memory" in n for n in new.notes)
+    with pytest.raises(EscalationFailed):
+        PlanEscalator(prof)(plan, oom(budget - (800 << 20)), 1)  # leaves less than plan and margin need
+    with pytest.raises(EscalationFailed, match=r"100\.00 MiB"):  # a planner refusal is an escalation failure
+        PlanEscalator(prof)(plan, oom(budget - (100 << 20)), 1)  # leaves less than the CUDA runtime alone

@@ -150,14 +150,39 @@ def test_when_nothing_fits_what_is_left_the_error_names_the_foreign_memory(costs
     assert found and foreign <= found <= foreign + 16 * KiB and format_bytes(found) in message
 
 
-def test_foreign_memory_outside_the_allocator_is_counted():
-    """Another process (or a library allocating outside PyTorch) uses device memory beyond the CUDA runtime."""
-    plan = fake_plan(CATALOG[0], total=400 << 20, runtime=100 << 20, budget=1 << 30)
-    mem = SimulatedMemorySource(device_total_bytes=2 << 30, outside_allocator_bytes=(100 << 20) + (300 << 20))
-    mem.set(allocated=0, reserved=0)
+def test_foreign_memory_outside_the_allocator_is_counted_where_it_takes_from_the_budget():
+    """Another process (or a library allocating outside PyTorch) holds 300 MiB beyond the 100 MiB runtime. With
+    a budget of the whole 1 GiB device, that is 300 MiB of the budget gone; on a 2 GiB device the budget is still
+    there to take (the cap is per process), so nothing is foreign."""
+    MiB = 1 << 20
+    plan = fake_plan(CATALOG[0], total=400 * MiB, runtime=100 * MiB, budget=1024 * MiB)
     step = type("S", (), {"model": None, "optimizer": None})()
-    found = measure_foreign(mem, step, plan, None, threshold_bytes=1 << 20)
-    assert found is not None and found.outside_allocator_bytes == 300 << 20 and found.inside_allocator_bytes == 0
-    assert found.remaining_bytes == (1 << 30) - (300 << 20)
-    assert measure_foreign(SimulatedMemorySource(device_total_bytes=2 << 30, outside_allocator_bytes=100 << 20),
-                           step, plan, None, threshold_bytes=1 << 20) is None  # the runtime alone: not foreign
+    whole = SimulatedMemorySource(device_total_bytes=1024 * MiB, outside_allocator_bytes=400 * MiB)
+    whole.set(allocated=50 * MiB, reserved=60 * MiB)
+    found = measure_foreign(whole, step, plan, None, threshold_bytes=MiB)
+    # free = 1024 - (60 + 400) = 564; obtainable = 564 + 60 + 100 = 724 of the 1024 budget; 50 allocated, none own
+    assert found is not None and found.outside_allocator_bytes == 300 * MiB
+    assert found.inside_allocator_bytes == 50 * MiB and found.remaining_bytes == (1024 - 350) * MiB
+    roomy = SimulatedMemorySource(device_total_bytes=2048 * MiB, outside_allocator_bytes=400 * MiB)
+    assert measure_foreign(roomy, step, plan, None, threshold_bytes=MiB) is None
+    runtime_only = SimulatedMemorySource(device_total_bytes=1024 * MiB, outside_allocator_bytes=100 * MiB)
+    assert measure_foreign(runtime_only, step, plan, None, threshold_bytes=MiB) is None
+
+
+def test_escalation_plans_for_what_is_left_and_keeps_the_engine():
+    """By hand: budget 1 GiB, the plan predicted 400 MiB (100 MiB runtime); at the OOM 1000 MiB were reserved
+    (600 MiB of them foreign) and 64 MiB asked for. The plan's own under-prediction is (1064 - 600) / 400 =
+    1.16, not 1064 / 400; the re-plan may predict min((424 - 16) / 1.16, 400 - 30) MiB of the 424 MiB left."""
+    from memopt.guard.recovery import escalation_policy
+
+    MiB = 1 << 20
+    plan = fake_plan(CATALOG[0], total=400 * MiB, runtime=100 * MiB, budget=1024 * MiB)
+    m = OOMMeasurement(step=3, attempt=1, phase="forward[0]", location="before_optimizer", message="oom",
+                       strategy=plan.strategy.label(), reserved_bytes=1000 * MiB, requested_bytes=64 * MiB,
+                       predicted={"total_bytes": 400 * MiB}, budget_bytes=1024 * MiB, foreign_bytes=600 * MiB)
+    assert m.ratio == pytest.approx(464 / 400)
+    assert remaining_budget(plan, m) == 424 * MiB
+    pol = escalation_policy(plan, m, 1)
+    target = min(int((424 * MiB - plan.margin_bytes) / (464 / 400)), 400 * MiB - 30 * MiB)
+    assert pol.margin(424 * MiB) == pytest.approx(424 * MiB - target, abs=2)
+    assert pol.pins["offload"] is False  # a one-GPU run is not re-planned onto an offload engine mid-run
