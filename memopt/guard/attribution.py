@@ -142,6 +142,7 @@ class StepAttribution:
         self.device_type = device_type
         self.step, self.strategy, self.batch, self.top = step, strategy, batch, top
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.snapshot_dir = self.run_dir  # where the allocator's snapshot of the step goes (CUDA)
         self.plan_file = plan_file
         self.stack_paths = [s.path for s in find_block_stacks(model)]
         self.tracker = _Recorder(device_type, self)
@@ -229,7 +230,8 @@ class StepAttribution:
                     self.result["allocator_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         finally:
             if t.cuda:
-                snapshot = self.run_dir / f"attribution_step{self.step}_snapshot.pickle" if self.run_dir else None
+                snapshot = (self.snapshot_dir / f"attribution_step{self.step}_snapshot.pickle"
+                            if self.snapshot_dir is not None else None)
                 try:
                     history = self._history.end(snapshot)
                 except Exception:  # the history is a cross-check; the step's own record stands without it
@@ -436,6 +438,7 @@ def record_wrapped_step(wrapped: Any, batch: Any) -> Iterator[StepAttribution | 
     rec = StepAttribution(step.model, step.optimizer, device_type=wrapped.device.type, step=wrapped.steps_done,
                           strategy=plan.strategy.label() if plan is not None else "", master=step.master,
                           batch=batch, plan_file="plan.json" if not count else f"plans/plan_{count}.json")
+    rec.snapshot_dir = Path(run_dir)
     listeners = getattr(getattr(guard, "oom", None), "phase_listeners", None)
     previous = step.on_phase
     if listeners is not None:
