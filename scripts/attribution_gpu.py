@@ -130,7 +130,7 @@ def run_one(name: str, family: str, base: str, overrides: dict[str, Any], sample
     shutil.rmtree(run_dir, ignore_errors=True)
     hardware = "auto" if device == "cuda" else "h200"
     w = memopt.wrap(model, budget=budget, sample=plan_sample, hardware=hardware, lr=1e-4, run_dir=run_dir,
-                    autotune=False, device=device)
+                    autotune=False, device=None if device == "cuda" else device)
     w.attribution_step = 1  # the steady state: the first step creates the optimizer states
     plan_s = time.perf_counter() - t0
     losses = [w.step(batch(i)) for i in range(steps)]
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for one JSON file per model (and runs/, PNGs)")
     parser.add_argument("--models", default=",".join(m[0] for m in MODELS), help="comma-separated subset")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="steps per model (the second is recorded)")
     parser.add_argument("--budget", default="40GB")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (planning for an H200): a smoke test")
     args = parser.parse_args(argv)

@@ -271,7 +271,7 @@ class Wrapped:
             return loss
         if self._autotune_pending:
             self._run_autotune(batch)
-        from memopt.guard.attribution import record_wrapped_step
+        from memopt.guard.attribution_hooks import record_wrapped_step
 
         with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir (memopt.report)
             if self.guard is not None:

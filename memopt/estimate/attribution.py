@@ -253,7 +253,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
         tables[name]["peak_allocated_bytes"] = _lvl
     out = tables["peak"]
     out["residual_bytes"] = peak.peak_bytes - best[0][0]
-    out.update({"where": peak.where, "total_bytes_predicted": int(prediction["total_bytes"]),
+    out.update({"where": peak.where,
                 "peak_allocated_bytes": peak.peak_bytes, "steps": [tables["step1"], tables["step2"]],
                 "timeline": _timeline(events[n1:], origins, layout, _level_at(events, n1, static_total)),
                 "timeline_first_step": _timeline(events[:n1], origins, layout, static_total)})

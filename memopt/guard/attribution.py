@@ -14,16 +14,15 @@ the whole flow is testable without a GPU.
 At the end of the step the live set at the step's highest point is tabulated by group, module and category
 (``attribution_measured.json``); an out-of-memory error raised inside an op while recording is caught on its
 way out (and re-raised): the module and op that failed and what was live by group and category at that moment
-go to ``attribution_oom.json``, which the post-mortem compares with the plan (:func:`oom_verdict`).
+go to ``attribution_oom.json``, which the post-mortem compares with the plan
+(``memopt.guard.attribution_postmortem``). ``memopt.guard.attribution_hooks`` records a step of ``memopt.wrap``
+and of a Hugging Face Trainer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,9 @@ from memopt.categories import MemoryCategory
 from memopt.estimate.attribution import _Table, downsample
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, ModuleAttribution, block_pattern, group_of
 from memopt.profile.markers import install_markers
-from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
-from memopt.units import format_bytes
+from memopt.profile.tracker import ALLOC, MemoryTracker
 
-__all__ = ["MEASURED_FILE", "OOM_FILE", "StepAttribution", "TrainerStepAttribution", "oom_verdict",
-           "record_wrapped_step"]
+__all__ = ["MEASURED_FILE", "OOM_FILE", "StepAttribution"]
 
 Cat = MemoryCategory
 MEASURED_FILE = "attribution_measured.json"
@@ -142,6 +139,7 @@ class StepAttribution:
         self.device_type = device_type
         self.step, self.strategy, self.batch, self.top = step, strategy, batch, top
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.snapshot_dir = self.run_dir  # where the allocator's snapshot of the step goes (CUDA)
         self.plan_file = plan_file
         self.stack_paths = [s.path for s in find_block_stacks(model)]
         self.tracker = _Recorder(device_type, self)
@@ -229,7 +227,8 @@ class StepAttribution:
                     self.result["allocator_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         finally:
             if t.cuda:
-                snapshot = self.run_dir / f"attribution_step{self.step}_snapshot.pickle" if self.run_dir else None
+                snapshot = (self.snapshot_dir / f"attribution_step{self.step}_snapshot.pickle"
+                            if self.snapshot_dir is not None else None)
                 try:
                     history = self._history.end(snapshot)
                 except Exception:  # the history is a cross-check; the step's own record stands without it
@@ -414,163 +413,3 @@ class StepAttribution:
             path = d / OOM_FILE.replace(".json", f"{suffix}.json")
             previous = json.loads(path.read_text()) if path.exists() else []
             path.write_text(json.dumps([*previous, self.failure], default=str))
-
-
-# -- one step of memopt.wrap -------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def record_wrapped_step(wrapped: Any, batch: Any) -> Iterator[StepAttribution | None]:
-    """Around ``Wrapped.step``: record the step numbered ``wrapped.attribution_step`` (0: the first, where the
-    optimizer states appear and where out-of-memory errors usually happen) into the run directory; any other step
-    runs untouched."""
-    run_dir = getattr(wrapped, "_run_dir", None)
-    prepared = getattr(wrapped, "_prepared", None)
-    if run_dir is None or prepared is None or wrapped.steps_done != getattr(wrapped, "attribution_step", None):
-        yield None
-        return
-    step = prepared.step
-    guard = getattr(wrapped, "guard", None)
-    telemetry = getattr(guard, "telemetry", None)
-    count = getattr(telemetry, "_plan_count", 0)
-    rank = getattr(telemetry, "rank", 0)
-    plan = getattr(wrapped, "plan", None)
-    rec = StepAttribution(step.model, step.optimizer, device_type=wrapped.device.type, step=wrapped.steps_done,
-                          strategy=plan.strategy.label() if plan is not None else "", master=step.master,
-                          batch=batch, plan_file="plan.json" if not count else f"plans/plan_{count}.json")
-    listeners = getattr(getattr(guard, "oom", None), "phase_listeners", None)
-    previous = step.on_phase
-    if listeners is not None:
-        listeners.append(rec.on_phase)
-    else:
-        def chained(name: str) -> None:
-            rec.on_phase(name)
-            if previous is not None:
-                previous(name)
-
-        step.on_phase = chained
-    try:
-        with rec:
-            yield rec
-    finally:
-        if listeners is not None:
-            listeners.remove(rec.on_phase)
-        else:
-            step.on_phase = previous
-        if rank == 0 or rank is None:
-            rec.write(run_dir)
-        else:
-            rec.write(run_dir, rank=rank)
-
-
-# -- one step of a Hugging Face Trainer -------------------------------------------------------------------------
-class TrainerStepAttribution:
-    """A ``TrainerCallback`` recording one Trainer step by module (``step``: the global step, 0 the first) into
-    ``run_dir`` (default ``<output_dir>/memopt``), with the plan beside it, for ``python -m memopt.report``. The
-    Trainer signals its step and its optimizer step; forward and backward are told apart by the block markers."""
-
-    def __init__(self, plan: Any, *, run_dir: str | os.PathLike[str] | None = None, step: int = 0) -> None:
-        self.plan, self.step = plan, step
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.rec: StepAttribution | None = None
-        self.done = False
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                      **kwargs: Any) -> Any:
-        if self.done or self.rec is not None or state.global_step != self.step or model is None:
-            return control
-        run_dir = self.run_dir or Path(args.output_dir) / "memopt"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if self.plan is not None and not (run_dir / "plan.json").exists():
-            self.plan.save(run_dir / "plan.json")
-        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
-        param = next(model.parameters(), None)
-        self.rec = StepAttribution(model, opt, device_type=param.device.type if param is not None else "cpu",
-                                   step=state.global_step, run_dir=run_dir,
-                                   strategy=self.plan.strategy.label() if self.plan is not None else "")
-        self.rec.__enter__()
-        self.rec.on_phase("forward[0]")
-        return control
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if self.rec is not None:
-            self.rec.on_phase("optimizer")
-        return control
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._close()
-        return control
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._close()
-        return control
-
-    def _close(self) -> None:
-        if self.rec is not None:
-            rec, self.rec, self.done = self.rec, None, True
-            rec.__exit__(None, None, None)
-
-    def __getattr__(self, name: str) -> Any:  # every other TrainerCallback event: nothing to do
-        if name.startswith("on_"):
-            return lambda args, state, control, **kwargs: control
-        raise AttributeError(name)
-
-
-# -- the post-mortem's module line ------------------------------------------------------------------------------
-def oom_verdict(run_dir: str | os.PathLike[str] | None, event: dict[str, Any], events: list[dict[str, Any]],
-                plan: dict[str, Any] | None) -> dict[str, Any] | None:
-    """For an "oom" event of a run whose failing step was recorded: the module group and category whose live bytes
-    at the failure exceeded the plan's most (against the plan's predicted table for that step), by how much, the
-    module and op that failed, and what the guard did next. None when the failure was not recorded."""
-    if run_dir is None:
-        return None
-    path = Path(run_dir) / OOM_FILE
-    if not path.exists():
-        return None
-    failures = [f for f in json.loads(path.read_text()) if f.get("step") == event.get("step")]
-    if not failures:
-        return None
-    f = failures[0]
-    attr = ((plan or {}).get("prediction") or {}).get("attribution") or {}
-    steps = attr.get("steps") or []
-    predicted = (steps[0] if event.get("step") == 0 else steps[-1]) if steps else attr
-    over: dict[tuple[str, str], int] = defaultdict(int)
-    for g, cats in (f.get("by_group") or {}).items():
-        for c, v in cats.items():
-            over[(g, c)] = v - ((predicted.get("by_group") or {}).get(g, {}).get(c, 0))
-    worst = max(over.items(), key=lambda kv: kv[1], default=None)
-    action = _guard_action(event, events)
-    out = {"failing_module": f["module"], "failing_op": f["op"], "failing_group": f["group"], "action": action}
-    if worst is not None and worst[1] > 0:
-        (g, c), by = worst
-        modules = [(m, v.get(c, 0)) for m, v in (f.get("by_module") or {}).items() if v.get("group") == g]
-        top = max(modules, key=lambda mv: mv[1], default=(g, 0))[0]
-        measured = (f.get("by_group") or {}).get(g, {}).get(c, 0)
-        out.update({"culprit_group": g, "culprit_category": c, "culprit_module": top, "over_bytes": by,
-                    "measured_bytes": measured, "predicted_bytes": measured - by})
-        text = (f"{c} of {g} (most in {top}) held {format_bytes(measured)} at the failure, "
-                f"{format_bytes(by)} more than the plan's {format_bytes(measured - by)} at its peak")
-    else:
-        text = "no module group held more than the plan's peak for it at the failure"
-    text += f"; it failed in {f['module']} ({f['op']}, {f['phase']})"
-    if action:
-        text += f"; the guard {action}"
-    out["text"] = text
-    return out
-
-
-def _guard_action(event: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """What the guard did after this OOM: the next replan or stop event of the run."""
-    try:
-        i = next(j for j, e in enumerate(events) if e is event)
-    except StopIteration:
-        return ""
-    for e in events[i + 1:]:
-        if e.get("kind") == "replan":
-            return f"re-planned ({e.get('reason') or e.get('strategy')}) and retried the same batch"
-        if e.get("kind") == "stopped":
-            return f"stopped the run ({e.get('reason')})"
-        if e.get("kind") == "oom":
-            break
-    return "retried the step"
-
-
-_ = (FREE, OPTIMIZER)

@@ -205,7 +205,7 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     trainer.memopt_checkpointing = checkpointing
     callback = MemoptCallback(plan, enforce_budget)
     trainer.add_callback(callback)
-    from memopt.guard.attribution import TrainerStepAttribution
+    from memopt.guard.attribution_hooks import TrainerStepAttribution
 
     trainer.add_callback(TrainerStepAttribution(plan))  # the first step by module: <output_dir>/memopt
     trainer.memopt_plan = plan

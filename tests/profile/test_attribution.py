@@ -173,3 +173,27 @@ def test_split_exact_keeps_the_total():
     assert sorted(split_exact(10, {"a": 1, "b": 1, "c": 1}).values()) == [3, 3, 4]
     assert split_exact(7, {"a": 7, "b": 0}) == {"a": 7, "b": 0}
     assert sum(split_exact(1001, {"x": 3, "y": 5, "z": 11}).values()) == 1001
+
+
+def test_a_profile_without_attribution_is_explained_and_the_plan_still_made(llama_profile):
+    import copy
+
+    from memopt.estimate.attribution import attach_to_plan
+    from memopt.plan.schema import Plan
+
+    strategy = LLAMA["bf16_accum"]
+    old = copy.copy(llama_profile)
+    old.variants = {k: copy.copy(v) for k, v in llama_profile.variants.items()}
+    for v in old.variants.values():
+        v.attribution = None  # as cached by a memopt before attribution
+        v.__dict__.pop("_attr_maps", None)
+    old._model = old._model_builder = None  # loaded from the cache: nothing to trace again
+    est = memopt.estimate(llama_profile, strategy)
+    with pytest.raises(ValueError, match="profile the model again"):
+        predict_attribution(old, strategy, prediction=est.to_dict())
+    plan = Plan(fits=True, strategy=strategy, budget_bytes=1 << 34, margin_bytes=0, prediction=est.to_dict(),
+                model={}, hardware="h200", policy={}, global_batch=4)
+    attach_to_plan(plan, old, "h200")
+    assert "attribution" not in plan.prediction and any("no memory attribution" in n for n in plan.notes)
+    attach_to_plan(plan, llama_profile, "h200")
+    assert plan.prediction["attribution"]["total_bytes"] == plan.total_bytes

@@ -93,6 +93,7 @@ def test_dry_run_report_has_the_group_table(cpu_run):
     assert sum(sum(g.values()) for g in attr["by_group"].values()) == w.plan.total_bytes
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: two plans (the first and the escalated one)
 def test_injected_oom_post_mortem_names_the_module_group(tmp_path):
     # activations large enough against the model states that a smaller plan exists (as tests/apply/test_wrap_guard)
     spec = with_overrides("tiny_llama", {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 4096})
@@ -121,6 +122,7 @@ def test_injected_oom_post_mortem_names_the_module_group(tmp_path):
     assert "Where:" in md
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_a_hugging_face_trainer_records_its_first_step(tmp_path):
     from transformers import Trainer, TrainingArguments
 
