@@ -34,7 +34,7 @@ from memopt.apply.prepare import Prepared, prepare
 from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.plan.schema import Plan
 
-__all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "time_passes"]
+__all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "frontier", "time_passes"]
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 
@@ -64,7 +64,32 @@ def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[st
 
     fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
              "precision": plan.strategy.precision, **extras_pins(plan.strategy)}
-    return [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
+    pins = [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
+    if "micro_batch_size" not in user_pins:
+        # the chosen plan's neighbours in micro-batch (the planner then picks their block counts): host overhead
+        # per micro-batch and per checkpointed block is what the clock predicts worst, and a neighbour is where a
+        # faster plan hides (all blocks checkpointed at 4 per micro-batch against 18 of 22 at 2, measured 1.19x)
+        micro, total = plan.strategy.micro_batch_size, plan.global_batch
+        mode = plan.strategy.checkpointing.mode
+        for m in (2 * micro, micro // 2):
+            if 1 <= m <= total and total % m == 0 and m != micro:
+                pins.append({**user_pins, **fixed, "checkpointing": mode, "micro_batch_size": m})
+    return pins
+
+
+def frontier(chosen: Plan, others: Iterable[Plan], *, tolerance: float = 0.15) -> list[Plan]:
+    """The candidates worth measuring: the chosen plan, then the distinct fitting plans the clock cannot tell
+    apart from it (predicted within ``tolerance`` of its step time), fastest predicted first. Measuring a plan the
+    clock puts 30% behind costs seconds at the start of training and almost never wins."""
+    limit = chosen.step_time_s * (1.0 + tolerance)
+    seen = {chosen.strategy.label()}
+    close = []
+    for plan in sorted(others, key=lambda p: p.step_time_s):
+        label = plan.strategy.label()
+        if plan.fits and label not in seen and plan.step_time_s <= limit:
+            seen.add(label)
+            close.append(plan)
+    return [chosen, *close]
 
 
 def _drop_grads(model: nn.Module, prepared: Prepared) -> None:
@@ -77,27 +102,32 @@ def _drop_grads(model: nn.Module, prepared: Prepared) -> None:
 
 
 def time_passes(model: nn.Module, prepared: Prepared, batch: Any, *, repeats: int = 3,
-                sync: Callable[[], None] | None = None) -> float:
+                sync: Callable[[], None] | None = None, max_micro_batches: int | None = 4) -> float:
     """Seconds of the fastest forward+backward sweep over the micro-batches of ``batch`` after the first
     (which warms kernels and the allocator): the minimum is the least noisy estimate of what a configuration
-    can do when runs on one GPU vary by 10-20% from one process to the next."""
+    can do when runs on one GPU vary by 10-20% from one process to the next. A sweep runs at most
+    ``max_micro_batches`` of the batch's (equal) micro-batches and is scaled to all of them: with gradients
+    accumulating from the first, the later ones repeat the same work, and 16 micro-batches three times over
+    made the autotune take most of a minute."""
     step = prepared.step
     sync = sync or (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
     micro = split_batch(batch, step.strategy.micro_batch_size)
     counts = [count_loss_items(mb, causal=step.causal_lm) for mb in micro]
     total = max(1, sum(counts))
+    swept = micro if max_micro_batches is None else micro[:max(1, max_micro_batches)]
     times = []
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        for mb, n in zip(micro, counts):
+        for mb, n in zip(swept, counts):
             loss = step.loss(to_device(mb, step.device))
             step.backward(loss * (n / total))
             del loss
         sync()
         times.append(time.perf_counter() - start)
         _drop_grads(model, prepared)
-    return min(times[1:]) if len(times) > 1 else times[0]
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    return best * len(micro) / len(swept)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -117,18 +147,26 @@ def _free() -> None:
 
 
 def autotune(model: nn.Module, plans: Iterable[Plan], batch: Any, prepare_kwargs: dict[str, Any], *,
-             timer: Callable[[nn.Module, Prepared, Any], float] = time_passes) -> tuple[Plan, list[Trial]]:
+             timer: Callable[[nn.Module, Prepared, Any], float] = time_passes,
+             time_budget_s: float | None = 20.0, clock: Callable[[], float] = time.perf_counter,
+             ) -> tuple[Plan, list[Trial]]:
     """Measure each distinct plan on ``batch`` and return the fastest (ties: the earlier, i.e. the planner's
-    choice) with every trial. ``model`` must have no strategy applied."""
+    choice) with every trial. ``model`` must have no strategy applied. Once ``time_budget_s`` has passed, the
+    plans not yet measured are not (the first always is): training waits for the autotune."""
     seen: set[str] = set()
     trials: list[Trial] = []
     rng = _rng_state()
+    start = clock()
     try:
         for plan in plans:
             label = plan.strategy.label()
             if label in seen or not plan.fits:
                 continue
             seen.add(label)
+            if trials and time_budget_s is not None and clock() - start > time_budget_s:
+                trials.append(Trial(plan, None, None, error=f"not measured: the autotune's {time_budget_s:.0f} s "
+                                                              "were spent"))
+                continue
             prepared = None
             try:
                 prepared = prepare(model, plan.strategy, **prepare_kwargs)

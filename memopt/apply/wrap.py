@@ -191,7 +191,7 @@ class Wrapped:
     def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
         keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
-        from memopt.apply.autotune import autotune, candidate_pins, describe
+        from memopt.apply.autotune import autotune, candidate_pins, describe, frontier
 
         self._autotune_pending = False
         chosen = self.plan
@@ -201,7 +201,8 @@ class Wrapped:
                 candidates.append(self._replan(pins))
             except ValueError:
                 continue  # a mode the policy forbids
-        if len({c.strategy.label() for c in candidates if c.fits}) < 2:
+        candidates = frontier(chosen, candidates[1:])
+        if len(candidates) < 2:
             return
         if self.guard is not None:
             self.guard.close()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memopt
-from memopt.apply.autotune import autotune, candidate_pins
+from memopt.apply.autotune import autotune, candidate_pins, frontier, time_passes
 from memopt.models import SampleSpec, build_model, make_batch, with_overrides
 from memopt.plan.planner import make_plan
 
@@ -25,7 +25,13 @@ def _plans(model):
 def test_candidates_cover_every_checkpointing_mode_with_the_chosen_settings():
     model = build_model(SPEC, device="cpu")
     chosen, others = _plans(model)
-    assert [p.strategy.checkpointing.mode for p in others] == ["none", "selective", "full"]
+    modes = [p.strategy.checkpointing.mode for p in others]
+    assert modes[:3] == ["none", "selective", "full"]
+    # then the chosen plan's micro-batch neighbours, in its checkpointing mode
+    micro = chosen.strategy.micro_batch_size
+    neighbours = [p.strategy.micro_batch_size for p in others[3:]]
+    assert set(neighbours) == {m for m in (2 * micro, micro // 2) if 1 <= m <= 8 and m != micro}
+    assert set(modes[3:]) <= {chosen.strategy.checkpointing.mode}
     for p in others:
         assert p.strategy.optimizer == chosen.strategy.optimizer
         assert p.strategy.expandable_segments == chosen.strategy.expandable_segments
@@ -84,3 +90,65 @@ def test_wrap_with_autotune_trains_the_same_as_its_chosen_plan():
     ref = memopt.wrap(ref_model, plan=chosen, lr=1e-3, guard=False)
     ref_losses = [ref.step(b) for b in batches]
     assert losses == ref_losses
+
+
+def test_frontier_keeps_what_the_clock_cannot_tell_apart():
+    model = build_model(SPEC, device="cpu")
+    chosen, others = _plans(model)
+    kept = frontier(chosen, others, tolerance=0.15)
+    assert kept[0] is chosen
+    labels = [p.strategy.label() for p in kept]
+    assert len(labels) == len(set(labels))  # distinct
+    assert all(p.step_time_s <= chosen.step_time_s * 1.15 for p in kept[1:])
+    dropped = [p for p in others if p.strategy.label() not in labels]
+    assert all(p.step_time_s > chosen.step_time_s * 1.15 or p.strategy.label() == chosen.strategy.label()
+               for p in dropped)
+    assert frontier(chosen, others, tolerance=10.0)[1:] == sorted(
+        {p.strategy.label(): p for p in others if p.strategy.label() != chosen.strategy.label()}.values(),
+        key=lambda p: p.step_time_s)
+
+
+def test_autotune_stops_measuring_when_its_time_is_spent():
+    model = build_model(SPEC, device="cpu")
+    batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
+    chosen, others = _plans(model)
+    plans = frontier(chosen, others, tolerance=10.0)
+    assert len(plans) >= 3
+    now = [0.0]
+
+    def timer(m, prepared, b):
+        now[0] += 15.0  # every measurement costs 15 s of the 20 s budget
+        return 1.0
+
+    best, trials = autotune(model, plans, batch, KW, timer=timer, time_budget_s=20.0, clock=lambda: now[0])
+    measured = [t for t in trials if t.score_s is not None]
+    assert len(measured) == 2  # the first two started before 20 s had passed
+    assert all("not measured" in t.error for t in trials if t.score_s is None)
+    assert len(trials) == len(plans)
+
+
+def test_time_passes_scales_a_prefix_of_equal_micro_batches():
+    model = build_model(SPEC, device="cpu")
+    batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
+    plan = make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb", pins={"micro_batch_size": 1})
+    from memopt.apply.prepare import prepare
+
+    prepared = prepare(model, plan.strategy, **KW)
+    try:
+        ticks = []
+
+        def sync():
+            ticks.append(len(ticks))
+
+        swept = []
+        real_loss = prepared.step.loss
+
+        def counting_loss(mb):
+            swept.append(1)
+            return real_loss(mb)
+
+        prepared.step.loss = counting_loss
+        time_passes(model, prepared, batch, repeats=2, sync=sync, max_micro_batches=3)
+        assert len(swept) == 2 * 3  # three of the eight micro-batches, twice
+    finally:
+        prepared.undo()
