@@ -99,6 +99,12 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
 
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
+    if isinstance(sample, dict) and sample and _is_shapes(sample):
+        raise ValueError(
+            f"sample shapes {sorted(sample)} need a model memopt can make batches for (a transformers causal LM, "
+            f"seq2seq LM, masked LM, sequence/token or image classifier); {type(module).__name__} is not one: pass "
+            "a real batch instead, e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
+        )
     return _structure_factory(sample)
 
 

@@ -60,3 +60,16 @@ def test_the_causal_label_shift_is_applied_to_gpt2_lm_head_model():
         assert prepared.step.causal_lm
     finally:
         prepared.undo()
+
+
+def test_shape_samples_for_a_model_that_is_no_known_task_say_what_to_pass():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.mse_loss(self.lin(x), labels)}
+
+    with pytest.raises(ValueError, match="pass a real batch"):
+        memopt.profile(Net(), {"batch_size": 2, "seq_len": 8}, hardware="h200", use_cache=False)
