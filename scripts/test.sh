@@ -4,12 +4,16 @@
 #   scripts/test.sh            the whole suite: the fast tier, then the slow tier (both must pass)
 #   scripts/test.sh fast       only the fast tier  (an explicit split: the slow tier is then reported as not run)
 #   scripts/test.sh slow       only the slow tier
-# Extra arguments after the tier go to pytest. GPU tests carry the `gpu` marker and skip cleanly without a GPU.
+# First scripts/prepare_test_env.sh (libaio headers, DeepSpeed's compiled CPU ops). Extra arguments after the
+# tier go to pytest. GPU tests carry the `gpu` marker and skip cleanly without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TRANSFORMERS_VERBOSITY=error OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MEMOPT_STRICT_SKIPS=${MEMOPT_STRICT_SKIPS:-1}
 tier=${1:-all}
 case "$tier" in all|fast|slow) shift $(( $# > 0 ? 1 : 0 ));; -*) tier=all;; *) echo "usage: scripts/test.sh [all|fast|slow] [pytest args]" >&2; exit 2;; esac
+if [ "${MEMOPT_SKIP_PREPARE:-0}" != 1 ]; then
+  scripts/prepare_test_env.sh || { echo "scripts/prepare_test_env.sh failed: the suite's system needs are not met" >&2; exit 2; }
+fi
 workers=$(python -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")
 run_tier() {  # name, marker expression
   echo "== $1 tier =="

@@ -31,7 +31,8 @@ def _project(tmp_path: Path, body: str) -> Path:
 
 
 def _run(project: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(project)}
+    # the system preparation (DeepSpeed's compiled ops) is not what these cases check
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(project), "MEMOPT_SKIP_PREPARE": "1"}
     return subprocess.run(["bash", str(project / "scripts" / "test.sh"), *args], cwd=project, env=env,
                           capture_output=True, text=True, timeout=300)
 
