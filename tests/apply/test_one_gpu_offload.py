@@ -16,6 +16,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "distributed"))
 import _workers as w  # noqa: E402
 
+from tests.distributed.ds_ops import op_built  # noqa: E402
+
 
 def _run(tmp_path, engine: str, mode: str) -> dict:
     out = tmp_path / f"{engine}_{mode}.json"
@@ -35,20 +37,13 @@ def test_fsdp2_offload_plan_applied_in_process(tmp_path, mode):
     assert got["losses"] == pytest.approx(w.reference_losses(3), rel=1e-5)
 
 
-def _cpu_adam_built() -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return (Path(_get_build_directory("cpu_adam", False)) / "cpu_adam.so").exists()
-    except Exception:
-        return False
 
 
 @pytest.mark.slow
 def test_deepspeed_offload_plan_applied_in_process(tmp_path):
     pytest.importorskip("deepspeed")
-    if not _cpu_adam_built():
-        pytest.skip("DeepSpeed's cpu_adam extension is not built here (its JIT build takes ~10 minutes)")
+    if not op_built("cpu_adam"):
+        pytest.skip("DeepSpeed's cpu_adam extension is not built here (scripts/prepare_test_env.sh builds it)")
     got = _run(tmp_path, "deepspeed", "budget")
     assert got["engine"] == "DeepSpeedEngine" and got["group"] == 1 and got["started_group"] is True
     ref = w.reference_losses(3)

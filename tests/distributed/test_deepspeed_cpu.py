@@ -18,6 +18,7 @@ from memopt.distributed.sharding import (
     export_deepspeed_json,
 )
 from memopt.strategy import Strategy
+from tests.distributed.ds_ops import op_built
 
 from . import _workers as w
 
@@ -55,13 +56,6 @@ def test_deepspeed_zero2_zero3_train_on_cpu(tmp_path):
     assert got["zero3"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
 
 
-def _cpu_adam_built() -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    try:
-        return (Path(_get_build_directory("cpu_adam", False)) / "cpu_adam.so").exists()
-    except Exception:
-        return False
 
 
 @pytest.mark.slow
@@ -70,9 +64,8 @@ def test_deepspeed_zero3_offload_with_cpu_adam(tmp_path):
     """ZeRO-3 with parameters and optimizer on the CPU and DeepSpeed's CPUAdam (its JIT build takes ~10 min on
     2 cores: the test runs where it was built before)."""
     pytest.importorskip("deepspeed")
-    if not _cpu_adam_built():
-        pytest.skip("DeepSpeed's cpu_adam extension is not built here (python -c 'from deepspeed.ops.op_builder.cpu "
-                    "import CPUAdamBuilder; CPUAdamBuilder().load()' builds it in ~10 minutes)")
+    if not op_built("cpu_adam"):
+        pytest.skip("DeepSpeed's cpu_adam extension is not built here (scripts/prepare_test_env.sh builds it)")
     got = _run(tmp_path, [{"name": "z3off", "stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
                            "pin_memory": False, "optimizer": "deepspeed"}])
     assert got["z3off"]["inner"] == "DeepSpeedCPUAdam"

@@ -24,6 +24,7 @@ from memopt.distributed.sharding import (
     nvme_swap_bytes,
     param_swap_buffer_elements,
 )
+from tests.distributed.ds_ops import op_built
 
 from . import _workers as w
 from .test_deepspeed_cpu import _run
@@ -34,13 +35,6 @@ DIMS = (1024, 512, 2)
 ALIGN_BYTES, MIN_SWAP_BYTES = 1024, 1024**2
 
 
-def _op_built(name: str) -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    try:
-        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
-    except Exception:
-        return False
 
 
 def _aio_missing() -> str | None:
@@ -53,8 +47,8 @@ def _aio_missing() -> str | None:
     if not any((d / "libaio.h").exists() for d in dirs):
         return "libaio.h is missing (Debian: apt-get install libaio-dev)"
     for op in ("async_io", "cpu_adam"):
-        if not _op_built(op):
-            return (f"DeepSpeed's {op} op is not built here (its JIT build takes 10-40 min on 2 cores): "
+        if not op_built(op):
+            return (f"DeepSpeed's {op} op is not built here (scripts/prepare_test_env.sh builds it): "
                     "DS_ACCELERATOR=cpu python -c 'from deepspeed.ops.op_builder.cpu import AsyncIOBuilder, "
                     "CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load()'")
     return None
