@@ -93,6 +93,19 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def _teardown() -> None:
+    """Leave the group together: a rank that destroys its gloo context while a peer still has work in flight
+    aborts with "terminate called without an active exception" (seen once in CI); the barrier is skipped on an
+    error, where the peer may never reach it and mp.spawn reports the failure instead."""
+    import sys
+
+    import torch.distributed as dist
+
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
                model: nn.Module | None = None) -> Any:
     from memopt.distributed.sharding import ShardingSetting, apply_fsdp2
@@ -145,7 +158,7 @@ def fsdp_trajectory(rank: int, world: int, port: int, out: str, steps: int, offl
             Path(out).write_text(json.dumps(result))
             torch.save(full, out + ".params.pt")
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -244,7 +257,7 @@ def fsdp_checkpoint(rank: int, world: int, port: int, out: str, ckpt: str, steps
             Path(out).write_text(json.dumps({"next_loss": next_loss, "steps_done": step.steps_done,
                                              "samples_seen": step.samples_seen}))
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 class BigBlocks(nn.Module):
@@ -305,7 +318,7 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
             "max_after_minus_rss_before": max_after - rss_before, "values_ok": ok, "local_bytes": local_bytes,
             "buffer_kept": buffer_kept}))
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
@@ -331,4 +344,4 @@ def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps
             Path(out).write_text(json.dumps({"losses": losses, "sharded": sharded,
                                              "samples_seen": wrapped.samples_seen}))
     finally:
-        dist.destroy_process_group()
+        _teardown()
