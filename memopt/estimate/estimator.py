@@ -11,7 +11,7 @@ import torch
 from memopt.categories import MemoryCategory
 from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
 from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
-from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, host_time, segment_terms, terms_time
+from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, step_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
 from memopt.profile.trace import VariantKey, VariantTrace, variant_key
@@ -248,29 +248,35 @@ def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt:
                tm: TimingModel, strategy: Strategy) -> tuple[float, dict[str, Any]]:
     fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches", "bnb4_calls"), 0.0)
     bwd = dict(fwd)
+    fwd["sac_ops"] = 0.0
     for insts, acc in ((layout.forward, fwd), (layout.backward, bwd)):
         for i in insts:
             t = traces[i.variant]
             seg = t.segments[i.segment]
-            for k, v in segment_terms(seg.cost1, seg.cost2, b, hw, lo=t.lo, hi=t.hi).items():
+            seg_terms = segment_terms(seg.cost1, seg.cost2, b, hw, lo=t.lo, hi=t.hi)
+            for k, v in seg_terms.items():
                 acc[k] += v
+            if acc is fwd and _selective_block_forward(i, seg.name):
+                # selective checkpointing's dispatch mode sees every op of the block twice: in the forward, and
+                # again in the recompute (saved outputs are returned from its cache, the others run again)
+                fwd["sac_ops"] += 2 * seg_terms["launches"]
     opt_terms = segment_terms(opt.cost, opt.cost, 1, hw)
-    fwd_s, bwd_s, opt_s = terms_time(fwd, tm), terms_time(bwd, tm), terms_time(opt_terms, tm)
-    pass_terms = {k: fwd[k] + bwd[k] for k in fwd}
-    # a pass cannot run faster than the host issues its kernels and bitsandbytes' 4-bit calls (timing.host_time)
-    host_s = host_time(pass_terms, tm)
-    pass_s = max(fwd_s + bwd_s, host_s)
-    detail: dict[str, Any] = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s,
-                              "host_s": host_s * m,
-                              "time_terms": {"pass": pass_terms, "optimizer": opt_terms, "micro_batches": m}}
-    compute = pass_s * m + opt_s
+    terms: dict[str, Any] = {"forward": fwd, "backward": bwd, "optimizer": opt_terms, "micro_batches": m}
+    detail: dict[str, Any] = {}
     if strategy.activation_offload:
         # device-to-host copies overlap the forward pass; host-to-device copies happen as backward unpacks
         moved = _offloaded_bytes(profile, traces, layout, b)
-        copy_s = moved / (hw.host_link_bandwidth * tm.offload_efficiency)
-        compute = max(max(fwd_s, copy_s) + bwd_s + copy_s, pass_s) * m + opt_s
-        detail.update({"offloaded_bytes": moved * m, "offload_copy_s": 2 * copy_s * m})
-    return compute, detail
+        terms["offload_s"] = moved / hw.host_link_bandwidth
+        detail["offloaded_bytes"] = moved * m
+    step_s, parts = step_time(terms, tm)
+    detail.update(parts)
+    detail["time_terms"] = terms
+    return step_s, detail
+
+
+def _selective_block_forward(inst: Any, name: str) -> bool:
+    """A block's own forward segment (not the code between it and the next) under selective checkpointing."""
+    return inst.block is not None and inst.variant.checkpointing == "selective" and not name.endswith(".x")
 
 
 def _offloaded_bytes(profile: Profile, traces: dict, layout: Any, b: int) -> float:

@@ -43,8 +43,15 @@ class TimingModel:
     matmul_efficiency: float = 0.90
     attention_efficiency: float = 0.80
     memory_efficiency: float = 1.40
-    launch_s: float = 2e-6
-    dispatch_s: float = 0.0  # host time to issue one op (eager PyTorch); a pass takes at least ops x this
+    launch_s: float = 2e-6  # GPU time between two kernels (launch latency the queue cannot hide)
+    # Host seconds to issue one op in eager PyTorch (Python module code, dispatcher, cudaLaunchKernel): a pass
+    # takes at least ops x this (see step_time). The GPU hides it for large micro-batches; small, fast models and
+    # small micro-batches are host-bound.
+    dispatch_s: float = 0.0
+    # More host seconds per op intercepted by selective checkpointing's TorchDispatchMode (a Python
+    # __torch_dispatch__ with the policy call and the cache of saved outputs), in the forward and the recompute
+    sac_dispatch_s: float = 0.0
+    micro_batch_s: float = 0.0  # host seconds per micro-batch outside the ops (the train step's Python)
     offload_efficiency: float = 0.85  # achieved fraction of the host link in each direction
     # Host time of one pass (forward, recomputed forward or backward) through a bitsandbytes 4-bit linear: a pass
     # takes at least bnb4_calls x this (see host_time). Measured, not fitted: benchmarks/quant/raw/dequant_h200.json
@@ -95,8 +102,38 @@ def terms_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> flo
 
 def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
     """Host seconds to issue summed segment terms: every op at ``dispatch_s``, every pass through a bitsandbytes
-    4-bit linear at ``bnb4_call_s``. A pass of one micro-batch takes ``max(GPU time, host time)``."""
-    return terms["launches"] * tm.dispatch_s + terms.get("bnb4_calls", 0.0) * tm.bnb4_call_s
+    4-bit linear at ``bnb4_call_s``, every op that selective checkpointing's dispatch mode intercepts at
+    ``sac_dispatch_s`` more. A pass of one micro-batch takes ``max(GPU time, host time)``."""
+    return (terms["launches"] * tm.dispatch_s + terms.get("bnb4_calls", 0.0) * tm.bnb4_call_s
+            + terms.get("sac_ops", 0.0) * tm.sac_dispatch_s)
+
+
+def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dict[str, float]]:
+    """Seconds of one training step from its summed terms (``Estimate.detail["time_terms"]``): ``forward`` and
+    ``backward`` of one micro-batch (ideal seconds per resource and counts, :func:`segment_terms`; ``sac_ops`` in
+    ``forward``), ``optimizer``, ``micro_batches`` and ``offload_s`` (ideal seconds to move the offloaded bytes one
+    way over the host link, per micro-batch). Returns the step and its parts::
+
+        pass   = max(GPU forward + GPU backward, host time of the pass + micro_batch_s)
+        offload: max(max(GPU forward, copy) + GPU backward + copy, host)   (copies back serialised with backward)
+        step   = pass * micro_batches + max(GPU optimizer, optimizer ops * dispatch_s)
+    """
+    fwd, bwd, opt = terms["forward"], terms["backward"], terms["optimizer"]
+    m = terms["micro_batches"]
+    fwd_s, bwd_s = terms_time(fwd, tm), terms_time(bwd, tm)
+    summed = {k: fwd.get(k, 0.0) + bwd.get(k, 0.0) for k in set(fwd) | set(bwd)}
+    host_s = host_time(summed, tm) + tm.micro_batch_s
+    gpu_s = fwd_s + bwd_s
+    copy_s = terms.get("offload_s", 0.0) / tm.offload_efficiency
+    if copy_s:
+        gpu_s = max(fwd_s, copy_s) + bwd_s + copy_s
+    opt_s = max(terms_time(opt, tm), opt["launches"] * tm.dispatch_s)
+    pass_s = max(gpu_s, host_s)
+    parts = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s, "host_s": host_s * m,
+             "host_bound": float(host_s > gpu_s)}
+    if copy_s:
+        parts["offload_copy_s"] = 2 * copy_s * m
+    return pass_s * m + opt_s, parts
 
 
 def segment_time(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, tm: TimingModel = DEFAULT_TIMING, *,

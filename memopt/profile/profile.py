@@ -44,7 +44,7 @@ from memopt.profile.tracker import allocator_size
 
 __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.profile.costs._FREE_OPS)
 # bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
 # 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
 # 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;

@@ -100,13 +100,15 @@ def test_bnb4_calls_set_a_host_floor_on_the_step_time():
     expected = {"qlora4": n + (n - frozen_input),                     # forward + backward
                 "qlora4_full_ac": n + n + (n - frozen_input),         # forward + recomputed forward + backward
                 "lora": 0, "lora_full_ac": 0}
-    host_bound = replace(DEFAULT_TIMING, bnb4_call_s=1.0)
-    gpu_only = replace(DEFAULT_TIMING, bnb4_call_s=0.0)
+    no_host = replace(DEFAULT_TIMING, dispatch_s=0.0, sac_dispatch_s=0.0, micro_batch_s=0.0)
+    host_bound = replace(no_host, bnb4_call_s=1.0)
+    gpu_only = replace(no_host, bnb4_call_s=0.0)
     for name, calls in expected.items():
         s = CONFIGS[name].replace(checkpointing=full_ac) if name.endswith("full_ac") else CONFIGS[name]
         est = memopt.estimate(prof, s, exact_reserved=False, timing=host_bound)
         d = est.detail
-        assert d["time_terms"]["pass"]["bnb4_calls"] == calls, name
+        t = d["time_terms"]
+        assert t["forward"]["bnb4_calls"] + t["backward"]["bnb4_calls"] == calls, name
         assert d["time_terms"]["micro_batches"] == m
         gpu_s = d["forward_s"] + d["backward_s"]  # both already x m
         plain = memopt.estimate(prof, s, exact_reserved=False, timing=gpu_only)
@@ -115,8 +117,11 @@ def test_bnb4_calls_set_a_host_floor_on_the_step_time():
             # 1 s a call dwarfs the tiny model's GPU time: exactly m x calls x 1 s, plus the optimizer step
             assert est.step_time_s == pytest.approx(m * calls * 1.0 + d["optimizer_s"], rel=1e-12), name
             default = memopt.estimate(prof, s, exact_reserved=False)
+            host_s = m * (calls * DEFAULT_TIMING.bnb4_call_s + DEFAULT_TIMING.micro_batch_s
+                          + (t["forward"]["launches"] + t["backward"]["launches"]) * DEFAULT_TIMING.dispatch_s)
+            assert default.detail["host_s"] == pytest.approx(host_s, rel=1e-12), name
             assert default.step_time_s == pytest.approx(
-                max(gpu_s, m * calls * DEFAULT_TIMING.bnb4_call_s) + d["optimizer_s"], rel=1e-12), name
+                max(gpu_s, host_s) + default.detail["optimizer_s"], rel=1e-12), name
         else:
             assert est.step_time_s == plain.step_time_s, name  # LoRA on the bf16 base: no bitsandbytes call
 
