@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Re-predict every row of ``benchmarks/plan_quality/clock_rows.json`` on the CPU, fit the clock's hardware
+constants, and report old vs new prediction vs measured:
+
+    python scripts/plan_quality_clock.py terms      # rebuild each row's model (meta device), profile, keep its terms
+    python scripts/plan_quality_clock.py fit        # fit TimingModel's constants on the terms; table + JSON
+
+``terms`` writes ``benchmarks/plan_quality/clock_terms.json`` (each configuration's ``Estimate.detail["time_terms"]``:
+ideal seconds per resource and kernel counts, independent of the fitted constants), so ``fit`` runs in seconds.
+``fit`` writes ``clock_fit.json`` and ``clock_fit.md``: the fitted constants, each configuration's recorded prediction
+(the planner's when it was measured), the old constants on today's terms, the new prediction and the measurement,
+the error distribution before and after, a leave-one-model-out check (the constants fitted without a model's rows,
+then predicting them) and whether the clock orders each model's plans as the GPU did.
+
+Configurations are rows grouped by model, sample, strategy and kind of measurement (median of their measurements).
+Only rows measured one at a time are fitted (``timing_valid``); the others are reported beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from memopt.estimate.timing import TimingModel, step_time  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "plan_quality"
+# the constants before this fit (memopt 0.x up to issue 20): dispatch_s 0, no selective or micro-batch terms
+OLD_TIMING = TimingModel(matmul_efficiency=0.90, attention_efficiency=0.80, memory_efficiency=1.40, launch_s=2e-6,
+                         dispatch_s=0.0, sac_dispatch_s=0.0, micro_batch_s=0.0, offload_efficiency=0.85)
+
+
+def _model_key(m: dict[str, Any]) -> str:
+    return m["row"] if m["kind"] == "zoo" else m["name"] + (json.dumps(m["overrides"], sort_keys=True)
+                                                            if m.get("overrides") else "")
+
+
+def configurations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows grouped by what ran: model, sample, strategy, measurement kind and whether it ran alone."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("strategy") is None:
+            continue
+        key = json.dumps([_model_key(r["model"]), r["sample"], r["strategy"], r["measured_kind"], r["timing_valid"]],
+                         sort_keys=True)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        first = rs[0]
+        olds = [r["old_predicted_step_s"] for r in rs if r.get("old_predicted_step_s")]
+        out.append({"key": key, "model_key": _model_key(first["model"]), "model": first["model"],
+                    "sample": first["sample"], "hardware": first["hardware"], "strategy": first["strategy"],
+                    "measured_kind": first["measured_kind"], "timing_valid": first["timing_valid"],
+                    "measured_step_s": statistics.median(r["measured_step_s"] for r in rs),
+                    "old_recorded_step_s": statistics.median(olds) if olds else None,
+                    "n_rows": len(rs), "sources": [r["source"] for r in rs]})
+    return out
+
+
+def _zoo_module() -> Any:
+    spec = importlib.util.spec_from_file_location("zoo_matrix_gpu", ROOT / "scripts" / "zoo_matrix_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _profile(model: dict[str, Any], sample: dict[str, Any], hardware: str) -> Any:
+    import torch
+
+    import memopt
+    from memopt.models import with_overrides
+
+    if model["kind"] == "config":
+        return memopt.profile(with_overrides(model["name"], model.get("overrides") or {}), sample=sample,
+                              hardware=hardware)
+    zoo = _zoo_module()
+    row = next(r for r in zoo.ROWS if r.id == model["row"])
+    with torch.device("meta"):
+        module = zoo.build(row)
+    batch = zoo.batch_for(row, module)
+    return memopt.profile(module, sample=batch, hardware=hardware)
+
+
+def compute_terms(configs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
+    """Each configuration's time terms (kept in ``path``; configurations already there are not estimated again)."""
+    import memopt
+    from memopt.strategy import Strategy
+
+    done = json.loads(path.read_text()) if path.exists() else {}
+    by_profile: dict[str, list[dict[str, Any]]] = {}
+    for c in configs:
+        if c["key"] not in done:
+            by_profile.setdefault(json.dumps([c["model"], c["sample"], c["hardware"]], sort_keys=True), []).append(c)
+    for pkey, cs in by_profile.items():
+        model, sample, hardware = json.loads(pkey)
+        try:
+            prof = _profile(model, sample, hardware)
+        except Exception as exc:  # a model this CPU cannot build (e.g. no torchvision) is reported, not fatal
+            for c in cs:
+                done[c["key"]] = {"error": f"profile: {type(exc).__name__}: {str(exc)[:200]}"}
+            continue
+        for c in cs:
+            try:
+                est = memopt.estimate(prof, Strategy.from_dict(c["strategy"]), exact_reserved=False)
+                done[c["key"]] = {"time_terms": est.detail["time_terms"]}
+            except Exception as exc:
+                done[c["key"]] = {"error": f"estimate: {type(exc).__name__}: {str(exc)[:200]}"}
+        path.write_text(json.dumps(done, indent=0) + "\n")
+        print(f"{model.get('name') or model.get('row')} {sample}: {len(cs)} configurations", flush=True)
+    path.write_text(json.dumps(done, indent=0) + "\n")
+    return done
+
+
+def predict(terms: dict[str, Any], tm: TimingModel) -> float:
+    return step_time(terms, tm)[0]
+
+
+def _errors(data: list[tuple[dict, float]], tm: TimingModel) -> list[float]:
+    return [(predict(t, tm) - y) / y for t, y in data]
+
+
+def _score(errs: list[float]) -> float:
+    a = [abs(e) for e in errs]
+    return statistics.median(a) + 0.5 * statistics.mean(a) + 0.25 * max(a)
+
+
+GRID = {"matmul_efficiency": [0.7, 0.8, 0.9, 1.0], "attention_efficiency": [0.5, 0.65, 0.8, 1.0],
+        "memory_efficiency": [0.8, 1.0, 1.2, 1.4, 1.6], "launch_s": [0.0, 1e-6, 2e-6, 4e-6],
+        "dispatch_s": [0.0, 4e-6, 6e-6, 8e-6, 10e-6, 12e-6, 15e-6, 20e-6],
+        "sac_dispatch_s": [0.0, 10e-6, 20e-6, 40e-6, 80e-6], "micro_batch_s": [0.0, 1e-3, 2e-3, 5e-3],
+        "offload_efficiency": [0.25, 0.35, 0.5, 0.65, 0.85]}
+
+
+def fit(data: list[tuple[dict, float]], start: TimingModel = OLD_TIMING, rounds: int = 3) -> TimingModel:
+    """Coordinate descent over GRID (each constant in turn over its grid values, the others held), a few rounds,
+    then pairs of the host constants together (they trade off against each other)."""
+    tm, best = start, _score(_errors(data, start))
+    for _ in range(rounds):
+        for name, values in GRID.items():
+            for v in values:
+                cand = replace(tm, **{name: v})
+                s = _score(_errors(data, cand))
+                if s < best - 1e-12:
+                    tm, best = cand, s
+        for a, b in (("dispatch_s", "micro_batch_s"), ("dispatch_s", "launch_s"), ("memory_efficiency", "dispatch_s")):
+            for va, vb in itertools.product(GRID[a], GRID[b]):
+                cand = replace(tm, **{a: va, b: vb})
+                s = _score(_errors(data, cand))
+                if s < best - 1e-12:
+                    tm, best = cand, s
+    return tm
+
+
+def _stats(errs: list[float]) -> dict[str, float]:
+    a = [abs(e) for e in errs]
+    return {"n": len(a), "median_abs_pct": 100 * statistics.median(a), "mean_abs_pct": 100 * statistics.mean(a),
+            "max_abs_pct": 100 * max(a)} if a else {"n": 0}
+
+
+def ranking(configs: list[dict[str, Any]], field: str, min_gap: float = 0.05) -> dict[str, Any]:
+    """Pairwise agreement of predicted and measured order among each model's plans (same sample, measured alone),
+    over pairs whose measurements differ by more than ``min_gap`` (closer pairs are run-to-run noise)."""
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for c in configs:
+        if c["timing_valid"] and c.get(field) is not None:
+            by_model.setdefault(json.dumps([c["model_key"], c["sample"]]), []).append(c)
+    agree = total = 0
+    per_model = {}
+    for key, cs in by_model.items():
+        a = t = 0
+        for x, y in itertools.combinations(cs, 2):
+            mx, my = x["measured_step_s"], y["measured_step_s"]
+            if abs(mx - my) / min(mx, my) <= min_gap:
+                continue
+            t += 1
+            a += (mx < my) == (x[field] < y[field])
+        if t:
+            per_model[key] = {"pairs": t, "agree": a}
+            agree, total = agree + a, total + t
+    return {"pairs": total, "agree": agree, "fraction": agree / total if total else None, "per_model": per_model}
+
+
+def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any]) -> dict[str, Any]:
+    usable = [c for c in configs if "time_terms" in terms.get(c["key"], {})]
+    valid = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable if c["timing_valid"]]
+    tm = fit(valid)
+    # leave one model out: constants fitted without the model's rows predict them
+    held: dict[str, float] = {}
+    for model in sorted({c["model_key"] for c in usable if c["timing_valid"]}):
+        train = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable
+                 if c["timing_valid"] and c["model_key"] != model]
+        tm_cv = fit(train, start=tm, rounds=1)
+        for c in usable:
+            if c["timing_valid"] and c["model_key"] == model:
+                held[c["key"]] = predict(terms[c["key"]]["time_terms"], tm_cv)
+    for c in usable:
+        t = terms[c["key"]]["time_terms"]
+        c["old_constants_step_s"] = predict(t, OLD_TIMING)
+        c["new_step_s"], parts = step_time(t, tm)
+        c["host_bound"] = bool(parts["host_bound"])
+        c["held_out_step_s"] = held.get(c["key"])
+        c["strategy_label"] = _label(c["strategy"])
+    def errs(field: str, valid_only: bool | None) -> list[float]:
+        return [(c[field] - c["measured_step_s"]) / c["measured_step_s"] for c in usable
+                if c.get(field) is not None and (valid_only is None or bool(c["timing_valid"]) == valid_only)]
+    summary = {f"{name}/{field}": _stats(errs(field, v)) for name, v in (("alone", True), ("shared_gpu", False))
+               for field in ("old_recorded_step_s", "old_constants_step_s", "new_step_s", "held_out_step_s")}
+    rank = {field: ranking(usable, field) for field in ("old_recorded_step_s", "old_constants_step_s", "new_step_s")}
+    failed = [{"model": c["model_key"], "strategy": _label(c["strategy"]),
+               "error": terms.get(c["key"], {}).get("error")} for c in configs if c not in usable]
+    return {"timing_model": asdict(tm), "old_timing_model": asdict(OLD_TIMING), "errors": summary, "ranking": rank,
+            "configurations": [{k: v for k, v in c.items() if k != "key"} for c in usable], "not_estimated": failed,
+            "command": "python scripts/plan_quality_rows.py && python scripts/plan_quality_clock.py terms && "
+                       "python scripts/plan_quality_clock.py fit"}
+
+
+def _label(s: dict[str, Any]) -> str:
+    from memopt.strategy import Strategy
+
+    return Strategy.from_dict(s).label()
+
+
+def write_md(result: dict[str, Any], path: Path) -> None:
+    tm = result["timing_model"]
+    lines = ["# The step-time clock against H200 measurements", "", f"Command: `{result['command']}`", "",
+             "Fitted constants (`memopt/estimate/timing.py` DEFAULT_TIMING): " + ", ".join(
+                 f"{k}={v:g}" for k, v in tm.items() if k not in ("bnb4_call_s", "alloc_retry_s")), "",
+             "| rows | prediction | n | median abs % | mean abs % | max abs % |", "|---|---|---|---|---|---|"]
+    for key, s in result["errors"].items():
+        if s.get("n"):
+            lines.append(f"| {key.split('/')[0]} | {key.split('/')[1]} | {s['n']} | {s['median_abs_pct']:.1f} | "
+                         f"{s['mean_abs_pct']:.1f} | {s['max_abs_pct']:.1f} |")
+    lines += ["", "Ranking (pairs of one model's plans measured alone, measured more than 5% apart):", ""]
+    for field, r in result["ranking"].items():
+        lines.append(f"- {field}: {r['agree']} of {r['pairs']} pairs ordered as measured")
+    lines += ["", "| model | sample | strategy | kind | alone | measured s | recorded s | old consts s | new s | "
+              "held-out s | new err % | host-bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(result["configurations"], key=lambda c: (c["model_key"], json.dumps(c["sample"]),
+                                                              c["strategy_label"])):
+        def f(x: Any) -> str:
+            return "—" if x is None else f"{x:.3f}"
+        err = 100 * (c["new_step_s"] - c["measured_step_s"]) / c["measured_step_s"]
+        lines.append(f"| {c['model_key']} | {c['sample']} | {c['strategy_label']} | {c['measured_kind']} | "
+                     f"{'yes' if c['timing_valid'] else 'no'} | {f(c['measured_step_s'])} | "
+                     f"{f(c['old_recorded_step_s'])} | {f(c['old_constants_step_s'])} | {f(c['new_step_s'])} | "
+                     f"{f(c['held_out_step_s'])} | {err:+.0f} | {'yes' if c['host_bound'] else ''} |")
+    if result["not_estimated"]:
+        lines += ["", "Not estimated on this CPU:", ""] + [f"- {x['model']} {x['strategy']}: {x['error']}"
+                                                          for x in result["not_estimated"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["terms", "fit"])
+    ap.add_argument("--rows", default=str(OUT / "clock_rows.json"))
+    ap.add_argument("--terms", default=str(OUT / "clock_terms.json"))
+    ap.add_argument("--out", default=str(OUT / "clock_fit"))
+    args = ap.parse_args()
+    configs = configurations(json.loads(Path(args.rows).read_text())["rows"])
+    if args.what == "terms":
+        compute_terms(configs, Path(args.terms))
+        return 0
+    result = run_fit(configs, json.loads(Path(args.terms).read_text()))
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_md(result, Path(args.out + ".md"))
+    for key, s in result["errors"].items():
+        if s.get("n"):
+            print(f"{key:40s} n={s['n']:3d} median {s['median_abs_pct']:5.1f}%  max {s['max_abs_pct']:6.1f}%")
+    print({k: v for k, v in result["timing_model"].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
