@@ -3,6 +3,7 @@
 constants, and report old vs new prediction vs measured:
 
     python scripts/plan_quality_clock.py terms      # rebuild each row's model (meta device), profile, keep its terms
+    python scripts/plan_quality_clock.py old-code   # the same with the code before the fit (PYTHONPATH=its tree)
     python scripts/plan_quality_clock.py fit        # fit TimingModel's constants on the terms; table + JSON
 
 ``terms`` writes ``benchmarks/plan_quality/clock_terms.json`` (each configuration's ``Estimate.detail["time_terms"]``:
@@ -31,12 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memopt.estimate.timing import TimingModel, step_time  # noqa: E402
-
 OUT = ROOT / "benchmarks" / "plan_quality"
-# the constants before this fit (memopt 0.x up to issue 20): dispatch_s 0, no selective or micro-batch terms
-OLD_TIMING = TimingModel(matmul_efficiency=0.90, attention_efficiency=0.80, memory_efficiency=1.40, launch_s=2e-6,
-                         dispatch_s=0.0, sac_dispatch_s=0.0, micro_batch_s=0.0, offload_efficiency=0.85)
+# the code before this fit: its predictions are re-made by running this script's ``old-code`` step with that code
+OLD_COMMIT = "d84af00"
 
 
 def _model_key(m: dict[str, Any]) -> str:
@@ -69,6 +67,7 @@ def configurations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _zoo_module() -> Any:
     spec = importlib.util.spec_from_file_location("zoo_matrix_gpu", ROOT / "scripts" / "zoo_matrix_gpu.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -90,15 +89,16 @@ def _profile(model: dict[str, Any], sample: dict[str, Any], hardware: str) -> An
     return memopt.profile(module, sample=batch, hardware=hardware)
 
 
-def compute_terms(configs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
-    """Each configuration's time terms (kept in ``path``; configurations already there are not estimated again)."""
+def compute_terms(configs: list[dict[str, Any]], path: Path, *, keep_terms: bool = True) -> dict[str, Any]:
+    """Each configuration's time terms (kept in ``path``; configurations already there are not estimated again).
+    ``keep_terms=False``: only the estimate's step time (for the code before this fit, whose terms differ)."""
     import memopt
     from memopt.strategy import Strategy
 
     done = json.loads(path.read_text()) if path.exists() else {}
     by_profile: dict[str, list[dict[str, Any]]] = {}
     for c in configs:
-        if c["key"] not in done:
+        if ("time_terms" if keep_terms else "step_time_s") not in done.get(c["key"], {}):
             by_profile.setdefault(json.dumps([c["model"], c["sample"], c["hardware"]], sort_keys=True), []).append(c)
     for pkey, cs in by_profile.items():
         model, sample, hardware = json.loads(pkey)
@@ -111,7 +111,9 @@ def compute_terms(configs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
         for c in cs:
             try:
                 est = memopt.estimate(prof, Strategy.from_dict(c["strategy"]), exact_reserved=False)
-                done[c["key"]] = {"time_terms": est.detail["time_terms"]}
+                done[c["key"]] = {"step_time_s": est.step_time_s}
+                if keep_terms:
+                    done[c["key"]]["time_terms"] = est.detail["time_terms"]
             except Exception as exc:
                 done[c["key"]] = {"error": f"estimate: {type(exc).__name__}: {str(exc)[:200]}"}
         path.write_text(json.dumps(done, indent=0) + "\n")
@@ -120,11 +122,13 @@ def compute_terms(configs: list[dict[str, Any]], path: Path) -> dict[str, Any]:
     return done
 
 
-def predict(terms: dict[str, Any], tm: TimingModel) -> float:
+def predict(terms: dict[str, Any], tm: Any) -> float:
+    from memopt.estimate.timing import step_time
+
     return step_time(terms, tm)[0]
 
 
-def _errors(data: list[tuple[dict, float]], tm: TimingModel) -> list[float]:
+def _errors(data: list[tuple[dict, float]], tm: Any) -> list[float]:
     return [(predict(t, tm) - y) / y for t, y in data]
 
 
@@ -133,30 +137,34 @@ def _score(errs: list[float]) -> float:
     return statistics.median(a) + 0.5 * statistics.mean(a) + 0.25 * max(a)
 
 
-GRID = {"matmul_efficiency": [0.7, 0.8, 0.9, 1.0], "attention_efficiency": [0.5, 0.65, 0.8, 1.0],
-        "memory_efficiency": [0.8, 1.0, 1.2, 1.4, 1.6], "launch_s": [0.0, 1e-6, 2e-6, 4e-6],
-        "dispatch_s": [0.0, 4e-6, 6e-6, 8e-6, 10e-6, 12e-6, 15e-6, 20e-6],
-        "sac_dispatch_s": [0.0, 10e-6, 20e-6, 40e-6, 80e-6], "micro_batch_s": [0.0, 1e-3, 2e-3, 5e-3],
-        "offload_efficiency": [0.25, 0.35, 0.5, 0.65, 0.85]}
+# the constants fitted, each with the range it may take and a start; the others stay as DEFAULT_TIMING has them
+FITTED = {"matmul_efficiency": (0.4, 1.0, 0.8), "attention_efficiency": (0.3, 1.0, 0.7),
+          "memory_efficiency": (0.2, 1.5, 0.7), "launch_s": (0.0, 10e-6, 2e-6), "dispatch_s": (0.0, 60e-6, 8e-6),
+          "sac_dispatch_s": (0.0, 200e-6, 20e-6), "micro_batch_s": (0.0, 20e-3, 1e-3),
+          "offload_efficiency": (0.1, 1.0, 0.5)}
+STEPS = (0.5, 0.7, 0.85, 0.95, 1.05, 1.15, 1.4, 2.0)
 
 
-def fit(data: list[tuple[dict, float]], start: TimingModel = OLD_TIMING, rounds: int = 3) -> TimingModel:
-    """Coordinate descent over GRID (each constant in turn over its grid values, the others held), a few rounds,
-    then pairs of the host constants together (they trade off against each other)."""
-    tm, best = start, _score(_errors(data, start))
+def fit(data: list[tuple[dict, float]], start: Any = None, rounds: int = 6) -> Any:
+    """Coordinate search: each constant in turn multiplied by STEPS (or set to 0), kept where the score improves,
+    within its range; rounds until nothing improves."""
+    from memopt.estimate.timing import DEFAULT_TIMING
+
+    tm = start or replace(DEFAULT_TIMING, **{k: v[2] for k, v in FITTED.items()})
+    best = _score(_errors(data, tm))
     for _ in range(rounds):
-        for name, values in GRID.items():
-            for v in values:
+        improved = False
+        for name, (lo, hi, _) in FITTED.items():
+            cur = getattr(tm, name)
+            for v in [cur * f for f in STEPS] + ([0.0] if lo == 0.0 else []):
+                if not lo <= v <= hi or v == cur:
+                    continue
                 cand = replace(tm, **{name: v})
-                s = _score(_errors(data, cand))
-                if s < best - 1e-12:
-                    tm, best = cand, s
-        for a, b in (("dispatch_s", "micro_batch_s"), ("dispatch_s", "launch_s"), ("memory_efficiency", "dispatch_s")):
-            for va, vb in itertools.product(GRID[a], GRID[b]):
-                cand = replace(tm, **{a: va, b: vb})
-                s = _score(_errors(data, cand))
-                if s < best - 1e-12:
-                    tm, best = cand, s
+                sc = _score(_errors(data, cand))
+                if sc < best - 1e-12:
+                    tm, best, cur, improved = cand, sc, v, True
+        if not improved:
+            break
     return tm
 
 
@@ -189,7 +197,9 @@ def ranking(configs: list[dict[str, Any]], field: str, min_gap: float = 0.05) ->
     return {"pairs": total, "agree": agree, "fraction": agree / total if total else None, "per_model": per_model}
 
 
-def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any]) -> dict[str, Any]:
+def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    from memopt.estimate.timing import step_time
+
     usable = [c for c in configs if "time_terms" in terms.get(c["key"], {})]
     valid = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable if c["timing_valid"]]
     tm = fit(valid)
@@ -198,29 +208,33 @@ def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any]) -> dict[str, A
     for model in sorted({c["model_key"] for c in usable if c["timing_valid"]}):
         train = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable
                  if c["timing_valid"] and c["model_key"] != model]
-        tm_cv = fit(train, start=tm, rounds=1)
+        tm_cv = fit(train, start=tm, rounds=2)
         for c in usable:
             if c["timing_valid"] and c["model_key"] == model:
                 held[c["key"]] = predict(terms[c["key"]]["time_terms"], tm_cv)
     for c in usable:
         t = terms[c["key"]]["time_terms"]
-        c["old_constants_step_s"] = predict(t, OLD_TIMING)
+        c["old_code_step_s"] = old.get(c["key"], {}).get("step_time_s")
         c["new_step_s"], parts = step_time(t, tm)
         c["host_bound"] = bool(parts["host_bound"])
         c["held_out_step_s"] = held.get(c["key"])
         c["strategy_label"] = _label(c["strategy"])
-    def errs(field: str, valid_only: bool | None) -> list[float]:
+
+    def errs(field: str, valid_only: bool) -> list[float]:
         return [(c[field] - c["measured_step_s"]) / c["measured_step_s"] for c in usable
-                if c.get(field) is not None and (valid_only is None or bool(c["timing_valid"]) == valid_only)]
+                if c.get(field) is not None and bool(c["timing_valid"]) == valid_only]
+    fields = ("old_recorded_step_s", "old_code_step_s", "new_step_s", "held_out_step_s")
     summary = {f"{name}/{field}": _stats(errs(field, v)) for name, v in (("alone", True), ("shared_gpu", False))
-               for field in ("old_recorded_step_s", "old_constants_step_s", "new_step_s", "held_out_step_s")}
-    rank = {field: ranking(usable, field) for field in ("old_recorded_step_s", "old_constants_step_s", "new_step_s")}
+               for field in fields}
+    rank = {field: ranking(usable, field) for field in fields[1:]}
     failed = [{"model": c["model_key"], "strategy": _label(c["strategy"]),
                "error": terms.get(c["key"], {}).get("error")} for c in configs if c not in usable]
-    return {"timing_model": asdict(tm), "old_timing_model": asdict(OLD_TIMING), "errors": summary, "ranking": rank,
+    return {"timing_model": asdict(tm), "errors": summary, "ranking": rank,
             "configurations": [{k: v for k, v in c.items() if k != "key"} for c in usable], "not_estimated": failed,
             "command": "python scripts/plan_quality_rows.py && python scripts/plan_quality_clock.py terms && "
-                       "python scripts/plan_quality_clock.py fit"}
+                       f"mkdir -p /tmp/old && git archive {OLD_COMMIT} | tar -x -C /tmp/old && "
+                       "PYTHONPATH=/tmp/old MEMOPT_CACHE_DIR=/tmp/old_cache python scripts/plan_quality_clock.py "
+                       "old-code && python scripts/plan_quality_clock.py fit"}
 
 
 def _label(s: dict[str, Any]) -> str:
@@ -242,7 +256,7 @@ def write_md(result: dict[str, Any], path: Path) -> None:
     lines += ["", "Ranking (pairs of one model's plans measured alone, measured more than 5% apart):", ""]
     for field, r in result["ranking"].items():
         lines.append(f"- {field}: {r['agree']} of {r['pairs']} pairs ordered as measured")
-    lines += ["", "| model | sample | strategy | kind | alone | measured s | recorded s | old consts s | new s | "
+    lines += ["", "| model | sample | strategy | kind | alone | measured s | recorded s | old code s | new s | "
               "held-out s | new err % | host-bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(result["configurations"], key=lambda c: (c["model_key"], json.dumps(c["sample"]),
                                                               c["strategy_label"])):
@@ -251,7 +265,7 @@ def write_md(result: dict[str, Any], path: Path) -> None:
         err = 100 * (c["new_step_s"] - c["measured_step_s"]) / c["measured_step_s"]
         lines.append(f"| {c['model_key']} | {c['sample']} | {c['strategy_label']} | {c['measured_kind']} | "
                      f"{'yes' if c['timing_valid'] else 'no'} | {f(c['measured_step_s'])} | "
-                     f"{f(c['old_recorded_step_s'])} | {f(c['old_constants_step_s'])} | {f(c['new_step_s'])} | "
+                     f"{f(c['old_recorded_step_s'])} | {f(c['old_code_step_s'])} | {f(c['new_step_s'])} | "
                      f"{f(c['held_out_step_s'])} | {err:+.0f} | {'yes' if c['host_bound'] else ''} |")
     if result["not_estimated"]:
         lines += ["", "Not estimated on this CPU:", ""] + [f"- {x['model']} {x['strategy']}: {x['error']}"
@@ -261,16 +275,21 @@ def write_md(result: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["terms", "fit"])
+    ap.add_argument("what", choices=["terms", "old-code", "fit"])
     ap.add_argument("--rows", default=str(OUT / "clock_rows.json"))
     ap.add_argument("--terms", default=str(OUT / "clock_terms.json"))
+    ap.add_argument("--old", default=str(OUT / "clock_old_code.json"))
     ap.add_argument("--out", default=str(OUT / "clock_fit"))
     args = ap.parse_args()
     configs = configurations(json.loads(Path(args.rows).read_text())["rows"])
     if args.what == "terms":
         compute_terms(configs, Path(args.terms))
         return 0
-    result = run_fit(configs, json.loads(Path(args.terms).read_text()))
+    if args.what == "old-code":
+        compute_terms(configs, Path(args.old), keep_terms=False)
+        return 0
+    old = json.loads(Path(args.old).read_text()) if Path(args.old).exists() else {}
+    result = run_fit(configs, json.loads(Path(args.terms).read_text()), old)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     write_md(result, Path(args.out + ".md"))
     for key, s in result["errors"].items():
