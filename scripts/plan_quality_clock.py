@@ -23,6 +23,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, replace
@@ -30,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if "MEMOPT_OLD_CODE" not in os.environ:  # old-code: the memopt on PYTHONPATH (the tree before the fit), not this one
+    sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "benchmarks" / "plan_quality"
 # the code before this fit: its predictions are re-made by running this script's ``old-code`` step with that code
@@ -55,13 +57,25 @@ def configurations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key, rs in groups.items():
         first = rs[0]
         olds = [r["old_predicted_step_s"] for r in rs if r.get("old_predicted_step_s")]
-        out.append({"key": key, "model_key": _model_key(first["model"]), "model": first["model"],
+        out.append({"key": key, "terms_key": _terms_key(key), "model_key": _model_key(first["model"]),
+                    "model": first["model"],
                     "sample": first["sample"], "hardware": first["hardware"], "strategy": first["strategy"],
                     "measured_kind": first["measured_kind"], "timing_valid": first["timing_valid"],
                     "measured_step_s": statistics.median(r["measured_step_s"] for r in rs),
                     "old_recorded_step_s": statistics.median(olds) if olds else None,
                     "n_rows": len(rs), "sources": [r["source"] for r in rs]})
     return out
+
+
+def _terms_key(key: str) -> str:
+    """What a prediction depends on: model, sample, strategy (not how the row was measured)."""
+    k = json.loads(key)
+    return json.dumps(k[:3], sort_keys=True) if len(k) == 5 else key
+
+
+def _load_terms(path: Path) -> dict[str, Any]:
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    return {_terms_key(k): v for k, v in raw.items()}
 
 
 def _zoo_module() -> Any:
@@ -95,10 +109,10 @@ def compute_terms(configs: list[dict[str, Any]], path: Path, *, keep_terms: bool
     import memopt
     from memopt.strategy import Strategy
 
-    done = json.loads(path.read_text()) if path.exists() else {}
+    done = _load_terms(path)
     by_profile: dict[str, list[dict[str, Any]]] = {}
     for c in configs:
-        if ("time_terms" if keep_terms else "step_time_s") not in done.get(c["key"], {}):
+        if ("time_terms" if keep_terms else "step_time_s") not in done.get(c["terms_key"], {}):
             by_profile.setdefault(json.dumps([c["model"], c["sample"], c["hardware"]], sort_keys=True), []).append(c)
     for pkey, cs in by_profile.items():
         model, sample, hardware = json.loads(pkey)
@@ -106,16 +120,16 @@ def compute_terms(configs: list[dict[str, Any]], path: Path, *, keep_terms: bool
             prof = _profile(model, sample, hardware)
         except Exception as exc:  # a model this CPU cannot build (e.g. no torchvision) is reported, not fatal
             for c in cs:
-                done[c["key"]] = {"error": f"profile: {type(exc).__name__}: {str(exc)[:200]}"}
+                done[c["terms_key"]] = {"error": f"profile: {type(exc).__name__}: {str(exc)[:200]}"}
             continue
         for c in cs:
             try:
                 est = memopt.estimate(prof, Strategy.from_dict(c["strategy"]), exact_reserved=False)
-                done[c["key"]] = {"step_time_s": est.step_time_s}
+                done[c["terms_key"]] = {"step_time_s": est.step_time_s}
                 if keep_terms:
-                    done[c["key"]]["time_terms"] = est.detail["time_terms"]
+                    done[c["terms_key"]]["time_terms"] = est.detail["time_terms"]
             except Exception as exc:
-                done[c["key"]] = {"error": f"estimate: {type(exc).__name__}: {str(exc)[:200]}"}
+                done[c["terms_key"]] = {"error": f"estimate: {type(exc).__name__}: {str(exc)[:200]}"}
         path.write_text(json.dumps(done, indent=0) + "\n")
         print(f"{model.get('name') or model.get('row')} {sample}: {len(cs)} configurations", flush=True)
     path.write_text(json.dumps(done, indent=0) + "\n")
@@ -141,7 +155,7 @@ def _score(errs: list[float]) -> float:
 FITTED = {"matmul_efficiency": (0.4, 1.0, 0.8), "attention_efficiency": (0.3, 1.0, 0.7),
           "memory_efficiency": (0.2, 1.5, 0.7), "launch_s": (0.0, 10e-6, 2e-6), "dispatch_s": (0.0, 60e-6, 8e-6),
           "sac_dispatch_s": (0.0, 200e-6, 20e-6), "micro_batch_s": (0.0, 20e-3, 1e-3),
-          "offload_efficiency": (0.1, 1.0, 0.5)}
+          "offload_efficiency": (0.1, 1.0, 0.5), "overlap_loss": (0.0, 1.0, 0.3)}
 STEPS = (0.5, 0.7, 0.85, 0.95, 1.05, 1.15, 1.4, 2.0)
 
 
@@ -200,21 +214,21 @@ def ranking(configs: list[dict[str, Any]], field: str, min_gap: float = 0.05) ->
 def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     from memopt.estimate.timing import step_time
 
-    usable = [c for c in configs if "time_terms" in terms.get(c["key"], {})]
-    valid = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable if c["timing_valid"]]
+    usable = [c for c in configs if "time_terms" in terms.get(c["terms_key"], {})]
+    valid = [(terms[c["terms_key"]]["time_terms"], c["measured_step_s"]) for c in usable if c["timing_valid"]]
     tm = fit(valid)
     # leave one model out: constants fitted without the model's rows predict them
     held: dict[str, float] = {}
     for model in sorted({c["model_key"] for c in usable if c["timing_valid"]}):
-        train = [(terms[c["key"]]["time_terms"], c["measured_step_s"]) for c in usable
+        train = [(terms[c["terms_key"]]["time_terms"], c["measured_step_s"]) for c in usable
                  if c["timing_valid"] and c["model_key"] != model]
         tm_cv = fit(train, start=tm, rounds=2)
         for c in usable:
             if c["timing_valid"] and c["model_key"] == model:
-                held[c["key"]] = predict(terms[c["key"]]["time_terms"], tm_cv)
+                held[c["key"]] = predict(terms[c["terms_key"]]["time_terms"], tm_cv)
     for c in usable:
-        t = terms[c["key"]]["time_terms"]
-        c["old_code_step_s"] = old.get(c["key"], {}).get("step_time_s")
+        t = terms[c["terms_key"]]["time_terms"]
+        c["old_code_step_s"] = old.get(c["terms_key"], {}).get("step_time_s")
         c["new_step_s"], parts = step_time(t, tm)
         c["host_bound"] = bool(parts["host_bound"])
         c["held_out_step_s"] = held.get(c["key"])
@@ -228,13 +242,14 @@ def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str,
                for field in fields}
     rank = {field: ranking(usable, field) for field in fields[1:]}
     failed = [{"model": c["model_key"], "strategy": _label(c["strategy"]),
-               "error": terms.get(c["key"], {}).get("error")} for c in configs if c not in usable]
+               "error": terms.get(c["terms_key"], {}).get("error")} for c in configs if c not in usable]
     return {"timing_model": asdict(tm), "errors": summary, "ranking": rank,
-            "configurations": [{k: v for k, v in c.items() if k != "key"} for c in usable], "not_estimated": failed,
+            "configurations": [{k: v for k, v in c.items() if k not in ("key", "terms_key")} for c in usable],
+            "not_estimated": failed,
             "command": "python scripts/plan_quality_rows.py && python scripts/plan_quality_clock.py terms && "
                        f"mkdir -p /tmp/old && git archive {OLD_COMMIT} | tar -x -C /tmp/old && "
-                       "PYTHONPATH=/tmp/old MEMOPT_CACHE_DIR=/tmp/old_cache python scripts/plan_quality_clock.py "
-                       "old-code && python scripts/plan_quality_clock.py fit"}
+                       "MEMOPT_OLD_CODE=1 PYTHONPATH=/tmp/old MEMOPT_CACHE_DIR=/tmp/old_cache "
+                       "python scripts/plan_quality_clock.py old-code && python scripts/plan_quality_clock.py fit"}
 
 
 def _label(s: dict[str, Any]) -> str:
@@ -288,8 +303,7 @@ def main() -> int:
     if args.what == "old-code":
         compute_terms(configs, Path(args.old), keep_terms=False)
         return 0
-    old = json.loads(Path(args.old).read_text()) if Path(args.old).exists() else {}
-    result = run_fit(configs, json.loads(Path(args.terms).read_text()), old)
+    result = run_fit(configs, _load_terms(Path(args.terms)), _load_terms(Path(args.old)))
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     write_md(result, Path(args.out + ".md"))
     for key, s in result["errors"].items():

@@ -32,6 +32,8 @@ from memopt.strategy import OPTIMIZERS, PRECISIONS  # noqa: E402
 
 # rows of these files ran beside others on the same GPU
 CONCURRENT = {"benchmarks/wrap/raw/wrap.jsonl": "3 rows at a time",
+              # benchmarks/validation/estimator_h200.md marks these 8 rows' step times as measured beside other rows
+              "benchmarks/validation/raw/estimator_h200_run2.jsonl": "beside other rows",
               "benchmarks/any_model/raw/zoo_s10_baseline_before_fixes.jsonl": "6 rows at a time",
               "benchmarks/any_model/raw/zoo_s10_call3.jsonl": "6 rows at a time"}
 ZOO_FILES = ("benchmarks/any_model/raw/zoo_s10_baseline_before_fixes.jsonl",

@@ -6,16 +6,19 @@ its op count. Its time is::
     sum_dtype flops / (peak[dtype] * matmul_efficiency) + attention_flops / (peak * attention_efficiency)
       + memory_bytes / (hbm_bandwidth * memory_efficiency) + num_ops * launch_s
 
-The efficiencies and the per-op overhead are fitted to step times measured on an H200 (see
-``benchmarks/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
-Activation offload moves the saved tensors over the host link on a side stream: the step takes at
-least the transfer time.
+The efficiencies and the host constants are fitted to step times measured on an H200 (see
+``benchmarks/plan_quality/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
+Activation offload moves the saved tensors over the host link on a side stream: the forward waits for its copies
+once 256 MiB are in flight, and the copies back run on the compute stream as backward unpacks them.
 
-The host issues the kernels while the GPU runs the ones already queued, so host time shows only when
-it exceeds the GPU time. A forward + backward pass of one micro-batch takes at least its host time
-(:func:`host_time`)::
+The host issues the kernels while the GPU runs the ones already queued: a pass of one micro-batch takes the longer
+of its GPU time and its host time (:func:`host_time`), plus ``overlap_loss`` of the shorter (:func:`step_time`)::
 
-    num_ops * dispatch_s + bnb4_calls * bnb4_call_s
+    num_ops * dispatch_s + sac_ops * sac_dispatch_s + bnb4_calls * bnb4_call_s + micro_batch_s
+
+``sac_ops`` counts the ops that selective checkpointing's Python dispatch mode intercepts: every op of a selective
+block's forward, twice (forward and recompute). That is why selective checkpointing at micro-batch 1 of a 1.1B
+model ran 2.9x slower than the GPU time alone predicted.
 
 ``bnb4_calls`` counts the passes through a bitsandbytes 4-bit linear (forward, recomputed forward and
 backward each call it once; ``memopt.profile.costs.BNB4_CALL_OPS``): bitsandbytes runs each one through
@@ -30,29 +33,33 @@ from dataclasses import dataclass
 from memopt.hardware import HardwareSpec
 from memopt.profile.costs import PhaseCost
 
-__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time"]
+__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time", "step_time"]
 
 
 @dataclass(frozen=True)
 class TimingModel:
-    """Efficiencies fitted (``scripts/calibrate_timing.py``) to 44 step times measured one at a time on an H200
-    (torch 2.11): the estimator rows of benchmarks/validation and the hand-tuned grid of benchmarks/wrap;
-    median error 6%. ``memory_efficiency`` above 1 means the traced byte counts over-state HBM traffic
-    (small activations are re-read from the 50 MB L2)."""
+    """The H200's constants, fitted (``scripts/plan_quality_clock.py fit``) to the 109 configurations measured one
+    row at a time in ``benchmarks/plan_quality/clock_rows.json`` (torch 2.11; wrap, speed-grid, autotune and
+    estimator rows of 9 models): median error 8%, max 36%; each model predicted by constants fitted without it:
+    median 12%, max 39% (``benchmarks/plan_quality/clock_fit.md``). Rows measured beside other rows were not
+    fitted; issue 20's selective-checkpointing and activation-offload figures among them are predicted within 8%."""
 
-    matmul_efficiency: float = 0.90
-    attention_efficiency: float = 0.80
-    memory_efficiency: float = 1.40
-    launch_s: float = 2e-6  # GPU time between two kernels (launch latency the queue cannot hide)
+    matmul_efficiency: float = 0.74
+    attention_efficiency: float = 0.50
+    memory_efficiency: float = 0.665
+    launch_s: float = 8.4e-6  # GPU time of a kernel beyond its FLOPs and bytes (launch latency, tail, small grids)
     # Host seconds to issue one op in eager PyTorch (Python module code, dispatcher, cudaLaunchKernel): a pass
     # takes at least ops x this (see step_time). The GPU hides it for large micro-batches; small, fast models and
     # small micro-batches are host-bound.
-    dispatch_s: float = 0.0
+    dispatch_s: float = 25.8e-6
     # More host seconds per op intercepted by selective checkpointing's TorchDispatchMode (a Python
     # __torch_dispatch__ with the policy call and the cache of saved outputs), in the forward and the recompute
-    sac_dispatch_s: float = 0.0
+    sac_dispatch_s: float = 84e-6
     micro_batch_s: float = 0.0  # host seconds per micro-batch outside the ops (the train step's Python)
-    offload_efficiency: float = 0.85  # achieved fraction of the host link in each direction
+    # The host and the GPU overlap imperfectly: stretches of small kernels drain the queue even in a GPU-bound pass,
+    # and large kernels leave the host idle in a host-bound one. This fraction of the shorter of the two shows.
+    overlap_loss: float = 0.205
+    offload_efficiency: float = 0.95  # achieved fraction of the host link in each direction
     # Host time of one pass (forward, recomputed forward or backward) through a bitsandbytes 4-bit linear: a pass
     # takes at least bnb4_calls x this (see host_time). Measured, not fitted: benchmarks/quant/raw/dequant_h200.json
     # (scripts/bench_dequant.py; H200, bitsandbytes 0.50.2, torch 2.11, 2048 tokens, NF4 + double quantization,
@@ -114,7 +121,8 @@ def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dic
     ``forward``), ``optimizer``, ``micro_batches`` and ``offload_s`` (ideal seconds to move the offloaded bytes one
     way over the host link, per micro-batch). Returns the step and its parts::
 
-        pass   = max(GPU forward + GPU backward, host time of the pass + micro_batch_s)
+        pass   = max(GPU, host) + overlap_loss * min(GPU, host)
+                 GPU = forward + backward, host = ops * dispatch_s + sac_ops * sac_dispatch_s + micro_batch_s
         offload: max(max(GPU forward, copy) + GPU backward + copy, host)   (copies back serialised with backward)
         step   = pass * micro_batches + max(GPU optimizer, optimizer ops * dispatch_s)
     """
@@ -128,7 +136,7 @@ def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dic
     if copy_s:
         gpu_s = max(fwd_s, copy_s) + bwd_s + copy_s
     opt_s = max(terms_time(opt, tm), opt["launches"] * tm.dispatch_s)
-    pass_s = max(gpu_s, host_s)
+    pass_s = max(gpu_s, host_s) + tm.overlap_loss * min(gpu_s, host_s)
     parts = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s, "host_s": host_s * m,
              "host_bound": float(host_s > gpu_s)}
     if copy_s:

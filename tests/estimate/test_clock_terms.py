@@ -60,7 +60,7 @@ def test_a_block_launches_its_kernels_and_nothing_else(plain):
 
 
 def test_the_host_floor_is_ops_times_dispatch(plain):
-    host_bound = replace(DEFAULT_TIMING, dispatch_s=1e-3, micro_batch_s=0.0, sac_dispatch_s=0.0)
+    host_bound = replace(DEFAULT_TIMING, dispatch_s=1e-3, micro_batch_s=0.0, sac_dispatch_s=0.0, overlap_loss=0.0)
     for n, est in plain.items():
         slow = _estimate(n, FP32, timing=host_bound)
         # the tiny model's GPU time is microseconds: the pass is exactly its kernels at 1 ms each
@@ -102,7 +102,7 @@ def _terms(fwd_s: float, bwd_s: float, *, ops: float = 0, m: int = 1, offload_s:
 
 
 TM = replace(DEFAULT_TIMING, memory_efficiency=1.0, launch_s=0.0, dispatch_s=1e-5, micro_batch_s=0.0,
-             sac_dispatch_s=0.0, offload_efficiency=0.5)
+             sac_dispatch_s=0.0, offload_efficiency=0.5, overlap_loss=0.0)
 
 
 def test_gpu_bound_and_host_bound_passes():
@@ -125,3 +125,11 @@ def test_offload_copies_overlap_the_forward_and_follow_the_backward():
 def test_the_optimizer_takes_at_least_its_launches_on_the_host():
     assert step_time(_terms(0.1, 0.2, opt_s=0.05, opt_ops=100), TM)[0] == pytest.approx(0.35)
     assert step_time(_terms(0.1, 0.2, opt_s=0.05, opt_ops=20_000), TM)[0] == pytest.approx(0.3 + 0.2)
+
+
+def test_the_shorter_of_host_and_gpu_shows_by_the_overlap_loss():
+    lossy = replace(TM, overlap_loss=0.2)
+    # host 1 s (100k ops x 10 us) against 0.3 s of GPU: 1 + 0.2 x 0.3
+    assert step_time(_terms(0.1, 0.2, ops=100_000), lossy)[0] == pytest.approx(1.06)
+    # GPU 3 s against 0.01 s of host: 3 + 0.2 x 0.01
+    assert step_time(_terms(1.0, 2.0, ops=1000), lossy)[0] == pytest.approx(3.002)
