@@ -164,6 +164,24 @@ ISSUE_ROWS = [
 ]
 
 
+def _unrecorded(id: str, what: str, pred: float, meas: float) -> dict[str, Any]:
+    return {"id": f"issue20/{id}", "model": {"kind": "described", "what": what}, "sample": None, "hardware": "h200",
+            "strategy": None, "measured_step_s": meas, "measured_kind": "unknown", "old_predicted_step_s": pred,
+            "timing_valid": None, "concurrency": "unknown (run not committed)",
+            "source": "issue 20 figures; strategy not recorded, so not re-predicted"}
+
+
+# issue 20's other figures: no committed row says which strategy ran
+ISSUE_ROWS += [
+    _unrecorded("pythia410m-selective-a", "GPT-NeoX 410M (Pythia-410m shape), selective checkpointing", 0.640, 1.757),
+    _unrecorded("pythia410m-selective-b", "GPT-NeoX 410M (Pythia-410m shape), selective checkpointing", 0.654, 2.425),
+    _unrecorded("resnet50-b128", "torchvision ResNet-50, batch 128", 0.023, 0.057),
+    _unrecorded("pythia410m", "GPT-NeoX 410M (Pythia-410m shape)", 0.444, 0.742),
+    _unrecorded("gemma2-2b-selective-8bit", "Gemma-2-2B shape, selective checkpointing, 8-bit AdamW", 0.659, 1.515),
+    _unrecorded("phi3-mini", "Phi-3-mini shape (3.8B)", 0.630, 0.617),
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/plan_quality/clock_rows.json")
