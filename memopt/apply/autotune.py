@@ -64,6 +64,10 @@ def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[st
 
     fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
              "precision": plan.strategy.precision, **extras_pins(plan.strategy)}
+    # activation offload as the chosen plan has it: the clock prices its copies (fitted on the H200), and each
+    # re-plan that may offload traces the model once more per micro-batch size (offload's copy window depends on the
+    # bytes), which made the candidates' re-plans most of the CPU time before the first step
+    fixed.setdefault("activation_offload", user_pins.get("activation_offload", plan.strategy.activation_offload))
     pins = [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
     if "micro_batch_size" not in user_pins:
         # the chosen plan's neighbours in micro-batch (the planner then picks their block counts): host overhead
