@@ -105,7 +105,7 @@ def run_hand(row: dict[str, Any], steps: int) -> dict[str, Any]:
 
     model, batch = _model_and_batch()
     torch.cuda.set_per_process_memory_fraction(BUDGET_BYTES / torch.cuda.get_device_properties(0).total_memory)
-    model = model.cuda()
+    model = model.cuda().train()  # Hugging Face checkpoints only in training mode
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if row["optimizer"] == "adamw8bit":
