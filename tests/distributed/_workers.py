@@ -124,7 +124,6 @@ def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int
 
 def fsdp_trajectory(rank: int, world: int, port: int, out: str, steps: int, offload: bool) -> None:
     """Train ``steps`` steps with FSDP2 on ``world`` gloo ranks; rank 0 writes losses and (offload) traffic."""
-    import torch.distributed as dist
 
     from memopt.distributed.train_step import shard_batch
 
@@ -241,7 +240,6 @@ class AioTraffic:
 
 def fsdp_checkpoint(rank: int, world: int, port: int, out: str, ckpt: str, steps: int) -> None:
     """Train ``steps`` steps at ``world`` ranks, save, train one more step and write its loss."""
-    import torch.distributed as dist
 
     from memopt.distributed.checkpoint import save_checkpoint
     from memopt.distributed.train_step import shard_batch
@@ -279,7 +277,6 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
     import resource
 
     import psutil
-    import torch.distributed as dist
     from safetensors import safe_open
 
     from memopt.distributed.checkpoint import load_sharded
@@ -323,7 +320,6 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
 
 def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
     """``memopt.wrap(model, plan=...)`` with a two-rank FSDP2 plan, fed the *global* batch on every rank."""
-    import torch.distributed as dist
 
     import memopt
     from memopt.distributed.sharding import ShardingSetting
