@@ -148,10 +148,13 @@ class MicroBatchedTrainingStep:
         tr = self.trainer
         # the loss is already a share of the whole batch's when it is divided by the batch's loss tokens: by the
         # user's compute_loss_func, or by a model whose loss takes num_items_in_batch. The Trainer assumes the
-        # latter of every model whose forward takes **kwargs; T5, ViT and other hand-written losses take the
-        # micro-batch's mean instead, and would be summed over the micro-batches (see _model_loss_uses_num_items)
+        # latter of every model whose forward takes **kwargs; T5 and other hand-written losses take the
+        # micro-batch's mean instead, and would be summed over the micro-batches. In one process the weighted
+        # means below are exact for either kind; across processes the batch's token count spans all of them, so
+        # a model that uses it keeps it (asked once: _model_loss_uses_num_items)
         normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
-            getattr(tr, "model_accepts_loss_kwargs", False) and self._model_loss_uses_num_items(model, micro[0])))
+            getattr(tr, "model_accepts_loss_kwargs", False) and getattr(tr.args, "world_size", 1) > 1
+            and self._model_loss_uses_num_items(model, micro[0])))
         counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
         total_items = max(1, sum(counts))
         total: torch.Tensor | None = None

@@ -54,8 +54,10 @@ def _applied(run: dict[str, Any]) -> str:
 
 def write_table(results: dict[str, Any], path: Path) -> None:
     lines = [f"# transformers example scripts with and without memopt ({results['size']}, {results['device']})", "",
-             f"Budget {results['budget']} planned for {results['hardware']}; {results['steps']} steps, per-device "
-             f"batch {results['batch']}; transformers {results.get('transformers_installed')}.", "",
+             f"Budget (per example) {results.get('budgets', results['budget'])} planned for {results['hardware']}; "
+             f"{results['steps']} steps; the script's per-device batch {results['batch']} without accumulation; "
+             f"transformers {results.get('transformers_installed')}. The plain run "
+             f"{'is capped at the same budget' if results['device'] != 'cpu' else 'runs uncapped (a CPU)'}.", "",
              f"Reproduce: `{results['command']}`", "",
              "| example | run | ok | configuration (plan or script) | applied as planned | median step | "
              "loss first -> last | peak allocated |",

@@ -53,6 +53,10 @@ def example_args(name: str, assets: Path, size: str, batch: int, steps: int, out
               "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
               "--learning_rate", "5e-4", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
               "--seed", "0", "--disable_tqdm", "True", "--dataloader_num_workers", "0"]
+    import torch
+
+    if not torch.cuda.is_available():  # the Trainer refuses --bf16 without it (autocast runs on the CPU anyway)
+        common += ["--use_cpu", "True"]
     long = size == "real"
     if name == "clm":
         return ["--model_type", "llama", "--config_overrides", llama_overrides(SIZES[size]),
@@ -95,6 +99,22 @@ def run_variant(script: str, args: list[str], env_extra: dict[str, str], probe: 
     return record
 
 
+def per_example(value: str, names: list[str], what: str) -> dict[str, str]:
+    """``"24GB"`` for every example, or ``"clm=24GB,image=8GB"`` (the examples not named keep ``default``)."""
+    if "=" not in value:
+        return dict.fromkeys(names, value)
+    out: dict[str, str] = {}
+    for part in value.split(","):
+        name, _, v = part.partition("=")
+        if name.strip() not in EXAMPLES:
+            raise ValueError(f"--{what} names {name.strip()!r}; examples are {sorted(EXAMPLES)}")
+        out[name.strip()] = v.strip()
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise ValueError(f"--{what} gives no value for {missing}")
+    return out
+
+
 def budget_bytes(budget: str) -> int:
     from memopt.units import parse_budget
 
@@ -104,11 +124,14 @@ def budget_bytes(budget: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--budget", default=os.environ.get("MEMOPT_BUDGET", "2GB"))
+    parser.add_argument("--budget", default=os.environ.get("MEMOPT_BUDGET", "2GB"),
+                        help="one budget, or one per example: clm=24GB,translation=8GB,image=8GB")
     parser.add_argument("--hardware", default=None, help="plan for this GPU (a configs/hardware name); default: "
                         "the local GPU")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8, help="the user's per-device batch (no accumulation)")
+    parser.add_argument("--batch", default="8", help="the user's per-device batch (no accumulation), one or per "
+                        "example: clm=8,translation=32,image=64")
+    parser.add_argument("--copy-only", action="store_true", help="copy and patch the scripts, make nothing else")
     parser.add_argument("--examples", default="clm,translation,image")
     parser.add_argument("--transformers-git", type=Path, default=None)
     parser.add_argument("--ref", default="HEAD")
@@ -125,31 +148,37 @@ def main() -> None:
     names = [n.strip() for n in ns.examples.split(",") if n.strip()]
     scripts = copy_examples(ns.work / "scripts", git_dir=ns.transformers_git, ref=ns.ref, src=ns.transformers_src,
                             names=names)
+    if ns.copy_only:
+        print(json.dumps(scripts, indent=1))
+        return
+    budgets = per_example(ns.budget, names, "budget")
+    batches = {k: int(v) for k, v in per_example(ns.batch, names, "batch").items()}
     assets = make_assets(ns.work / "assets" / ns.size, SIZES[ns.size])
     on_gpu = torch.cuda.is_available()
-    cap = budget_bytes(ns.budget) if on_gpu else None
     pinned = ns.pinned == "yes" or (ns.pinned == "auto" and not on_gpu)
-    memopt_env = {"MEMOPT_BUDGET": ns.budget, **({"MEMOPT_HARDWARE": ns.hardware} if ns.hardware else {})}
     runs_dir = ns.work / "runs" / ns.size
     ns.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"size": ns.size, "budget": ns.budget, "hardware": ns.hardware or "local GPU",
                                "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "steps": ns.steps,
-                               "batch": ns.batch, "command": " ".join(shlex.quote(a) for a in sys.argv),
+                               "batch": batches, "budgets": budgets,
+                               "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
                                "examples": {}}
     import transformers
 
     results["transformers_installed"] = transformers.__version__
     for name in names:
         script_info = scripts[name]
-        entry: dict[str, Any] = {"script": script_info, "runs": {}}
+        entry: dict[str, Any] = {"script": script_info, "runs": {}, "budget": budgets[name], "batch": batches[name]}
+        cap = budget_bytes(budgets[name]) if on_gpu else None
+        memopt_env = {"MEMOPT_BUDGET": budgets[name], **({"MEMOPT_HARDWARE": ns.hardware} if ns.hardware else {})}
         results["examples"][name] = entry
 
         def go(variant: str, script: str, extra_args: list[str], env: dict[str, str], capped: bool,
-               name: str = name, entry: dict[str, Any] = entry) -> dict[str, Any]:
+               name: str = name, entry: dict[str, Any] = entry, cap: int | None = cap) -> dict[str, Any]:
             out_dir = runs_dir / name / variant
             shutil.rmtree(out_dir, ignore_errors=True)
             out_dir.mkdir(parents=True)
-            args = example_args(name, assets, ns.size, ns.batch, ns.steps, out_dir) + extra_args
+            args = example_args(name, assets, ns.size, batches[name], ns.steps, out_dir) + extra_args
             print(f"[{name}] {variant} ...", flush=True)
             record = run_variant(script, args, env, out_dir / "probe.json", assets, cap if capped else None,
                                  out_dir / "log.txt")
@@ -171,7 +200,7 @@ def main() -> None:
             if flags or optim != plain_optim:
                 go("reference", script_info["original"], [*flags, "--optim", optim], {}, capped=False)
         if pinned:
-            pins = {"precision": "fp32", "optimizer": "adamw_fused", "micro_batch_size": max(1, ns.batch // 4),
+            pins = {"precision": "fp32", "optimizer": "adamw_fused", "micro_batch_size": max(1, batches[name] // 4),
                     "checkpointing": "full", "checkpoint_blocks": 1}
             go("memopt_pinned", script_info["patched"], [], {**memopt_env, "MEMOPT_PINS": json.dumps(pins)},
                capped=False)

@@ -172,3 +172,24 @@ def test_wrap_leaves_the_scripts_random_stream_as_it_was(tmp_path):
     wrapped.train()
     for name, value in plain.model.named_parameters():
         torch.testing.assert_close(wrapped.model.get_parameter(name), value, rtol=1e-5, atol=1e-7)
+
+
+def test_whether_a_models_loss_divides_by_num_items_in_batch_is_asked_of_the_model(tmp_path):
+    """Across processes the Trainer's token count spans every process, and memopt keeps it for a model whose loss
+    divides by it; the Trainer assumes so of any forward taking **kwargs, which T5's mean loss does not."""
+    from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep
+
+    trainer = _seq2seq_trainer(tmp_path / "t5")
+    batch = trainer.data_collator(_pairs(4))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for model, inputs, expected in ((trainer.model, batch, False),
+                                    (llama, {"input_ids": ids, "labels": ids}, True)):
+        assert trainer.model_accepts_loss_kwargs  # what the Trainer believes of both
+        model.train()
+        step = MicroBatchedTrainingStep(trainer, plan=None)
+        rng = torch.random.get_rng_state()
+        assert step._model_loss_uses_num_items(model, inputs) is expected
+        assert model.training and torch.equal(torch.random.get_rng_state(), rng)
