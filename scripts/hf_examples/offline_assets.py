@@ -146,8 +146,10 @@ def _models(size: Size, root: Path) -> None:
     import transformers
 
     torch.manual_seed(0)
+    # no dropout: micro-batches draw their masks in another order than one whole batch (as the Trainer's own
+    # gradient accumulation does), and the losses are compared number for number (Llama and ViT have none)
     t5 = transformers.T5Config(vocab_size=size.vocab, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-                               **size.t5)
+                               dropout_rate=0.0, **size.t5)
     transformers.T5ForConditionalGeneration(t5).save_pretrained(root / "t5")
     transformers.AutoTokenizer.from_pretrained(root / "tokenizer").save_pretrained(root / "t5")
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def write_table(results: dict[str, Any], path: Path) -> None:
              f"{results['steps']} steps; the script's per-device batch {results['batch']} without accumulation; "
              f"transformers {results.get('transformers_installed')}. The plain run "
              f"{'is capped at the same budget' if results['device'] != 'cpu' else 'runs uncapped (a CPU)'}.", "",
-             f"Reproduce: `{results['command']}`", "",
+             "Reproduce: " + ", ".join(sorted({f"`{e.get('command', results['command'])}`"
+                                                for e in results["examples"].values()})), "",
              "| example | run | ok | configuration (plan or script) | applied as planned | median step | "
              "loss first -> last | peak allocated |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -166,9 +166,14 @@ def main() -> None:
     import transformers
 
     results["transformers_installed"] = transformers.__version__
+    previous = ns.out / "results.json"
+    if previous.exists():  # examples run earlier into the same folder (and not run now) are kept
+        kept = json.loads(previous.read_text()).get("examples", {})
+        results["examples"].update({k: v for k, v in kept.items() if k not in names})
     for name in names:
         script_info = scripts[name]
-        entry: dict[str, Any] = {"script": script_info, "runs": {}, "budget": budgets[name], "batch": batches[name]}
+        entry: dict[str, Any] = {"script": script_info, "runs": {}, "budget": budgets[name], "batch": batches[name],
+                                 "command": results["command"]}
         cap = budget_bytes(budgets[name]) if on_gpu else None
         memopt_env = {"MEMOPT_BUDGET": budgets[name], **({"MEMOPT_HARDWARE": ns.hardware} if ns.hardware else {})}
         results["examples"][name] = entry
