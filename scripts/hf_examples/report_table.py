@@ -54,8 +54,10 @@ def _applied(run: dict[str, Any]) -> str:
 
 def write_table(results: dict[str, Any], path: Path) -> None:
     lines = [f"# transformers example scripts with and without memopt ({results['size']}, {results['device']})", "",
-             f"Budget (per example) {results.get('budgets', results['budget'])} planned for {results['hardware']}; "
-             f"{results['steps']} steps; the script's per-device batch {results['batch']} without accumulation; "
+             "Budget and the script's per-device batch (no accumulation): "
+             + ", ".join(f"{n} {e.get('budget', results['budget'])} / {e.get('batch', results['batch'])}"
+                         for n, e in results["examples"].items())
+             + f"; planned for {results['hardware']}; {results['steps']} steps; "
              f"transformers {results.get('transformers_installed')}. The plain run "
              f"{'is capped at the same budget' if results['device'] != 'cpu' else 'runs uncapped (a CPU)'}.", "",
              "Reproduce: " + ", ".join(sorted({f"`{e.get('command', results['command'])}`"
