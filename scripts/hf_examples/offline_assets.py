@@ -41,7 +41,7 @@ SIZES = {
                      "num_heads": 4},
                  vit={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                       "patch_size": 8}),
-    # ~1.1B Llama (TinyLlama's shape), t5-base's shape, ViT-base/16 at 224 px
+    # a 1.2B Llama (TinyLlama's layers, our 8000-token vocabulary), t5-base's shape, ViT-base/16 at 224 px
     "real": Size("real", text_lines=60000, pairs=12000, images=1536, image_file_px=64, image_px=224, vocab=8000,
                  llama={"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
                         "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048},
