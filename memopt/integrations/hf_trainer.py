@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from memopt.apply.budget import allocator_mode_in_force, warn_allocator_mode_fixed
-from memopt.integrations.trainer_setup import TrainerCheckpointing, set_trainer_precision
+from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 
@@ -146,21 +146,10 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     return dict(batch) if isinstance(batch, dict) else batch
 
 
-def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
-                 policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
-                 forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True,
-                 recover: bool = True, transaction: str = "auto") -> Any:
-    """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it.
-
-    ``recover``: the plan's micro-batches run inside the Trainer's ``training_step`` (one accumulation step over
-    the process's global batch), so that an out-of-memory error in forward or backward is recovered: the plan is
-    escalated and the same batch retried (``memopt.integrations.trainer_recovery``); and the optimizer step is
-    all-or-nothing under an OOM and retried (``memopt.integrations.trainer_optimizer_step``; ``transaction``:
-    when parameters and states are copied before the step, "auto", "always" or "never").
-    ``trainer.memopt_recovery`` holds the report."""
-    from memopt.guard.recovery import StepTransaction
-
-    StepTransaction.check_mode(transaction)
+def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | None, hardware: Any, policy: Any,
+                      fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None, use_cache: bool,
+                      recover: bool) -> tuple[Plan, Any]:
+    """The plan (``plan`` when given) and, with ``recover``, the profile its escalations re-plan on."""
     profile = None
     if plan is None:
         if budget is None:
@@ -183,6 +172,28 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
                          pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile)
+    return plan, profile
+
+
+def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | None = None, hardware: Any = "auto",
+                 policy: Any = None, fidelity: Any = None, pins: dict[str, Any] | None = None,
+                 forbid: dict[str, Any] | None = None, enforce_budget: bool = True, use_cache: bool = True,
+                 recover: bool = True, transaction: str = "auto") -> Any:
+    """Plan for ``trainer``'s model and global batch, set its arguments, install the callback; returns it.
+
+    ``recover``: the plan's micro-batches run inside the Trainer's ``training_step`` (one accumulation step over
+    the process's global batch), so that an out-of-memory error in forward or backward is recovered: the plan is
+    escalated and the same batch retried (``memopt.integrations.trainer_recovery``); and the optimizer step is
+    all-or-nothing under an OOM and retried (``memopt.integrations.trainer_optimizer_step``; ``transaction``:
+    when parameters and states are copied before the step, "auto", "always" or "never").
+    ``trainer.memopt_recovery`` holds the report."""
+    from memopt.guard.recovery import StepTransaction
+
+    StepTransaction.check_mode(transaction)
+    with preserved_random_state():  # planning draws random numbers; the script's draws stay as without memopt
+        plan, profile = _plan_for_trainer(trainer, budget=budget, sample=sample, plan=plan, hardware=hardware,
+                                          policy=policy, fidelity=fidelity, pins=pins, forbid=forbid,
+                                          use_cache=use_cache, recover=recover)
     if not plan.fits:
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")

@@ -81,6 +81,7 @@ class MicroBatchedTrainingStep:
         self.causal_lm = is_causal_lm(model) if causal_lm is None else causal_lm
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
+        self._loss_takes_num_items: bool | None = None
 
     # -- installing ------------------------------------------------------------------------------
     def install(self) -> MicroBatchedTrainingStep:
@@ -145,18 +146,48 @@ class MicroBatchedTrainingStep:
         if len(micro) == 1:
             return self._original(model, inputs, num_items_in_batch)
         tr = self.trainer
-        # the loss is already a share of the whole batch's when the Trainer divides by the batch's loss tokens
-        normalized = num_items_in_batch is not None and (
-            tr.compute_loss_func is not None or getattr(tr, "model_accepts_loss_kwargs", False))
+        # the loss is already a share of the whole batch's when it is divided by the batch's loss tokens: by the
+        # user's compute_loss_func, or by a model whose loss takes num_items_in_batch. The Trainer assumes the
+        # latter of every model whose forward takes **kwargs; T5 and other hand-written losses take the
+        # micro-batch's mean instead, and would be summed over the micro-batches. In one process the weighted
+        # means below are exact for either kind; across processes the batch's token count spans all of them, so
+        # a model that uses it keeps it (asked once: _model_loss_uses_num_items)
+        normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
+            getattr(tr, "model_accepts_loss_kwargs", False) and getattr(tr.args, "world_size", 1) > 1
+            and self._model_loss_uses_num_items(model, micro[0])))
         counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
         total_items = max(1, sum(counts))
         total: torch.Tensor | None = None
         for mb, n in zip(micro, counts):
+            # not normalized: each micro-batch's mean loss (num_items_in_batch withheld, so that no part of the
+            # Trainer divides by it) weighted by its share of the batch's loss items
             with contextlib.nullcontext() if normalized else self._weighted(n / total_items):
-                loss = self._original(model, mb, num_items_in_batch)
+                loss = self._original(model, mb, num_items_in_batch if normalized else None)
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def _model_loss_uses_num_items(self, model: torch.nn.Module, batch: dict[str, Any]) -> bool:
+        """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in
+        eval mode without gradients, with two item counts; the random state and the train mode are restored)."""
+        if self._loss_takes_num_items is None:
+            was_training = model.training
+            if not isinstance(batch, dict):
+                self._loss_takes_num_items = False
+                return False
+            devices = sorted({t.device.index or 0 for t in batch.values()
+                              if torch.is_tensor(t) and t.device.type == "cuda"})
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    model.eval()
+                    one, two = (model(**batch, num_items_in_batch=torch.tensor(n)).loss for n in (1, 2))
+                self._loss_takes_num_items = bool(torch.isfinite(one).item() and
+                                                  not torch.allclose(one, two, rtol=1e-3, atol=0.0))
+            except (TypeError, AttributeError):  # a forward that refuses it, or an output without .loss
+                self._loss_takes_num_items = False
+            finally:
+                model.train(was_training)
+        return self._loss_takes_num_items
 
     @contextlib.contextmanager
     def _weighted(self, weight: float) -> Iterator[None]:
