@@ -104,6 +104,8 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
             out[key] = 0.0
     if "qk_nope_head_dim" in out and "qk_rope_head_dim" in out and "qk_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention ropes qk_rope_head_dim
+        out["head_dim"] = out["qk_rope_head_dim"]
     _rope_lists(out)
     _token_ids(out, int(out.get("vocab_size") or vocab))
     for key in ("pad_token_id", "decoder_start_token_id"):  # classifiers pool at the padding token, seq2seq
