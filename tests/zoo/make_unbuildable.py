@@ -2,7 +2,8 @@
 pair: memopt's check; every other pair: the tiny build).
 
 Run after a transformers upgrade or a memopt fix: ``python -m tests.zoo.make_unbuildable`` (``--shard I/N`` runs
-every N-th pair into ``unbuildable.I.jsonl`` for N processes; ``--merge`` then writes the list from the shards).
+every N-th pair into ``unbuildable.I.jsonl`` for N processes; ``--merge`` then writes the list from the shards;
+``--recheck`` runs only the listed pairs again, after a fix).
 The zoo's tests fail while the list is out of date (a pair newly failing, or a listed pair that left the
 mappings or passes).
 """
@@ -44,6 +45,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--shard"]:
         index, count = (int(x) for x in argv[1].split("/"))
         _shard(index, count)
+    elif argv[:1] == ["--recheck"]:  # after a fix: only the listed pairs run again
+        full = representatives()
+        old = json.loads(UNBUILDABLE.read_text())["pairs"]
+        _write({pair: _reason(pair, full) for pair in old if pair in set(mapping_pairs())})
     elif argv[:1] == ["--merge"]:
         results: dict[str, str | None] = {}
         for part in sorted(UNBUILDABLE.parent.glob("unbuildable.*.jsonl")):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-HIDDEN, FFN, LAYERS, HEADS, HEAD_DIM, VOCAB, POSITIONS, IMAGE = 32, 64, 2, 2, 16, 256, 128, 32
+HIDDEN, FFN, LAYERS, HEADS, HEAD_DIM, VOCAB, POSITIONS, IMAGE = 32, 64, 2, 2, 16, 256, 128, 64
 
 # (size, names): a list, as several groups share a size
 _SIZES: list[tuple[int, tuple[str, ...]]] = [
