@@ -18,7 +18,8 @@ import torch
 
 from memopt.models.spec import SAMPLE_KEYS, ModelSpec, load_model_spec
 
-__all__ = ["BATCH_KEYS", "MLM_PROBABILITY", "SampleSpec", "expected_token_count", "make_batch", "token_count"]
+__all__ = ["BATCH_KEYS", "MLM_PROBABILITY", "SampleSpec", "config_vocab_size", "expected_token_count", "make_batch",
+           "token_count"]
 
 #: Fraction of positions that carry a masked-LM label (BERT's 15%).
 MLM_PROBABILITY = 0.15
@@ -315,6 +316,14 @@ def _mlm_count(seq_len: int) -> int:
     return max(1, round(MLM_PROBABILITY * seq_len))
 
 
+def config_vocab_size(cfg: Any) -> int | None:
+    """A config's vocabulary; a composite one (a vision-language model's) keeps it in its text config."""
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is None and callable(getattr(cfg, "get_text_config", None)):
+        vocab = getattr(cfg.get_text_config(), "vocab_size", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def make_batch(
     spec: ModelSpec | str | dict[str, Any],
     sample: SampleSpec | Mapping[str, Any] | None = None,
@@ -350,7 +359,10 @@ def make_batch(
         labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
         return {"pixel_values": pixels, "labels": labels}
 
-    vocab = int(cfg.vocab_size)
+    vocab = config_vocab_size(cfg)
+    if vocab is None:
+        raise ValueError(f"cannot make token batches for {type(cfg).__name__}: it has no vocab_size (nor its text "
+                         "config); pass a batch of your own as sample=")
     s = int(sample.seq_len)  # type: ignore[arg-type]
     input_ids = torch.randint(0, vocab, (b, s), generator=generator, device=device)
     if model.family == "causal_lm":

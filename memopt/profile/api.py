@@ -217,8 +217,10 @@ def _engine_facts(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _vocab_size(module: nn.Module) -> int | None:
-    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
-    return vocab if isinstance(vocab, int) else None
+    from memopt.models.sample import config_vocab_size
+
+    config = getattr(module, "config", None)
+    return None if config is None else config_vocab_size(config)
 
 
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
