@@ -111,13 +111,21 @@ def wrap_style(path: Path) -> list[dict[str, Any]]:
         out.append({"id": row["id"], **base, "strategy": strat, "measured_step_s": r["measured_step_s"],
                     "measured_kind": "step", "old_predicted_step_s": r.get("predicted_step_s"),
                     "source": f"{rel}:{n}"})
-        for k, t in enumerate(r.get("trials") or []):
-            ts = parse_label(t["strategy"])
-            if ts is None or t.get("score_s") is None:
-                continue
-            out.append({"id": f"{row['id']}/autotune{k}", **base, "strategy": ts, "measured_step_s": t["score_s"],
-                        "measured_kind": "autotune", "old_predicted_step_s": t["predicted_step_s"],
-                        "source": f"{rel}:{n} trials[{k}]"})
+        out += _trials(row["id"], base, r.get("trials"), f"{rel}:{n} trials")
+    return out
+
+
+def _trials(row_id: str, base: dict[str, Any], trials: list[dict[str, Any]] | None,
+            source: str) -> list[dict[str, Any]]:
+    """The autotune's measured candidates of one row, each as a row of its own."""
+    out = []
+    for k, t in enumerate(trials or []):
+        s = parse_label(t["strategy"])
+        if s is None or t.get("score_s") is None:
+            continue
+        out.append({"id": f"{row_id}/autotune{k}", **base, "strategy": s, "measured_step_s": t["score_s"],
+                    "measured_kind": "autotune", "old_predicted_step_s": t["predicted_step_s"],
+                    "source": f"{source}[{k}]"})
     return out
 
 
@@ -135,13 +143,7 @@ def zoo(path: Path) -> list[dict[str, Any]]:
                 out.append({"id": r["id"], **base, "strategy": s, "measured_step_s": r["measured_step_s"],
                             "measured_kind": "step", "old_predicted_step_s": r.get("predicted_step_s"),
                             "source": f"{rel}:{n}"})
-        for k, t in enumerate(r.get("autotune_trials") or []):
-            s = parse_label(t["strategy"])
-            if s is None or t.get("score_s") is None:
-                continue
-            out.append({"id": f"{r['id']}/autotune{k}", **base, "strategy": s, "measured_step_s": t["score_s"],
-                        "measured_kind": "autotune", "old_predicted_step_s": t["predicted_step_s"],
-                        "source": f"{rel}:{n} autotune_trials[{k}]"})
+        out += _trials(r["id"], base, r.get("autotune_trials"), f"{rel}:{n} autotune_trials")
     return out
 
 
