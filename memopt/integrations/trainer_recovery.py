@@ -41,6 +41,7 @@ from memopt.guard.recovery import (
     step_down,
 )
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
+from memopt.integrations.trainer_setup import preserved_random_state
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing
@@ -171,14 +172,12 @@ class MicroBatchedTrainingStep:
         """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in
         eval mode without gradients, with two item counts; the random state and the train mode are restored)."""
         if self._loss_takes_num_items is None:
-            was_training = model.training
             if not isinstance(batch, dict):
                 self._loss_takes_num_items = False
                 return False
-            devices = sorted({t.device.index or 0 for t in batch.values()
-                              if torch.is_tensor(t) and t.device.type == "cuda"})
+            was_training = model.training
             try:
-                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                with preserved_random_state(), torch.no_grad():
                     model.eval()
                     one, two = (model(**batch, num_items_in_batch=torch.tensor(n)).loss for n in (1, 2))
                 self._loss_takes_num_items = bool(torch.isfinite(one).item() and
