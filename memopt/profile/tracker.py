@@ -88,6 +88,12 @@ class TrackedRun:
         return best, at
 
 
+def _free_in(tracker: weakref.ref[MemoryTracker], sid: int) -> None:
+    live = tracker()
+    if live is not None:
+        live._free_storage(sid)
+
+
 class MemoryTracker(TorchDispatchMode):
     """Tracks live bytes of storages on one device type ('cuda', or 'cpu' when emulating a GPU)."""
 
@@ -156,7 +162,9 @@ class MemoryTracker(TorchDispatchMode):
         self._next_key += 1
         self._live[sid] = key
         self._alloc(key, nbytes, label)
-        weakref.finalize(storage, self._free_storage, sid)
+        # The finalizer must not hold the tracker: storages that outlive it (a real model's parameters and
+        # optimizer states) would keep it, its owner and through that the model alive for the process's life.
+        weakref.finalize(storage, _free_in, weakref.ref(self), sid)
         return key
 
     def _free_storage(self, sid: int) -> None:

@@ -145,3 +145,21 @@ def test_a_hugging_face_trainer_records_its_first_step(tmp_path):
     assert [p for p, _ in measured["timeline"]["phases"]] == ["forward", "backward", "optimizer"]
     assert report_main([str(run)]) == 0
     assert (run / "report" / "attribution.html").exists()
+
+
+def test_a_closed_recorded_run_releases_its_model(tmp_path):
+    """The recorder's per-storage finalizers outlive the step on every parameter and optimizer state; they must not
+    keep the tracker, and through it the model and its states, alive (on a GPU: a whole model's memory held for
+    the process's life, counted against the next run's plan)."""
+    import gc
+    import weakref
+
+    model, w, batch = _wrapped(tmp_path / "run")
+    w.attribution_step = 0
+    w.step(batch)
+    w.close()
+    assert (tmp_path / "run" / "attribution_measured.json").exists()
+    alive = weakref.ref(model)
+    del model, w
+    gc.collect()
+    assert alive() is None
