@@ -16,6 +16,7 @@ allocator's own peak, and whether every category is within 3% of the predicted p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -123,6 +124,10 @@ def run_one(name: str, family: str, base: str, overrides: dict[str, Any], sample
     import memopt
     from memopt.report import render_report
 
+    gc.collect()  # the previous model's memory must be gone: it would count as this run's
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, plan_sample, batch = _build(name, base, overrides, sample)
@@ -148,6 +153,7 @@ def run_one(name: str, family: str, base: str, overrides: dict[str, Any], sample
     row = {
         "model": name, "family": family, "base_config": base or None, "overrides": overrides, "sample": sample,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "allocated_before_bytes": allocated_before,
         "strategy": w.plan.strategy.label(), "budget_bytes": w.plan.budget_bytes, "step_recorded": measured["step"],
         "predicted_peak_allocated_bytes": peak, "measured_peak_allocated_bytes": measured["peak_allocated_bytes"],
         "allocator_peak_allocated_bytes": measured.get("allocator_peak_allocated_bytes"),

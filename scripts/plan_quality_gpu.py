@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def _timed(step: Any, steps: int) -> tuple[list[float], list[float]]:
     return times, losses
 
 
-def run_memopt(row: dict[str, Any], steps: int) -> dict[str, Any]:
+def run_memopt(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import memopt
@@ -90,6 +91,8 @@ def run_memopt(row: dict[str, Any], steps: int) -> dict[str, Any]:
     model, batch = _model_and_batch()
     t0 = time.perf_counter()
     wrapped = memopt.wrap(model, budget=BUDGET, sample=batch, fidelity=row["fidelity"], lr=1e-4)
+    partial.update(first_plan=wrapped.plan.strategy.label(), first_predicted_step_s=float(wrapped.plan.step_time_s),
+                   first_predicted_total_bytes=int(wrapped.plan.total_bytes))
     first = float(wrapped.step(batch))
     torch.cuda.synchronize()
     to_first = time.perf_counter() - t0
@@ -100,11 +103,26 @@ def run_memopt(row: dict[str, Any], steps: int) -> dict[str, Any]:
             "autotune": [n for n in plan.notes if n.startswith("autotune")]}
 
 
-def run_hand(row: dict[str, Any], steps: int) -> dict[str, Any]:
+def _outside_allocator_bytes() -> int:
+    """What this process holds on the GPU outside PyTorch's allocator (CUDA context, cuBLAS handle), measured once
+    a GEMM has run."""
+    import torch
+
+    x = torch.ones(256, 256, device="cuda")
+    (x @ x).sum().item()
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+def run_hand(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     model, batch = _model_and_batch()
-    torch.cuda.set_per_process_memory_fraction(BUDGET_BYTES / torch.cuda.get_device_properties(0).total_memory)
+    # the hard cap of the brief: the budget less what the process holds outside the allocator, as memopt's own
+    outside = _outside_allocator_bytes()
+    partial["outside_allocator_bytes"] = outside
+    torch.cuda.set_per_process_memory_fraction((BUDGET_BYTES - outside)
+                                               / torch.cuda.get_device_properties(0).total_memory)
     model = model.cuda().train()  # Hugging Face checkpoints only in training mode
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -139,15 +157,17 @@ def child(row_id: str, steps: int) -> None:
     row = next(r for r in rows() if r["id"] == row_id)
     out: dict[str, Any] = {"id": row_id, "config": row, "ok": False, "oom": False}
     try:
-        out.update(run_memopt(row, steps) if row["kind"] == "memopt" else run_hand(row, steps))
+        out.update((run_memopt if row["kind"] == "memopt" else run_hand)(row, steps, out))
         warm = out["step_times_s"][2:] or out["step_times_s"][-1:]
         out["measured_step_s"] = statistics.median(warm)
         out["tokens_per_s"] = BATCH * SEQ / out["measured_step_s"]
         out["ok"] = True
     except torch.cuda.OutOfMemoryError as exc:
         out["oom"], out["error"] = True, str(exc).splitlines()[0][:300]
+        out["traceback"] = traceback.format_exc()[-4000:]
     except Exception as exc:  # a row's failure is its result, the grid goes on
         out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        out["traceback"] = traceback.format_exc()[-4000:]
     out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
     print("ROW " + json.dumps(out), flush=True)

@@ -14,7 +14,11 @@ import warnings
 
 import torch
 
-__all__ = ["cap_allocator", "cap_to_plan", "outside_allocator_bytes", "set_expandable_segments"]
+__all__ = ["cap_allocator", "cap_to_plan", "outside_allocator_bytes", "room_taken_bytes", "room_taken_on_device",
+           "set_expandable_segments"]
+
+#: below this, what the device holds beyond the plan's runtime at wrap time is the runtime's own variation
+ROOM_TAKEN_THRESHOLD = 256 * 2**20
 
 
 def allocator_mode_in_force() -> bool | None:
@@ -119,3 +123,27 @@ def cap_to_plan(budget_bytes: int, runtime_bytes: int, device: torch.device) -> 
     torch.cuda.init()
     outside = max(outside_allocator_bytes(device.index), runtime_bytes)
     return cap_allocator(budget_bytes, outside, device.index)
+
+
+def room_taken_bytes(*, outside_bytes: int, runtime_bytes: int, allocated_bytes: int, model_bytes: int,
+                     threshold_bytes: int = ROOM_TAKEN_THRESHOLD) -> int:
+    """Of the budget, what is gone before the plan applies (0 below ``threshold_bytes``): memory this process holds
+    outside the allocator beyond the plan's predicted runtime (a library's own allocations; another process where
+    NVML cannot tell processes apart), and memory the allocator holds for tensors that are not the model's (an
+    evaluation model, a cache). The cap subtracts the first from the budget whatever the plan says, and the second
+    fills the allocator's share: a plan made for the whole budget would not fit under the cap it is given."""
+    taken = max(outside_bytes - runtime_bytes, 0) + max(allocated_bytes - model_bytes, 0)
+    return taken if taken >= threshold_bytes else 0
+
+
+def room_taken_on_device(model: torch.nn.Module, runtime_bytes: int, device: torch.device) -> int:
+    """``room_taken_bytes`` measured now on ``device`` (starts CUDA)."""
+    torch.cuda.init()
+    seen: set[int] = set()
+    model_bytes = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device == device and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            model_bytes += t.untyped_storage().nbytes()
+    return room_taken_bytes(outside_bytes=outside_allocator_bytes(device.index), runtime_bytes=runtime_bytes,
+                            allocated_bytes=int(torch.cuda.memory_allocated(device)), model_bytes=model_bytes)

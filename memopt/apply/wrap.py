@@ -32,6 +32,7 @@ from memopt.apply.batch import as_loss, check_batch
 from memopt.apply.budget import (
     allocator_mode_in_force,
     cap_to_plan,
+    room_taken_on_device,
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
@@ -65,6 +66,8 @@ class Wrapped:
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
         self._user_model = model
         self._budget = budget
+        self._plan_budget = budget  # what the planner may use: less than the budget when the device holds memory
+        self._cap_budget_bytes: int | None = None  # the cap's budget when the plan's is smaller (set with it)
         self._optimizer_arg = optimizer
         self._optimizer_kwargs = optimizer_kwargs
         self._loss_fn = loss_fn
@@ -118,11 +121,14 @@ class Wrapped:
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
         self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
-            self._user_model, sample, budget=self._budget, hardware=hw, policy=self._policy_args["policy"],
+            self._user_model, sample, budget=self._plan_budget, hardware=hw, policy=self._policy_args["policy"],
             fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
             optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration)
         self._plan_pins = merged_pins
         plan = self._replan(merged_pins)
+        if plan.fits and self.device.type == "cuda" and self._enforce_budget:
+            taken = room_taken_on_device(self._user_model, int(plan.prediction.get("runtime_bytes", 0)), self.device)
+            plan = self._plan_for_room_left(plan, merged_pins, taken) if taken else plan
         if not plan.fits:
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
         if plan.strategy.extra("sharding") is not None and user_opt is not None:
@@ -133,6 +139,23 @@ class Wrapped:
         # autotune among single-GPU candidates, which all failed to fit
         self._autotune_pending = self._autotune and plan.strategy.extra("sharding") is None
         return plan
+
+    def _plan_for_room_left(self, plan: Plan, pins: dict[str, Any], taken: int) -> Plan:
+        """Re-plan for what is left when ``taken`` bytes of the budget are already in use on the device by memory
+        the plan cannot own (``memopt.apply.budget.room_taken_bytes``); the cap still takes the user's budget, so
+        nothing is subtracted twice."""
+        self._cap_budget_bytes = plan.budget_bytes
+        self._plan_budget = max(plan.budget_bytes - taken, 0)
+        smaller = self._replan(pins)
+        taken_note = (f"{format_bytes(taken)} of the {format_bytes(plan.budget_bytes)} budget was already in use on "
+                      "the device when memopt.wrap planned (memory outside the allocator beyond the CUDA runtime, or "
+                      "tensors that are not the model's)")
+        if not smaller.fits:
+            reason = smaller.infeasible["message"] if smaller.infeasible else "no strategy fits"
+            raise ValueError(f"{taken_note}, and no plan fits in the {format_bytes(self._plan_budget)} left "
+                             f"({reason}); free that memory or raise the budget")
+        smaller.notes.append(f"{taken_note}: planned for the {format_bytes(self._plan_budget)} left")
+        return smaller
 
     def _apply(self, plan: Plan) -> None:
         if plan.strategy.extra("sharding") is not None:
@@ -147,8 +170,8 @@ class Wrapped:
         if cuda:
             torch.cuda.init()
             if self._enforce_budget:
-                self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
-                                                self.device)
+                self.cap_fraction = cap_to_plan(self._cap_budget_bytes or plan.budget_bytes,
+                                                int(plan.prediction.get("runtime_bytes", 0)), self.device)
         if self._checkpoint is not None and any(p.device.type == "meta" for p in model.parameters()):
             self._load_checkpoint(strategy)
         prepare_kwargs = self._prepare_kwargs()
@@ -162,7 +185,8 @@ class Wrapped:
 
         self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
                                        loss_fn=self._loss_fn, device=self.device, max_grad_norm=self._max_grad_norm,
-                                       lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint)
+                                       lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint,
+                                       cap_budget_bytes=self._cap_budget_bytes)
         self.cap_fraction = self._sharded.cap_fraction
 
     def _load_checkpoint(self, strategy: Any) -> None:

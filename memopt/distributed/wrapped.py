@@ -87,7 +87,7 @@ class ShardedWrapped:
 
     def __init__(self, model: nn.Module, plan: Any, *, optimizer_kwargs: dict[str, Any] | None = None,
                  loss_fn: Any = None, device: Any = None, max_grad_norm: float | None = None,
-                 lr_scheduler: Any = None, checkpoint: Any = None) -> None:
+                 lr_scheduler: Any = None, checkpoint: Any = None, cap_budget_bytes: int | None = None) -> None:
         strategy, setting = sharding_of(plan)
         self.plan, self.setting = plan, setting
         self.rank, local, world = _world()
@@ -113,8 +113,8 @@ class ShardedWrapped:
             from memopt.apply.budget import cap_to_plan, set_expandable_segments
 
             set_expandable_segments(strategy.expandable_segments)
-            self.cap_fraction = cap_to_plan(plan.budget_bytes, int(plan.prediction.get("runtime_bytes", 0)),
-                                            self.device)
+            self.cap_fraction = cap_to_plan(cap_budget_bytes or plan.budget_bytes,
+                                            int(plan.prediction.get("runtime_bytes", 0)), self.device)
         from memopt.blocks import find_block_stacks
         from memopt.models.hf_task import is_causal_lm
         from memopt.techniques.checkpointing import apply_checkpointing
