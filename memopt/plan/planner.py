@@ -145,7 +145,10 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             offload = None
             if result.best is None and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
                     and hw.supports_bf16:
-                offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start)
+                try:
+                    offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start)
+                except ValueError as exc:  # the model cannot run as the engine runs it: the single-GPU report stands
+                    notes.append(f"offloading the model states to the host was not possible: {exc}")
             # where an offload plan answers, the single-GPU report is only a note: its relaxations are given by
             # their trace-free floors
             plan = _build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store,

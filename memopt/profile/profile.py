@@ -181,6 +181,12 @@ class Profile:
         except TraceAlignmentError as exc:
             raise ValueError(f"memopt cannot extrapolate this model's memory over micro-batch sizes ({exc}); "
                              "its forward pass takes different code paths at micro-batch 1 and 2") from exc
+        except (RuntimeError, TypeError) as exc:
+            # the model's own step fails under this variant (an fp32 input meeting bf16 weights, say): the
+            # candidates that need it cannot run, which is the planner's to report, not a crash
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            self._failed[key] = f"the model's step fails as {key.label()} ({type(exc).__name__}: {first})"
+            raise ValueError(self._failed[key]) from exc
         for t in traces:
             self.variants[t.key] = t
         self.trace_s += time.perf_counter() - start
