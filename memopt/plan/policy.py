@@ -134,6 +134,14 @@ class Policy:
                     or (key == "adapter_rank" and isinstance(value, int))) and fidelity_of(key, value) not in allow:
                 problems.append(f"pinning {key}={value!r} needs fidelity allowance {fidelity_of(key, value)!r}, "
                                 f"which the policy does not allow (allowed: {', '.join(sorted(allow))})")
+        blocks, mode = pins.get("checkpoint_blocks"), pins.get("checkpointing")
+        if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks >= 1 and mode == "none":
+            problems.append(f"pins checkpointing='none' and checkpoint_blocks={blocks} contradict: checkpointing "
+                            f"none checkpoints no block; drop checkpoint_blocks, or pin checkpointing='full' to "
+                            f"checkpoint {blocks} block(s) of each stack")
+        if blocks == 0 and mode in ("full", "selective"):
+            problems.append(f"pins checkpointing={mode!r} and checkpoint_blocks=0 contradict: pin "
+                            "checkpointing='none' to checkpoint no block, or checkpoint_blocks >= 1")
         if "quantized_weights" in allow and "adapters" not in allow:
             problems.append("fidelity allowance 'quantized_weights' needs 'adapters' too: a quantized frozen base "
                             "trains nothing without adapters on it; use the preset 'qlora'")

@@ -41,6 +41,12 @@ CASES = [
     ({"hardware": "h100"}, ["hardware=h100"], ("h100_80gb",)),
     ({"nvme_path": "/no/such/dir"}, ["hardware.extra.nvme_path=/no/such/dir"], ("/no/such/dir", "does not exist")),
     ({"calibration": "ignor"}, ["calibration=ignor"], ("ignore",)),
+    ({"pins": {"checkpointing": "none", "checkpoint_blocks": 1}},
+     ["+policy.pins.checkpointing=none", "+policy.pins.checkpoint_blocks=1"],
+     ("checkpointing='none' and checkpoint_blocks=1 contradict", "checkpointing='full'")),
+    ({"pins": {"checkpointing": "full", "checkpoint_blocks": 0}},
+     ["+policy.pins.checkpointing=full", "+policy.pins.checkpoint_blocks=0"],
+     ("checkpoint_blocks=0 contradict", "checkpointing='none'")),
 ]
 
 
