@@ -33,7 +33,7 @@ from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
-from memopt.profile.profile import Profile
+from memopt.profile.profile import Profile, VariantFailed
 from memopt.profile.trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
@@ -308,7 +308,15 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
     if base_group == "amp" and not hw.supports_bf16:
         base_group = "fp32"
     cache: dict = {}
-    bounds = sorted((_optimistic(profile, s, hw, base_group, cache), i) for i, s in enumerate(cands))
+    try:
+        bounds = sorted((_optimistic(profile, s, hw, base_group, cache), i) for i, s in enumerate(cands))
+    except VariantFailed:
+        if base_group == "fp32":
+            raise
+        # the model cannot take a step in mixed precision (an op without a bf16 kernel): bound from fp32; the
+        # mixed-precision candidates are then refused one by one with the reason
+        base_group, cache = "fp32", {}
+        bounds = sorted((_optimistic(profile, s, hw, base_group, cache), i) for i, s in enumerate(cands))
     evaluated: list[Evaluated] = []
     top: list[Evaluated] = []  # fitting, by time
     too_big: list[Strategy] = []

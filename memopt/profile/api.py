@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from torch import nn
 
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.cuda_semantics import kernel_policy_for
-from memopt.profile.profile import Profile, cache_dir, spec_key, static_facts, structure_key
+from memopt.profile.profile import Profile, VariantFailed, cache_dir, spec_key, static_facts, structure_key
 from memopt.profile.trace import BatchFactory, VariantKey
 
 __all__ = ["default_variant", "profile_model", "resolve_model"]
@@ -260,7 +261,13 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     start = time.perf_counter()
     batch = int(sample_dict.get("batch_size", 1))
     for v in variants or [default_variant(hw)]:
-        prof.variant(v, micro_batch=batch)
+        try:
+            prof.variant(v, micro_batch=batch)
+        except VariantFailed:
+            if variants or v.precision == "fp32":
+                raise
+            # a model without bf16 kernels for some op may still train in fp32; the planner refuses the rest
+            prof.variant(dataclasses.replace(v, precision="fp32"), micro_batch=batch)
     prof.trace_s = max(prof.trace_s, time.perf_counter() - start) if not prof.trace_s else prof.trace_s
     return prof
 

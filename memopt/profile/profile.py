@@ -60,6 +60,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEMOPT_CACHE_DIR", Path.home() / ".cache" / "memopt"))
 
 
+class VariantFailed(ValueError):
+    """The model's own training step raises under a variant (an fp32 input meeting bf16 weights, an op without a
+    bf16 kernel): the candidates that need the variant cannot run; the planner refuses them with this reason."""
+
+
 @dataclass
 class Profile:
     """The recorded facts of one model, sample and target GPU stack."""
@@ -171,7 +176,7 @@ class Profile:
                 "profile the model again (memopt.profile(model, ...)) to trace it"
             )
         if key in self._failed:
-            raise ValueError(self._failed[key])
+            raise VariantFailed(self._failed[key])
         start = time.perf_counter()
         try:
             traces = trace_variant(self.model(), self._batch_factory, key, self._policy, loss_fn=self._loss_fn)
@@ -186,7 +191,7 @@ class Profile:
             # candidates that need it cannot run, which is the planner's to report, not a crash
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             self._failed[key] = f"the model's step fails as {key.label()} ({type(exc).__name__}: {first})"
-            raise ValueError(self._failed[key]) from exc
+            raise VariantFailed(self._failed[key]) from exc
         for t in traces:
             self.variants[t.key] = t
         self.trace_s += time.perf_counter() - start
