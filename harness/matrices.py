@@ -9,8 +9,8 @@ chunked cross-entropy, fp32/fp16/bf16 precision variants, micro-batching, the de
 
 from __future__ import annotations
 
+from harness.rows import Row
 from memopt.strategy import Checkpointing, Strategy
-from memopt.validation.rows import Row
 
 __all__ = ["MATRICES", "matrix"]
 

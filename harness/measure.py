@@ -12,8 +12,8 @@ import time
 import traceback
 from typing import Any
 
+from harness.rows import Row
 from memopt.apply.budget import process_device_bytes
-from memopt.validation.rows import Row
 
 __all__ = ["measure_row", "set_allocator_env"]
 
@@ -37,8 +37,8 @@ def measure_row(row: Row) -> dict[str, Any]:
     set_allocator_env(row.strategy.expandable_segments)
     import torch
 
-    from memopt.apply.prepare import prepare
     from memopt.models import SampleSpec, build_model, make_batch, with_overrides
+    from memopt.step.prepare import prepare
 
     result: dict[str, Any] = {"row": row.to_dict()}
     try:

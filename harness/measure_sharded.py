@@ -1,13 +1,13 @@
 """Measuring one sharded case on the GPU(s), one fresh process per rank (``python -m`` or ``torchrun -m``).
 
-As ``memopt.validation.measure``: the allocator is configured before CUDA starts, the model is built on the
+As ``harness.measure``: the allocator is configured before CUDA starts, the model is built on the
 GPU from its config and handed to the engine (DeepSpeed ``initialize`` or FSDP2 ``fully_shard``), the
 cache is emptied, the hard cap is set with ``torch.cuda.set_per_process_memory_fraction`` and the peak
 statistics are reset before the first step. Host RSS is sampled from ``/proc/self/status`` during the
 steps (pinned offload buffers count there). One JSON object per rank is written to ``--out`` + ``.rank<r>``.
 
-    python -m memopt.validation.measure_sharded --case '<ShardedCase JSON>' --out DIR/case
-    torchrun --nproc-per-node 2 -m memopt.validation.measure_sharded --case ... --out ...
+    python -m harness.measure_sharded --case '<ShardedCase JSON>' --out DIR/case
+    torchrun --nproc-per-node 2 -m harness.measure_sharded --case ... --out ...
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import Any
 
-from memopt.validation.measure import set_allocator_env
-from memopt.validation.sharded_cases import ShardedCase, case_deepspeed_config, model_facts
+from harness.measure import set_allocator_env
+from harness.sharded_cases import ShardedCase, case_deepspeed_config, model_facts
 
 __all__ = ["RssSampler", "free_port", "run_case"]
 

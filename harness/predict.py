@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
+from harness.rows import Row
+from memopt.estimate.allocator import simulate_allocator
+from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.hardware import load_hardware
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.simulate import simulate_step
-from memopt.validation.rows import Row
 
 __all__ = ["simulate_row"]
 

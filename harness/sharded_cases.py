@@ -2,7 +2,7 @@
 
 A ``ShardedCase`` is plain data (JSON round trip) naming a model, a global batch, an engine setting
 (DeepSpeed ZeRO-2/3 or FSDP2, CPU offload), checkpointing, a micro-batch and a hard per-GPU cap. The
-GPU side (``memopt.validation.measure_sharded``) runs it; ``predict_case`` says what memopt expects, with the
+GPU side (``harness.measure_sharded``) runs it; ``predict_case`` says what memopt expects, with the
 library's sharded estimate (``memopt.distributed.estimate``: the activation timeline joined with the engine's
 bytes at each point, reserved bytes per allocator pool, and the step time) -- the same one the planner uses.
 Reserved is modelled per allocator pool (one per CUDA stream); the default allocator's extra fragmentation

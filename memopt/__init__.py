@@ -15,7 +15,7 @@ from memopt.apply.wrap import Wrapped, wrap
 from memopt.categories import MemoryCategory
 from memopt.config.checks import InputError
 from memopt.estimate import Estimate
-from memopt.guard.recovery import MemoptLeakError, MemoptOOMError
+from memopt.guard.oom import MemoptLeakError, MemoptOOMError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan import Plan, Policy, make_plan
 from memopt.profile import Profile

@@ -10,11 +10,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ATTENTION_BACKENDS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy"]
+__all__ = ["ATTENTION_BACKENDS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy"]
 
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure")
-OPTIMIZERS: tuple[str, ...] = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit", "sgd", "user")
+# bitsandbytes' block-wise 8-bit AdamW, plain and paged: the optimizers of the 8bit_optimizer fidelity class
+EIGHT_BIT_OPTIMIZERS: tuple[str, ...] = ("adamw8bit", "paged_adamw8bit")
+OPTIMIZERS: tuple[str, ...] = ("adamw_fused", "adamw_foreach", "adamw", *EIGHT_BIT_OPTIMIZERS, "sgd", "user")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "efficient", "cudnn", "math", "flash_attn")
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -72,6 +74,10 @@ class Strategy:
 
     def extra(self, name: str, default: Any = None) -> Any:
         return dict(self.extras).get(name, default)
+
+    @property
+    def eight_bit_optimizer(self) -> bool:
+        return self.optimizer in EIGHT_BIT_OPTIMIZERS
 
     @property
     def global_batch(self) -> int:

@@ -19,6 +19,7 @@ __all__ = [
     "GiB",
     "KiB",
     "MiB",
+    "allocator_size",
     "format_bytes",
     "parse_budget",
     "parse_bytes",
@@ -52,6 +53,16 @@ _GRAMMAR_HELP = (
 def round_up(value: int, multiple: int) -> int:
     """Round ``value`` up to a multiple of ``multiple`` (both non-negative ints)."""
     return -(-value // multiple) * multiple
+
+
+ALLOCATOR_MIN_BLOCK = 512  # the CUDA caching allocator rounds every request up to a multiple of 512 bytes
+
+
+def allocator_size(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator hands out for a request of ``nbytes`` (0 stays 0)."""
+    if nbytes <= 0:
+        return 0
+    return round_up(nbytes, ALLOCATOR_MIN_BLOCK)
 
 
 def parse_bytes(text: str | int | float, *, what: str = "size") -> int:

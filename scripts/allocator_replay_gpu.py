@@ -40,7 +40,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from memopt.estimate.allocator import AllocatorConfig, CachingAllocatorSim, simulate_allocator  # noqa: E402
+from memopt.estimate.allocator import simulate_allocator  # noqa: E402
+from memopt.estimate.allocator_config import AllocatorConfig  # noqa: E402
+from memopt.estimate.allocator_sim import CachingAllocatorSim  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30

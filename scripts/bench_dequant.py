@@ -35,7 +35,8 @@ def _time(fn, repeats: int = 20) -> float:
 def bench(shapes: list[tuple[int, int]], tokens: int) -> list[dict]:
     import bitsandbytes as bnb
 
-    from memopt.techniques.quantization import QuantSetting, quantize_linear
+    from memopt.techniques.quantization import QuantSetting
+    from memopt.techniques.quantization_apply import quantize_linear
 
     rows = []
     for out_f, in_f in shapes:

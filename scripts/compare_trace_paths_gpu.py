@@ -74,7 +74,8 @@ def emulated_path():
 
 def _live_at_peak(run: Any) -> Counter:
     """Bytes alive at the run's peak, by the op that allocated them."""
-    from memopt.profile.tracker import ALLOC, allocator_size
+    from memopt.profile.tracker import ALLOC
+    from memopt.units import allocator_size
 
     _peak, at = run.peak()
     live: dict[int, tuple[int, str]] = {}
@@ -111,7 +112,7 @@ def _case(name: str, model: nn.Module, batch_fn: Any, sample: Any, strategy: Str
 
 
 def _measure(model: nn.Module, batch: dict[str, Any], strategy: Strategy) -> dict[str, Any]:
-    from memopt.apply.prepare import prepare
+    from memopt.step.prepare import prepare
 
     model = model.cuda()
     batch = {k: v.cuda() for k, v in batch.items()}
@@ -135,7 +136,7 @@ def t5_checkpoint_debug() -> dict[str, Any]:
     """memopt's checkpointing on T5 under bf16 autocast, with the checkpoint's debug trace on."""
     from torch.utils.checkpoint import set_checkpoint_debug_enabled
 
-    from memopt.apply.prepare import prepare
+    from memopt.step.prepare import prepare
 
     out: dict[str, Any] = {}
     for mode in ("full", "selective"):

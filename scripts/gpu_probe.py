@@ -151,10 +151,10 @@ def op_log(model_name: str, sample: dict, overrides: dict, strategy: dict) -> di
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from memopt.apply.prepare import prepare
+    from harness.measure import set_allocator_env
     from memopt.models import SampleSpec, build_model, make_batch, with_overrides
+    from memopt.step.prepare import prepare
     from memopt.strategy import Strategy
-    from memopt.validation.measure import set_allocator_env
 
     parsed = Strategy.from_dict(strategy)
     set_allocator_env(parsed.expandable_segments)  # the allocator of the measured rows (before CUDA starts)

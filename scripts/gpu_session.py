@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import transformers  # noqa: F401
 
+from harness.measure import measure_autotune, measure_row, measure_trainer, measure_wrap
+from harness.rows import Row
+from harness.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import parse_bytes
-from memopt.validation.measure import measure_autotune, measure_row, measure_trainer, measure_wrap
-from memopt.validation.rows import Row
-from memopt.validation.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = 804044800  # outside the allocator on the H200 (probe), for the hand-tuned rows' cap
@@ -423,7 +423,7 @@ def main() -> int:
                         help="folder of the plans the wrap part runs (default benchmarks/wrap/plans)")
     parser.add_argument("--wrap-width", type=int, default=1, help="wrap rows at a time (>1 invalidates timings)")
     parser.add_argument("--speed-cases", default="llama32_1b:40GiB",
-                        help="MODEL:BUDGET,... among the wrap cases (global batch from memopt.validation.wrap_cases)")
+                        help="MODEL:BUDGET,... among the wrap cases (global batch from harness.wrap_cases)")
     parser.add_argument("--rounds", type=int, default=3, help="speed3: interleaved rounds")
     parser.add_argument("--steps", type=int, default=10, help="speed3: steps a row in the rounds")
     parser.add_argument("--rediscover", action="store_true",

@@ -66,7 +66,7 @@ def one_run(args: argparse.Namespace, foreign: str, run_dir: Path, seed: int) ->
     import torch
 
     import memopt
-    from memopt.guard.recovery import reprepare
+    from memopt.guard.reapply import reprepare
     from memopt.models import build_model, with_overrides
 
     overrides = {"num_hidden_layers": args.layers}
@@ -116,7 +116,7 @@ def one_run(args: argparse.Namespace, foreign: str, run_dir: Path, seed: int) ->
     gc.collect()
     torch.cuda.empty_cache()
     if result["recovered"]:  # the reference: no foreign memory, no cap, switches plans at the same step
-        from memopt.apply.prepare import prepare  # the process keeps wrap's cap: the final plan fits under it
+        from memopt.step.prepare import prepare  # the process keeps wrap's cap: the final plan fits under it
 
         torch.manual_seed(0)
         ref_model = build_model(spec, device="cuda")

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import memopt
-from memopt.validation.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name
+from harness.wrap_cases import BUDGETS, CASES, HARDWARE, plan_name
 
 OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "wrap" / "plans"
 

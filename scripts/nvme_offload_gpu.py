@@ -17,7 +17,7 @@ libc). Steps:
    process never loads it);
 2. the async_io op and CPUAdam are JIT-built at the same time in two subprocesses, with timeouts and their logs kept
    in DIR; a failed aio build stops the run with its log tail (exit 2) -- it never hangs;
-3. the case (``memopt.validation.measure_sharded`` in a fresh process: ZeRO-3, ``offload_param`` and
+3. the case (``harness.measure_sharded`` in a fresh process: ZeRO-3, ``offload_param`` and
    ``offload_optimizer`` to ``--nvme-dir``, bf16, full checkpointing, a hard per-process GPU cap) and memopt's
    prediction of it (per-GPU peaks, host and NVMe bytes, step time), made here;
 4. DIR/nvme.json (everything) and DIR/nvme.md (one table row).
@@ -42,9 +42,9 @@ for p in (ROOT, ROOT / "scripts"):
 
 from validate_sharding_gpu import launch, prebuild_deepspeed_ops  # noqa: E402
 
+from harness.sharded_cases import ShardedCase, predict_case  # noqa: E402
 from memopt.strategy import Checkpointing  # noqa: E402
 from memopt.units import GiB  # noqa: E402
-from memopt.validation.sharded_cases import ShardedCase, predict_case  # noqa: E402
 
 #: the aio op's JIT build (12 C++ files and pin_memory) and CPUAdam's run side by side; ~2 min on 16 cores
 BUILD_TIMEOUT_S = 240.0

@@ -38,7 +38,7 @@ def _sync() -> None:
 def make_checkpoint(spec: str, out_dir: Path, shard_bytes: int = 2 * 10**9) -> list[Path]:
     from safetensors.torch import save_file
 
-    from memopt.techniques.quantization import model_skeleton
+    from memopt.techniques.quantized_load import model_skeleton
 
     out_dir.mkdir(parents=True, exist_ok=True)
     skeleton = model_skeleton(spec)
@@ -73,7 +73,7 @@ def run(plan_path: Path, ckpt_dir: Path, steps: int, cap: bool = True) -> dict:
     from memopt.models import SampleSpec, make_batch
     from memopt.plan import Plan
     from memopt.techniques.precision import weight_dtype
-    from memopt.techniques.quantization import load_peak_bytes, model_skeleton
+    from memopt.techniques.quantized_load import load_peak_bytes, model_skeleton
 
     plan = Plan.load(plan_path)
     spec = plan.model["name"]

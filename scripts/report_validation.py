@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memopt.validation.predict import estimate_row
-from memopt.validation.rows import Row
+from harness.predict import estimate_row
+from harness.rows import Row
 
 GiB = 2**30
 

@@ -49,7 +49,7 @@ def plan_row(plan_path: Path, row_path: Path) -> dict[str, Any]:
 
 
 def case_row(row_path: Path) -> dict[str, Any]:
-    from memopt.validation import sharded_cases as sc
+    from harness import sharded_cases as sc
 
     row = json.loads(row_path.read_text())
     case = sc.ShardedCase.from_dict(row["case"])

@@ -23,9 +23,9 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() mu
 import torch
 import transformers  # noqa: F401
 
-from memopt.validation.matrices import matrix
-from memopt.validation.measure import measure_row
-from memopt.validation.rows import Row
+from harness.matrices import matrix
+from harness.measure import measure_row
+from harness.rows import Row
 
 
 def run_forked(row: Row, timeout_s: float) -> dict:

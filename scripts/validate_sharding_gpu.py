@@ -7,7 +7,7 @@ Run (repo root, on one H200; see benchmarks/sharding/README.md):
     python3 scripts/validate_sharding_gpu.py --two-gpu --out $OUT/sharding_x2 --deadline 500   # 2 x H200
     python3 scripts/validate_sharding_gpu.py --report DIR [DIR ...] --out benchmarks/sharding/sharding_h200
 
-Each case runs in a fresh subprocess (``python -m memopt.validation.measure_sharded``, or ``torchrun
+Each case runs in a fresh subprocess (``python -m harness.measure_sharded``, or ``torchrun
 --nproc-per-node 2`` for the two-GPU cases) so allocator settings and DeepSpeed state do not leak. This
 process computes memopt's choice (checkpointing and micro-batch under the cap) and prediction on the CPU
 first, then appends one JSON line per case and rank to DIR/results.jsonl. Baselines try their
@@ -32,9 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from memopt.distributed.sharding import prepare_deepspeed_build_env  # noqa: E402
-from memopt.units import GiB  # noqa: E402
-from memopt.validation.sharded_cases import (  # noqa: E402
+from harness.sharded_cases import (  # noqa: E402
     ShardedCase,
     choose_memopt_setting,
     diagnostic_fsdp2_cases,
@@ -44,6 +42,8 @@ from memopt.validation.sharded_cases import (  # noqa: E402
     single_gpu_cases,
     two_gpu_cases,
 )
+from memopt.distributed.sharding import prepare_deepspeed_build_env  # noqa: E402
+from memopt.units import GiB  # noqa: E402
 
 #: seconds a case takes beyond its steps (build, engine init, pinning host buffers), for the deadline
 CASE_OVERHEAD_S = 75.0
@@ -100,10 +100,10 @@ def launch(case: ShardedCase, prefix: Path, timeout: float) -> list[dict[str, An
     """Run one case in fresh process(es); the rows its ranks wrote (or one error row)."""
     case_json = json.dumps(case.to_dict())
     if case.world_size == 1:
-        cmd = [sys.executable, "-m", "memopt.validation.measure_sharded", "--case", case_json, "--out", str(prefix)]
+        cmd = [sys.executable, "-m", "harness.measure_sharded", "--case", case_json, "--out", str(prefix)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.world_size}",
-               "-m", "memopt.validation.measure_sharded", "--case", case_json, "--out", str(prefix)]
+               "-m", "harness.measure_sharded", "--case", case_json, "--out", str(prefix)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if case.world_size > 1 and "OMP_NUM_THREADS" not in env:
         # torchrun sets OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeed's CPUAdam (OpenMP) one core per

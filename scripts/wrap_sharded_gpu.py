@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 def make(args: argparse.Namespace) -> int:
     import memopt
-    from memopt.plan.planner import resolve_hardware, resolve_policy
+    from memopt.plan.context import resolve_hardware, resolve_policy
     from memopt.plan.sharded import plan_sharded, sharding_settings
     from memopt.units import parse_budget, parse_bytes
 
@@ -52,17 +52,17 @@ def make(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from harness.measure import set_allocator_env
     from memopt.plan.schema import Plan
-    from memopt.validation.measure import set_allocator_env
 
     plan = Plan.load(args.plan)
     set_allocator_env(plan.strategy.expandable_segments)  # before CUDA initializes
     import torch
 
     import memopt
+    from harness.measure_sharded import timed_steps
     from memopt.hardware import load_hardware
     from memopt.models import SampleSpec, build_model, make_batch
-    from memopt.validation.measure_sharded import timed_steps
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.reset_peak_memory_stats()
     losses, times = timed_steps(wrapped.step, batch, args.steps)
     alloc, res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    from harness.measure_sharded import pools_by_stream
     from memopt.apply.budget import process_device_bytes
-    from memopt.validation.measure_sharded import pools_by_stream
 
     own = process_device_bytes(local)
     free, _ = torch.cuda.mem_get_info(local)

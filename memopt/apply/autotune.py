@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.batch import to_device
-from memopt.apply.prepare import Prepared, prepare
-from memopt.apply.train_step import count_loss_items, split_batch
 from memopt.plan.schema import Plan
+from memopt.step.batch import to_device
+from memopt.step.prepare import Prepared, prepare
+from memopt.step.train_step import count_loss_items, split_batch
 
 __all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "frontier", "time_passes"]
 

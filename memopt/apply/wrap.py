@@ -6,7 +6,7 @@
     ...     loss = wrapped.step(batch)
 
 Any batch structure works (a tensor, an ``(x, y)`` tuple, a dict, nested), with the loss from the model's
-``.loss``, ``loss_fn(output, batch)`` or ``training_step(model, batch)``: ``memopt.apply.batch``. A plan that
+``.loss``, ``loss_fn(output, batch)`` or ``training_step(model, batch)``: ``memopt.step.batch``. A plan that
 offloads the model states (nothing fits on the GPU alone) is applied in this process by its engine
 (``memopt.distributed.wrapped``, a one-process group started for it).
 
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memopt.apply.batch import as_loss, check_batch
 from memopt.apply.budget import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -36,12 +35,14 @@ from memopt.apply.budget import (
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
-from memopt.apply.prepare import Prepared, prepare
-from memopt.apply.train_step import count_loss_items
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, is_trainer, optimizer_choice
-from memopt.guard.recovery import StepTransaction
-from memopt.plan.planner import make_plan, resolve_hardware
+from memopt.guard.transaction import StepTransaction
+from memopt.plan.context import resolve_hardware
+from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
+from memopt.step.batch import as_loss, check_batch
+from memopt.step.prepare import Prepared, prepare
+from memopt.step.train_step import count_loss_items
 from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes, parse_budget
 
@@ -193,7 +194,8 @@ class Wrapped:
         """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
         quantized as they load (the peak allocated meanwhile is kept in ``load_peak_allocated_bytes``)."""
         from memopt.techniques.precision import weight_dtype
-        from memopt.techniques.quantization import QuantSetting, load_quantized
+        from memopt.techniques.quantization import QuantSetting
+        from memopt.techniques.quantized_load import load_quantized
 
         q = strategy.extra("quantization")
         cuda = self.device.type == "cuda"
@@ -241,7 +243,8 @@ class Wrapped:
 
     def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
         """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
-        from memopt.guard.recovery import PlanEscalator, PreparedReplanner, step_down
+        from memopt.guard.escalation import PlanEscalator, step_down
+        from memopt.guard.reapply import PreparedReplanner
         from memopt.guard.runtime import RuntimeGuard
 
         escalate = step_down
@@ -284,7 +287,7 @@ class Wrapped:
 
     def step(self, batch: Any) -> float:
         """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
-        ``memopt.apply.batch``); returns its mean loss."""
+        ``memopt.step.batch``); returns its mean loss."""
         check_batch(batch)
         if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
@@ -420,7 +423,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``. ``optimizer`` is a
     name ('adamw' lets memopt choose among AdamW variants the policy allows, 'sgd', ...) with
     ``lr``/``weight_decay``/``betas``/``optimizer_kwargs``, or a callable taking the parameters. The loss is made by
-    the batch contract of ``memopt.apply.batch``: ``training_step(model, batch) -> loss`` when given (a
+    the batch contract of ``memopt.step.batch``: ``training_step(model, batch) -> loss`` when given (a
     Lightning-style step: you call the model), else the model called on the batch (a dict's keys that ``forward``
     takes, a tensor, or a tuple/list ``(inputs..., target)``) and ``loss_fn(output, batch)`` or the output's
     ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. On a GPU the
@@ -466,7 +469,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                             fidelity=fidelity, pins=pins, forbid=forbid, enforce_budget=enforce_budget,
                             use_cache=use_cache, recover=guard, transaction=transaction)
     if checkpoint is not None and not isinstance(target, nn.Module):
-        from memopt.techniques.quantization import model_skeleton
+        from memopt.techniques.quantized_load import model_skeleton
 
         target = model_skeleton(target)
     if not isinstance(target, nn.Module):

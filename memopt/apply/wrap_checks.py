@@ -8,9 +8,11 @@ from typing import Any
 
 from torch import nn
 
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+
 __all__ = ["batchnorm_warning", "check_model", "is_trainer", "optimizer_choice"]
 
-_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", "adamw8bit", "paged_adamw8bit")
+_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", *EIGHT_BIT_OPTIMIZERS)
 
 
 def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:

@@ -157,7 +157,7 @@ def check_hardware(hardware: Any, problems: list[str]) -> Any:
         problems.append(f"unknown hardware {hardware!r}{closest(hardware, names)}; shipped: {', '.join(names)}, "
                         "or 'auto' for the local GPU")
         return None
-    from memopt.plan.planner import resolve_hardware
+    from memopt.plan.context import resolve_hardware
 
     try:
         return resolve_hardware(hardware)
@@ -287,17 +287,17 @@ def check_model_keys(spec: Any, problems: list[str], *, key: str = "model.hf_con
     """Every ``hf_config`` key of a model spec is a field of its family's transformers config class
     (transformers itself would keep a typo such as ``hiden_size`` as an unused attribute and build the
     default-sized model)."""
-    from memopt.models.build import _EXTRA_CONFIG_KWARGS, _config_class
+    from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
 
     hf = getattr(spec, "hf_config", None)
     if not isinstance(hf, Mapping) or "model_type" not in hf:
         return
     try:
-        cls = _config_class(str(hf["model_type"]))
+        cls = config_class(str(hf["model_type"]))
     except ValueError as exc:
         problems.append(f"{key}.model_type: {exc}")
         return
-    known = _config_keys(cls) | set(_EXTRA_CONFIG_KWARGS) | {"model_type"}
+    known = _config_keys(cls) | set(EXTRA_CONFIG_KWARGS) | {"model_type"}
     for name in sorted(set(hf) - known):
         problems.append(f"{key}.{name} is not a field of {cls.__name__}{closest(name, sorted(known))}; remove it or "
                         "use one of the config's fields")
@@ -354,7 +354,7 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
                     calibration: Any = "use", allow_plan_mismatch: bool = False) -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
-    from memopt.plan.planner import CALIBRATION_MODES
+    from memopt.plan.calibrate import CALIBRATION_MODES
 
     problems: list[str] = []
     hw = None

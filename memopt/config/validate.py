@@ -110,7 +110,7 @@ def resolve(cfg: Any) -> PlanRequest:
     """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem. The
     checks are those of the Python API (:mod:`memopt.config.checks`), with the config's key names."""
     from memopt.config import checks
-    from memopt.plan.planner import CALIBRATION_MODES
+    from memopt.plan.calibrate import CALIBRATION_MODES
     from memopt.units import format_bytes
 
     data = to_plain(cfg)
@@ -173,7 +173,7 @@ def resolve(cfg: Any) -> PlanRequest:
 def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
     from memopt.config import checks
     from memopt.hardware import hardware_names, load_hardware
-    from memopt.plan.planner import resolve_hardware
+    from memopt.plan.context import resolve_hardware
 
     node = dict(node)
     extra = {k: v for k, v in (node.get("extra") or {}).items() if v is not None}

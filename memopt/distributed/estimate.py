@@ -160,7 +160,8 @@ def _fold(trace: Any, events: Sequence[tuple[int, int, int, int]], b: int, grads
           inserted: Sequence[tuple[int, int]] = ()) -> tuple[int, int]:
     """(net, peak above start) of a segment's events at micro-batch ``b``; gradient allocations are
     ``"transient"`` (allocated and freed at once) or ``"skip"``."""
-    from memopt.profile.tracker import ALLOC, allocator_size
+    from memopt.profile.tracker import ALLOC
+    from memopt.units import allocator_size
 
     cur = peak = 0
     j = 0
@@ -194,9 +195,9 @@ def activation_timeline(profile: Any, strategy: Strategy, *, grads: str = "trans
     per-block checkpointing modes); parameters, gradients kept across micro-batches and optimizer states are not
     included (the engine model adds them).
     """
-    from memopt.estimate.compose import _deferred_for, _index, pass_layout
-    from memopt.estimate.estimator import _input_size, step_plan
-    from memopt.profile.tracker import allocator_size
+    from memopt.estimate.compose import deferred_for, pass_layout, trace_index
+    from memopt.estimate.estimator import input_size_bytes, step_plan
+    from memopt.units import allocator_size
 
     if grads not in ("transient", "skip"):
         raise ValueError(f"grads must be 'transient' or 'skip', got {grads!r}")
@@ -205,21 +206,21 @@ def activation_timeline(profile: Any, strategy: Strategy, *, grads: str = "trans
     traces = {k: profile.variant(k, b) for k in sp.variants}
     layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)
     base_trace = traces[sp.base]
-    level = sum(allocator_size(_input_size(base_trace, b1, b2, b)) for b1, b2 in base_trace.input_sizes)
+    level = sum(allocator_size(input_size_bytes(base_trace, b1, b2, b)) for b1, b2 in base_trace.input_sizes)
     out: list[TimelinePoint] = []
     folded: dict[tuple[Any, int], tuple[int, int]] = {}  # a block segment folds the same at every position
     for part, insts in (("forward", layout.forward), ("backward", layout.backward)):
         seen_block = False
         for inst in insts:
             trace = traces[inst.variant]
-            idx = _index(trace)
+            idx = trace_index(trace)
             if inst.block is not None:
                 if (inst.variant, inst.segment) not in folded:
                     folded[inst.variant, inst.segment] = _fold(trace, trace.segments[inst.segment].events, b, grads)
                 net, peak = folded[inst.variant, inst.segment]
             else:
                 inserted = []
-                for pos, _s, _p, _role, _ai, lo, hi, mode, key in _deferred_for(traces, layout, inst):
+                for pos, _s, _p, _role, _ai, lo, hi, mode, key in deferred_for(traces, layout, inst):
                     t = traces[mode]
                     if key in t.grad_keys and grads == "skip":
                         continue
@@ -495,7 +496,8 @@ def default_pool_slack(profile: Any, strategy: Strategy) -> int:
     and 2.38 GiB (one GPU, 4 x 1), 1.12 GiB (one GPU, 2 x 2) and 2.14 GiB (two GPUs, 4 x 1): 0.52 to 0.61 of the
     largest tensor (raw/session6_x1, raw/session8_x2)."""
     from memopt.estimate.estimator import step_plan
-    from memopt.profile.tracker import ALLOC, allocator_size
+    from memopt.profile.tracker import ALLOC
+    from memopt.units import allocator_size
 
     b = strategy.micro_batch_size
     base = step_plan(profile, strategy).base

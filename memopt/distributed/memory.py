@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+
 __all__ = [
     "DEEPSPEED_EXTRA_BYTES",
     "DS_DEFAULT_ALLGATHER_BUCKET",
@@ -150,7 +152,7 @@ def state_bytes(engine: str, precision: str = "bf16_autocast", optimizer: str = 
     (DeepSpeed has no such mode: it is mapped to its bf16 mode). 8-bit optimizers are not sharded by
     either engine here and raise.
     """
-    if optimizer in ("adamw8bit", "paged_adamw8bit"):
+    if optimizer in EIGHT_BIT_OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} (bitsandbytes) is not supported with sharding; use adamw_fused "
                          "(FSDP2 shards torch optimizers) or DeepSpeed's own Adam")
     factor = _OPTIM_STATE_FACTOR.get(optimizer, 2)

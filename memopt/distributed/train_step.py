@@ -5,7 +5,7 @@ micro-batch the ranks sum their loss-token counts (one small all-reduce), so mic
 ``r`` with ``n_i`` tokens contributes ``loss_i * n_i / N`` to the gradient, ``N`` being the count of the
 whole global batch. The engines average gradients over the ``W`` data-parallel ranks, so the loss that
 goes backward is ``loss_i * n_i * W / N``: the reduced gradient is then exactly the gradient of the
-global batch's mean loss, whatever the ranks' token counts — as ``memopt.apply.train_step.TrainStep`` on
+global batch's mean loss, whatever the ranks' token counts — as ``memopt.step.train_step.TrainStep`` on
 one GPU. The returned loss is the global batch's mean (a second small all-reduce).
 
 FSDP2 reduce-scatters each micro-batch's gradients (the sharded gradients accumulate; keeping unsharded
@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from memopt.apply import batch as _batch
-from memopt.apply.train_step import TrainStep, _to, count_loss_items, split_batch
+from memopt.step import batch as _batch
+from memopt.step.train_step import TrainStep, count_loss_items, micro_batch_to, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
 
 
 def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s contiguous share of a global batch (samples along dim 0, divisible by ``world_size``; any
-    batch structure of ``memopt.apply.batch``)."""
+    batch structure of ``memopt.step.batch``)."""
     return _batch.shard(batch, rank, world_size)
 
 
@@ -127,7 +127,7 @@ class DistributedTrainStep(TrainStep):
                 sync = self.model.no_sync()
             with sync:
                 self._phase(f"forward[{i}]")
-                loss = self.loss(_to(mb, self.device))
+                loss = self.loss(micro_batch_to(mb, self.device))
                 self._phase(f"backward[{i}]")
                 self.backward(loss * (n * w / total_items))
             value = float(loss.detach())
@@ -153,7 +153,7 @@ class DistributedTrainStep(TrainStep):
             # the engine's forward by the batch contract; its output (a language model's logits: 1.05 GB at 2 x 2048
             # tokens of Llama-3.2-1B) is not needed by backward and is dropped inside compute_loss: held through
             # backward, it sat on the peak (measured on the H200, raw/session8_call2)
-            loss = _batch.compute_loss(engine, _to(mb, device), self.loss_fn)
+            loss = _batch.compute_loss(engine, micro_batch_to(mb, device), self.loss_fn)
             self._phase(f"backward[{i}]")
             engine.backward(loss * (n * w / total_items), scale_wrt_gas=False)
             engine.step()

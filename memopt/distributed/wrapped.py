@@ -175,9 +175,9 @@ class ShardedWrapped:
                                  **({"fused": True} if on_gpu else {"foreach": True}))
 
     def step(self, batch: Any) -> float:
-        """One optimizer step; ``batch`` (any structure of ``memopt.apply.batch``) is this rank's share of the
+        """One optimizer step; ``batch`` (any structure of ``memopt.step.batch``) is this rank's share of the
         global batch, or the whole global batch."""
-        from memopt.apply.batch import check_batch
+        from memopt.step.batch import check_batch
 
         global_batch = int(getattr(self.plan, "global_batch", 0))
         if self.setting.world_size > 1 and check_batch(batch) == global_batch:

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from memopt.categories import MemoryCategory
-from memopt.estimate.compose import _index, allocated_peak, event_stream, pass_layout
+from memopt.estimate.compose import allocated_peak, event_stream, pass_layout, trace_index
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
 from memopt.profile.trace import VariantTrace, traced_unit
-from memopt.profile.tracker import ALLOC, allocator_size
+from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
+from memopt.units import allocator_size
 
 __all__ = ["predict_attribution", "split_exact"]
 
@@ -59,7 +60,7 @@ def split_exact(total: int, weights: dict[str, int]) -> dict[str, int]:
     return base
 
 
-class _Table:
+class AttributionTable:
     """Bytes by (group, module pattern, category), plus the individual tensors for the largest-tensor list."""
 
     def __init__(self) -> None:
@@ -126,7 +127,7 @@ def _times(stack: int, unit: int, traced: Sequence[int], full: Sequence[int]) ->
 
 
 def _static_entries(profile: Any, trace: VariantTrace, static: dict[MemoryCategory, int], master_bytes: int,
-                    table: _Table) -> dict[str, list[tuple[list[tuple[tuple[int, ...], str]], int]]]:
+                    table: AttributionTable) -> dict[str, list[tuple[list[tuple[tuple[int, ...], str]], int]]]:
     """Parameters, buffers, master copies, inputs and workspaces into ``table``; returns each group's trainable
     parameters as (one traced unit's list, how many times it repeats), for the optimizer states."""
     rec = trace.attribution
@@ -202,7 +203,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     module and category, with the ``top`` largest live tensors and the predicted memory over the second step
     (``timeline``) and the first (``timeline_first_step``). ``prediction``: the strategy's
     ``Estimate.to_dict()`` when known (else estimated here)."""
-    from memopt.estimate.estimator import _static, estimate_strategy, step_plan
+    from memopt.estimate.estimator import estimate_strategy, static_bytes, step_plan
 
     if prediction is None:
         prediction = estimate_strategy(profile, strategy, hardware=hardware).to_dict()
@@ -212,7 +213,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)
     opt = profile.optimizer(strategy.precision, strategy.optimizer, base)
     b, m = strategy.micro_batch_size, strategy.grad_accum_steps
-    static, _ = _static(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
+    static, _ = static_bytes(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
     for t in traces.values():
         _record(t)
     peak = allocated_peak(traces, layout, b, m, opt, static)
@@ -231,7 +232,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     states_weights = None
     tables = {}
     for name, (_lvl, at) in (("peak", best[0]), ("step1", best[1]), ("step2", best[2])):
-        table = _Table()
+        table = AttributionTable()
         params = _static_entries(profile, base, static, opt.master_bytes, table)
         if states_weights is None:
             states_weights = _states_by_group(profile, strategy, params)
@@ -263,7 +264,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
 UNPLACED = "unplaced (composition)"
 
 
-def _add_residual(table: _Table, breakdown: dict[MemoryCategory, int]) -> None:
+def _add_residual(table: AttributionTable, breakdown: dict[MemoryCategory, int]) -> None:
     """Where the composed summaries (the plan's allocated peak) and the composed event stream disagree -- the
     stream frees, at the end of a micro-batch, bytes the summaries keep -- the difference per category is a row
     of its own, so the table still adds up to the plan's figures and the disagreement stays visible."""
@@ -329,7 +330,7 @@ def _live(events: list[tuple[int, int, int]], at: int) -> dict[int, int]:
     return live
 
 
-def _add_live(table: _Table, live: dict[int, int], origins: dict[int, Any], traces: dict, layout: Any,
+def _add_live(table: AttributionTable, live: dict[int, int], origins: dict[int, Any], traces: dict, layout: Any,
               opt: Any) -> int:
     """The step's live allocations into ``table``; returns the optimizer-state bytes among them (split later)."""
     states = 0
@@ -348,7 +349,7 @@ def _add_live(table: _Table, live: dict[int, int], origins: dict[int, Any], trac
         rec = trace.attribution
         stacks = rec["stacks"]
         module, op = alloc.get(tkey, ("", ""))
-        cat = _index(trace).categories.get(tkey, Cat.TEMPORARIES)
+        cat = trace_index(trace).categories.get(tkey, Cat.TEMPORARIES)
         if tkey in grads:
             module = grads[tkey]
         phase = trace.segments[inst.segment].name

@@ -34,7 +34,8 @@ from typing import Any
 
 from memopt.categories import MemoryCategory
 from memopt.profile.trace import OptimizerTrace, VariantKey, VariantTrace, traced_unit
-from memopt.profile.tracker import ALLOC, FREE, allocator_size
+from memopt.profile.tracker import ALLOC, FREE
+from memopt.units import allocator_size
 
 __all__ = ["Instance", "PassLayout", "PeakResult", "allocated_peak", "event_stream", "pass_layout"]
 
@@ -85,7 +86,7 @@ def _unit_names(stack: int, unit: int, last: int) -> tuple[list[str], list[str]]
     return fwd, bwd
 
 
-def _index(trace: VariantTrace) -> _Index:
+def trace_index(trace: VariantTrace) -> _Index:
     cached = trace.__dict__.get("_index")
     if cached is not None:
         return cached
@@ -217,7 +218,7 @@ def pass_layout(traces: dict[VariantKey, VariantTrace], base: VariantKey, block_
     ``block_modes[s][p]`` is the variant of block ``p`` of stack ``s``; other segments come from ``base``.
     """
     trace = traces[base]
-    index = _index(trace)
+    index = trace_index(trace)
     forward: list[Instance] = []
     backward: list[Instance] = []
     expanded: set[tuple[int, bool]] = set()
@@ -236,14 +237,14 @@ def pass_layout(traces: dict[VariantKey, VariantTrace], base: VariantKey, block_
             mode = block_modes[s][p]
             u = _traced_unit(p, full, traced)
             fwd, bwd = _unit_names(s, u, traced - 1)
-            by_name = _index(traces[mode]).by_name
+            by_name = trace_index(traces[mode]).by_name
             for name in fwd if is_fwd else bwd:
                 if name in by_name:
                     target.append(Instance(mode, by_name[name], (s, p), u))
     return PassLayout(forward=forward, backward=backward, block_modes=block_modes, full_counts=full_counts)
 
 
-def _deferred_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, inst: Instance
+def deferred_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, inst: Instance
                   ) -> list[tuple[int, int, int, str, int, int, int, VariantKey, int]]:
     """Frees that a non-block segment makes of block bytes, for every block position of the full model:
     (position in the core events, stack, block position, role, allocation index, lo, hi, block variant,
@@ -254,7 +255,7 @@ def _deferred_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, in
         full = layout.full_counts[s]
         for p, mode in enumerate(modes):
             t = traces[mode]
-            idx = _index(t)
+            idx = trace_index(t)
             g = idx.by_name.get(name)
             if g is None:
                 continue
@@ -280,13 +281,13 @@ def _released_for(traces: dict[VariantKey, VariantTrace], layout: PassLayout, in
     trace = traces[inst.variant]
     name = trace.segments[inst.segment].name
     s, p = inst.block
-    end = len(_index(trace).unit_core.get(inst.segment, trace.segments[inst.segment].events))
+    end = len(trace_index(trace).unit_core.get(inst.segment, trace.segments[inst.segment].events))
     full = layout.full_counts[s]
     out = []
     for q in range(p + 1, full):
         mode = layout.block_modes[s][q]
         t = traces[mode]
-        idx = _index(t)
+        idx = trace_index(t)
         g = idx.by_name.get(name)
         if g is None:
             continue
@@ -304,7 +305,7 @@ def _has_releases(traces: dict[VariantKey, VariantTrace], layout: PassLayout, in
         return False
     name = traces[inst.variant].segments[inst.segment].name
     for mode in set(layout.block_modes[inst.block[0]]) | {inst.variant}:
-        idx = _index(traces[mode])
+        idx = trace_index(traces[mode])
         g = idx.by_name.get(name)
         if g is not None and g in idx.released:
             return True
@@ -325,7 +326,7 @@ def _summarize(trace: VariantTrace, events: list[tuple[int, int, int, int]], b: 
                inserted: list[tuple[int, int, MemoryCategory]] | None = None) -> Summary:
     """Fold events (sizes at micro-batch ``b``); ``inserted`` frees (position, bytes, category) go before the
     event at that position."""
-    idx = _index(trace)
+    idx = trace_index(trace)
     cur = peak = grads = 0
     by_cat: dict[MemoryCategory, int] = defaultdict(int)
     at_peak: dict[MemoryCategory, int] = {}
@@ -373,10 +374,10 @@ class PeakResult:
 def _instance_summary(traces: dict[VariantKey, VariantTrace], layout: PassLayout, inst: Instance, b: int,
                       acc: bool) -> Summary:
     trace = traces[inst.variant]
-    idx = _index(trace)
+    idx = trace_index(trace)
     if _has_releases(traces, layout, inst):
         rel = [(pos, allocator_size(traces[mode].size(lo, hi, b)),
-                _index(traces[mode]).categories.get(key, Cat.TEMPORARIES))
+                trace_index(traces[mode]).categories.get(key, Cat.TEMPORARIES))
                for pos, _s, _q, _role, _ai, lo, hi, mode, key in _released_for(traces, layout, inst)]
         own = idx.unit_core.get(inst.segment, trace.segments[inst.segment].events)
         return _summarize(trace, own, b, acc, rel)
@@ -388,9 +389,9 @@ def _instance_summary(traces: dict[VariantKey, VariantTrace], layout: PassLayout
             cache[key] = _summarize(trace, trace.segments[inst.segment].events, b, acc)
         return cache[key]
     inserted = []
-    for pos, _s, _p, _role, _ai, lo, hi, mode, key in _deferred_for(traces, layout, inst):
+    for pos, _s, _p, _role, _ai, lo, hi, mode, key in deferred_for(traces, layout, inst):
         t = traces[mode]
-        inserted.append((pos, allocator_size(t.size(lo, hi, b)), _index(t).categories.get(key, Cat.TEMPORARIES)))
+        inserted.append((pos, allocator_size(t.size(lo, hi, b)), trace_index(t).categories.get(key, Cat.TEMPORARIES)))
     return _summarize(trace, idx.core[inst.segment], b, acc, inserted)
 
 
@@ -521,13 +522,13 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
                 in_block_backward = inst.block is not None and i_inst >= n_forward
                 made_before = next_key[0]
                 trace = traces[inst.variant]
-                idx = _index(trace)
+                idx = trace_index(trace)
                 events = trace.segments[inst.segment].events
                 sizes: list[int] | None = None
                 role = None
                 if inst.block is None:  # code outside the blocks: frees on behalf of every block it stands for
                     if inst not in deferred_cache:
-                        deferred_cache[inst] = _deferred_for(traces, layout, inst)
+                        deferred_cache[inst] = deferred_for(traces, layout, inst)
                     pending, own = deferred_cache[inst], idx.core[inst.segment]
                 else:
                     role = idx.unit_of[inst.segment][2]

@@ -9,23 +9,24 @@ from typing import Any
 import torch
 
 from memopt.categories import MemoryCategory
-from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
+from memopt.estimate.allocator import simulate_allocator
+from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
 from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, step_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
 from memopt.profile.trace import VariantKey, VariantTrace, variant_key
-from memopt.profile.tracker import ALLOC, allocator_size
+from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
 from memopt.techniques.precision import weight_dtype
-from memopt.units import MiB
+from memopt.units import MiB, allocator_size
 
 __all__ = ["Estimate", "StepPlan", "TotalAbove", "estimate_strategy"]
 
 Cat = MemoryCategory
 
 # measured on an H200: a process that offloads activations holds 128 MiB more outside the allocator
-_OFFLOAD_RUNTIME_BYTES = 128 * MiB
+OFFLOAD_RUNTIME_BYTES = 128 * MiB
 
 
 @dataclass
@@ -85,14 +86,14 @@ def step_plan(profile: Profile, strategy: Strategy) -> StepPlan:
     return StepPlan(block_modes=modes, base=base, variants=used)
 
 
-def _static(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey, global_batch: int,
+def static_bytes(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey, global_batch: int,
             optimizer_master: int) -> tuple[dict[MemoryCategory, int], list[tuple[int, int, int]]]:
     trace = traces[base]
     if trace.model_state is not None:
         return _static_transformed(profile, trace, global_batch, optimizer_master)
     wd = weight_dtype(strategy.precision)
     params = profile.param_bytes(wd) + profile.buffer_bytes(wd)
-    inputs = sum(allocator_size(_input_size(trace, b1, b2, global_batch)) for b1, b2 in trace.input_sizes)
+    inputs = sum(allocator_size(input_size_bytes(trace, b1, b2, global_batch)) for b1, b2 in trace.input_sizes)
     persistent, persistent_events = _persistent(trace)
     static = {Cat.PARAMETERS: params, Cat.OPTIMIZER_STATES: optimizer_master, Cat.ACTIVATIONS: inputs,
               Cat.TEMPORARIES: persistent}
@@ -115,7 +116,7 @@ def _static(profile: Profile, strategy: Strategy, traces: dict, base: VariantKey
                 events.append((ALLOC, -(10**9) - k, numel * 4))
                 k += 1
     for b1, b2 in trace.input_sizes:
-        events.append((ALLOC, -(10**9) - k, _input_size(trace, b1, b2, global_batch)))
+        events.append((ALLOC, -(10**9) - k, input_size_bytes(trace, b1, b2, global_batch)))
         k += 1
     return static, events + persistent_events
 
@@ -139,7 +140,7 @@ def _static_transformed(profile: Profile, trace: VariantTrace, global_batch: int
     params, buffers = profile.model_state(trace)
     sizes = [_numel(shape) * _itemsize(dtype) for shape, dtype, _ in params]
     sizes += [_numel(shape) * _itemsize(dtype) for shape, dtype in buffers]
-    inputs = [_input_size(trace, b1, b2, global_batch) for b1, b2 in trace.input_sizes]
+    inputs = [input_size_bytes(trace, b1, b2, global_batch) for b1, b2 in trace.input_sizes]
     persistent, persistent_events = _persistent(trace)
     static = {Cat.PARAMETERS: sum(allocator_size(n) for n in sizes), Cat.OPTIMIZER_STATES: optimizer_master,
               Cat.ACTIVATIONS: sum(allocator_size(n) for n in inputs), Cat.TEMPORARIES: persistent}
@@ -160,7 +161,7 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def _input_size(trace: Any, lo_bytes: int, hi_bytes: int, global_batch: int) -> int:
+def input_size_bytes(trace: Any, lo_bytes: int, hi_bytes: int, global_batch: int) -> int:
     """Inputs are linear in the batch even when a trace was taken at a single size."""
     if trace.hi == trace.lo:
         return lo_bytes * global_batch // trace.lo
@@ -195,11 +196,11 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)
     opt = profile.optimizer(strategy.precision, strategy.optimizer, traces[sp.base])
     b, m = strategy.micro_batch_size, strategy.grad_accum_steps
-    static, static_events = _static(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
+    static, static_events = static_bytes(profile, strategy, traces, sp.base, b * m, opt.master_bytes)
     peak = allocated_peak(traces, layout, b, m, opt, static)
     runtime = hw.runtime_overhead_bytes + opt.host_state_bytes
     if strategy.activation_offload:
-        runtime += _OFFLOAD_RUNTIME_BYTES
+        runtime += OFFLOAD_RUNTIME_BYTES
     if stop_above is not None and peak.peak_bytes + runtime > stop_above:
         raise TotalAbove(peak.peak_bytes + runtime)
     reserved_exact = False

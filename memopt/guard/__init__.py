@@ -5,7 +5,9 @@
 * ``memopt.guard.leaks``: ``LeakDetector`` (sustained growth at the same point of the step, with its cause);
 * ``memopt.guard.recovery``: ``OOMGuard`` (free, re-plan, re-apply, retry the same batch; atomic optimizer
   step; ranks retry together; an OOM that a leak explains stops with ``MemoptLeakError`` instead of
-  re-planning) and the escalations ``PlanEscalator``/``step_down``;
+  re-planning), built on ``memopt.guard.oom`` (detecting and measuring the error), ``memopt.guard.escalation``
+  (the escalations ``PlanEscalator``/``step_down``), ``memopt.guard.reapply`` (re-preparing the model) and
+  ``memopt.guard.transaction`` (the all-or-nothing optimizer step);
 * ``memopt.guard.foreign``: memory the plan does not own, measured at an OOM, re-planned around (the budget
   less it) or named when nothing fits in what is left;
 * ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner, from
@@ -15,6 +17,7 @@
 """
 
 from memopt.guard.calibration import Calibration, CalibrationEntry, calibration_for, record_calibration
+from memopt.guard.escalation import EscalationFailed, PlanEscalator, Replanner, step_down
 from memopt.guard.leaks import LeakDetector, LeakReport, MemoryLeakWarning
 from memopt.guard.memory import (
     CudaMemorySource,
@@ -23,21 +26,12 @@ from memopt.guard.memory import (
     SimulatedMemorySource,
     TrackedMemorySource,
 )
-from memopt.guard.recovery import (
-    EscalationFailed,
-    MemoptLeakError,
-    MemoptOOMError,
-    OOMGuard,
-    OOMMeasurement,
-    PlanEscalator,
-    PreparedReplanner,
-    Replanner,
-    StepTransaction,
-    reprepare,
-    step_down,
-)
+from memopt.guard.oom import MemoptLeakError, MemoptOOMError, OOMMeasurement
+from memopt.guard.reapply import PreparedReplanner, reprepare
+from memopt.guard.recovery import OOMGuard
 from memopt.guard.runtime import RuntimeGuard
 from memopt.guard.telemetry import Telemetry
+from memopt.guard.transaction import StepTransaction
 
 __all__ = [
     "Calibration",

@@ -31,7 +31,7 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
-from memopt.estimate.attribution import _Table, downsample
+from memopt.estimate.attribution import AttributionTable, downsample
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, ModuleAttribution, block_pattern, group_of
 from memopt.profile.markers import install_markers
 from memopt.profile.tracker import ALLOC, MemoryTracker
@@ -308,10 +308,10 @@ class StepAttribution:
 
     def _table(self, live: dict[int, tuple[int, int, int]], cats: dict[int, MemoryCategory],
                modules: dict[int, str]) -> dict[str, Any]:
-        from memopt.profile.tracker import allocator_size
+        from memopt.units import allocator_size
 
         run = self.tracker.run
-        table = _Table()
+        table = AttributionTable()
         first = self.attrib.first_phase
         order = self.attrib.order
         for key, (size, ph, label) in live.items():
@@ -350,7 +350,7 @@ class StepAttribution:
         return table.result(groups, self.top)
 
     def _tabulate(self) -> dict[str, Any]:
-        from memopt.profile.tracker import allocator_size
+        from memopt.units import allocator_size
 
         run = self.tracker.run
         level = self._start_bytes
@@ -370,7 +370,7 @@ class StepAttribution:
         return out
 
     def _timeline(self) -> dict[str, Any]:
-        from memopt.profile.tracker import allocator_size
+        from memopt.units import allocator_size
 
         run = self.tracker.run
         level = self._start_bytes + self._untracked_start

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from memopt.profile.tracker import allocator_size
 from memopt.techniques.activation_offload import is_parameter_like
+from memopt.units import allocator_size
 
 __all__ = ["CensusSnapshot", "GraphCensus", "live_tensor_census"]
 

@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from memopt.profile.tracker import MemoryTracker, allocator_size
-from memopt.units import MiB, round_up
+from memopt.profile.tracker import MemoryTracker
+from memopt.units import MiB, allocator_size, round_up
 
 __all__ = [
     "CudaMemorySource",

@@ -26,17 +26,11 @@ from typing import Any
 import torch
 
 from memopt.guard.calibration import record_from_telemetry
+from memopt.guard.escalation import ApplyFn, EscalateFn, Replanner, Steppable
 from memopt.guard.leaks import LeakDetector, LeakReport
 from memopt.guard.memory import MemorySource, default_memory_source
-from memopt.guard.recovery import (
-    ApplyFn,
-    EscalateFn,
-    MemoptOOMError,
-    OOMGuard,
-    OOMMeasurement,
-    Replanner,
-    Steppable,
-)
+from memopt.guard.oom import MemoptOOMError, OOMMeasurement
+from memopt.guard.recovery import OOMGuard
 from memopt.guard.telemetry import Telemetry
 from memopt.plan.schema import Plan
 from memopt.units import MiB

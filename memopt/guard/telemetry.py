@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from memopt.guard.census import GraphCensus, live_tensor_census
+from memopt.guard.escalation import prediction_is_current, replan_prediction
 from memopt.guard.leaks import LeakDetector, LeakReport
 from memopt.guard.memory import (
     CudaMemorySource,
@@ -58,7 +59,6 @@ from memopt.guard.memory import (
     gradient_bytes,
     state_bytes,
 )
-from memopt.guard.recovery import prediction_is_current, replan_prediction
 from memopt.plan.schema import Plan
 from memopt.units import GiB, MiB
 

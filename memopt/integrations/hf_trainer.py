@@ -107,7 +107,7 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
     if isinstance(sample, dict) and "batch_size" in sample:
         return sample
     if sample is not None and not isinstance(sample, dict):
-        return sample  # a batch (memopt.apply.batch)
+        return sample  # a batch (memopt.step.batch)
     dataset = getattr(trainer, "train_dataset", None)
     if not sample and spec_from_module(trainer.model) is None:
         batch = _collated_batch(trainer, dataset, global_batch)
@@ -165,7 +165,7 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             warn_allocator_mode_fixed(in_force)
         sample = _sample_from_trainer(trainer, sample)
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
-            from memopt.plan.planner import resolve_hardware
+            from memopt.plan.context import resolve_hardware
             from memopt.profile.api import profile_model
 
             hardware = resolve_hardware(hardware)
@@ -187,7 +187,7 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     all-or-nothing under an OOM and retried (``memopt.integrations.trainer_optimizer_step``; ``transaction``:
     when parameters and states are copied before the step, "auto", "always" or "never").
     ``trainer.memopt_recovery`` holds the report."""
-    from memopt.guard.recovery import StepTransaction
+    from memopt.guard.transaction import StepTransaction
 
     StepTransaction.check_mode(transaction)
     with preserved_random_state():  # planning draws random numbers; the script's draws stay as without memopt

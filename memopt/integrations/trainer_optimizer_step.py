@@ -3,7 +3,7 @@
 The Trainer calls ``self.optimizer.step()`` after clipping and before the scheduler's step, outside
 ``training_step``. ``TransactionalOptimizerStep`` replaces the step of the torch optimizer underneath (the
 ``AcceleratedOptimizer``'s ``.optimizer``; a GradScaler and accelerate's own patch call through it) and runs it
-under a ``memopt.guard.recovery.StepTransaction``:
+under a ``memopt.guard.transaction.StepTransaction``:
 
 * before the update, parameters and optimizer states are copied to pinned host memory when the step is at risk:
   the first step (the optimizer's states are created then, the step's largest allocation), a plan whose
@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from memopt.guard.recovery import (
+from memopt.guard.oom import (
     MemoptOOMError,
     OOMMeasurement,
     RecoveryReport,
-    StepTransaction,
     parse_oom_message,
     release_cache,
 )
+from memopt.guard.transaction import StepTransaction
 
 __all__ = ["TransactionalOptimizerStep", "torch_optimizer"]
 

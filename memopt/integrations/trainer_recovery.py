@@ -29,21 +29,19 @@ from typing import Any
 
 import torch
 
-from memopt.apply.train_step import count_loss_items, split_batch
-from memopt.guard.recovery import (
-    EscalationFailed,
+from memopt.guard.escalation import EscalationFailed, PlanEscalator, step_down
+from memopt.guard.oom import (
     MemoptOOMError,
     OOMMeasurement,
-    PlanEscalator,
     RecoveryReport,
     parse_oom_message,
     release_cache,
-    step_down,
 )
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
 from memopt.integrations.trainer_setup import preserved_random_state
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
+from memopt.step.train_step import count_loss_items, split_batch
 from memopt.strategy import Checkpointing
 
 __all__ = ["MicroBatchedTrainingStep", "trainer_escalator"]

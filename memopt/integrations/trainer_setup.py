@@ -111,13 +111,13 @@ class TrainerCheckpointing:
             raise ValueError(f"the plan checkpoints activations, but {type(self.model).__name__} has no repeated "
                              "blocks (an nn.ModuleList of identical layers) to checkpoint: plan with "
                              "pins={'checkpointing': 'none'}")
-        from memopt.apply.prepare import _disable_kv_cache
+        from memopt.step.prepare import disable_kv_cache
         from memopt.techniques.checkpointing import apply_checkpointing
 
         self.remove()
         if setting.mode != "none":
             undo_checkpointing = apply_checkpointing(self.stacks, setting)
-            undo_cache = _disable_kv_cache(self.model)  # recomputation would append to a KV cache twice
+            undo_cache = disable_kv_cache(self.model)  # recomputation would append to a KV cache twice
 
             def undo() -> None:
                 undo_checkpointing()

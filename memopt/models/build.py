@@ -24,7 +24,7 @@ __all__ = ["ATTN_IMPLEMENTATIONS", "build_model", "hf_config"]
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 # Config kwargs that transformers accepts although they are not dataclass fields of the config class.
-_EXTRA_CONFIG_KWARGS = frozenset(
+EXTRA_CONFIG_KWARGS = frozenset(
     {"num_labels", "decoder_start_token_id", "sep_token_id", "output_attentions", "rope_theta", "rope_scaling"}
 )
 
@@ -39,7 +39,7 @@ _FAMILY_MAPPINGS = {
 }
 
 
-def _config_class(model_type: str) -> type:
+def config_class(model_type: str) -> type:
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -70,14 +70,14 @@ def hf_config(spec: ModelSpec | str | dict[str, Any], **overrides: Any):
     from transformers import AutoConfig
 
     spec = load_model_spec(spec)
-    cls = _config_class(spec.model_type)
+    cls = config_class(spec.model_type)
     attribute_map: dict[str, str] = dict(getattr(cls, "attribute_map", {}) or {})
     base = _canonical({k: v for k, v in spec.hf_config.items() if k != "model_type"}, attribute_map)
     extra = _canonical(dict(overrides), attribute_map)
     if "model_type" in extra:
         raise ValueError("hf_config overrides cannot change model_type; write a new model spec instead")
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    known = fields | set(attribute_map.values()) | set(base) | _EXTRA_CONFIG_KWARGS
+    known = fields | set(attribute_map.values()) | set(base) | EXTRA_CONFIG_KWARGS
     unknown = sorted(set(extra) - known)
     if unknown:
         hints = []
@@ -176,7 +176,7 @@ def with_overrides(spec: ModelSpec | str | dict[str, Any], overrides: dict[str, 
     if not overrides:
         return spec
     config = hf_config(spec, **overrides)  # validates
-    cls = _config_class(spec.model_type)
+    cls = config_class(spec.model_type)
     attribute_map: dict[str, str] = dict(getattr(cls, "attribute_map", {}) or {})
     extra = _canonical(dict(overrides), attribute_map)
     if "num_layers" in extra and hasattr(config, "num_decoder_layers") and "num_decoder_layers" not in extra:

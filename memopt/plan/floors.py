@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from memopt.hardware import HardwareSpec
-from memopt.profile.profile import Profile, _is_float
-from memopt.profile.tracker import allocator_size
+from memopt.profile.profile import Profile, is_float_dtype
 from memopt.strategy import Strategy
+from memopt.units import allocator_size
 
 __all__ = ["FLOOR_REASON", "StateFloor", "state_floor"]
 
@@ -62,7 +62,7 @@ class StateFloor:
 
 def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> StateFloor:
     """The least ``s``'s model states take (see the module doc); ``cache``: a dict shared over calls."""
-    from memopt.estimate.estimator import _OFFLOAD_RUNTIME_BYTES
+    from memopt.estimate.estimator import OFFLOAD_RUNTIME_BYTES
     from memopt.techniques.precision import weight_dtype
 
     q = s.extra("quantization")
@@ -80,14 +80,14 @@ def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | N
     if not frozen_base:
         # the optimizer steps fp32 tensors (the weights, or bf16_master's fp32 copies) except under bf16_pure
         item = 2 if s.precision == "bf16_pure" else 4
-        trained = [n for n, dtype, trains in profile.param_sizes if trains and _is_float(dtype)]
+        trained = [n for n, dtype, trains in profile.param_sizes if trains and is_float_dtype(dtype)]
         grads = sum(allocator_size(n * item) for n in trained)
         per_item = _STATES_PER_ITEM.get(s.optimizer, 0)
         eight_bit = sum(allocator_size(n * _EIGHT_BIT.get(s.optimizer, 0)) for n in trained)
         states = per_item * grads + (eight_bit if s.optimizer != "paged_adamw8bit" else 0)
         if s.precision == "bf16_master":
             states += grads  # the fp32 master copies
-    runtime = hw.runtime_overhead_bytes + (_OFFLOAD_RUNTIME_BYTES if s.activation_offload else 0)
+    runtime = hw.runtime_overhead_bytes + (OFFLOAD_RUNTIME_BYTES if s.activation_offload else 0)
     if s.optimizer == "paged_adamw8bit" and not frozen_base:
         runtime += eight_bit
     floor = StateFloor(weights, grads, states, runtime)

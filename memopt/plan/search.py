@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memopt.estimate.allocator import EventStreamError
+from memopt.estimate.allocator_sim import EventStreamError
 from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
@@ -179,9 +179,9 @@ def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> 
 def _saved_activation_bytes(trace: Any, layout: Any, b: int) -> int:
     """Bytes the blocks keep for backward in tensors of 1 MiB and more: what offload would move."""
     from memopt.categories import MemoryCategory
-    from memopt.estimate.compose import _index
+    from memopt.estimate.compose import trace_index
 
-    cats = _index(trace).categories
+    cats = trace_index(trace).categories
     total = 0
     for inst in layout.forward:
         if inst.block is None:
@@ -258,7 +258,7 @@ def complexity(s: Strategy) -> int:
     """How many techniques a strategy switches on (ties in predicted time go to the simpler plan)."""
     return (int(s.checkpointing.mode != "none") + int(s.activation_offload) + int(s.chunked_ce > 0)
             + int(s.attention != "auto") + int(s.grad_accum_steps > 1) + int(s.precision != "fp32")
-            + int(s.optimizer in ("adamw8bit", "paged_adamw8bit")) + len(s.extras))
+            + int(s.eight_bit_optimizer) + len(s.extras))
 
 
 def rank(e: Evaluated) -> float:

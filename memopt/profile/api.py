@@ -111,8 +111,8 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
 
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
-    ``memopt.apply.batch``), ``b`` samples each."""
-    from memopt.apply import batch as batch_contract
+    ``memopt.step.batch``), ``b`` samples each."""
+    from memopt.step import batch as batch_contract
 
     if not isinstance(sample, (torch.Tensor, dict, list, tuple)) or not batch_contract.tensors(sample):
         raise ValueError(
@@ -232,8 +232,8 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     A model spec (shipped name, YAML, dict) is keyed on the spec itself: a cached profile is found without
     building the model, which is built (on meta) only when a trace is missing.
     """
-    if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.apply.batch
-        from memopt.apply.batch import as_loss
+    if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
+        from memopt.step.batch import as_loss
 
         loss_fn = as_loss(loss_fn, training_step)
     hw = load_hardware(hardware)

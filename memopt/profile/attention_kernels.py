@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from memopt.profile.tracker import allocator_size, report_scratch
+from memopt.profile.tracker import report_scratch
+from memopt.units import allocator_size
 
-__all__ = ["BACKENDS", "SAVE_FOR_SELECTIVE_AC", "AttentionPolicy", "UnsupportedAttention", "choose_backend",
+__all__ = ["BACKENDS", "AttentionPolicy", "UnsupportedAttention", "choose_backend",
            "emulated_sdpa"]
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
@@ -397,14 +398,6 @@ _cudnn_fwd.register_autograd(_cudnn_backward, setup_context=_cudnn_setup)
 
 # The flash backward's rounding facts travel from the active policy to setup_context through this stack.
 _ACTIVE_POLICY: list[tuple[int, int, bool]] = [(128, 32, True)]
-
-# ops whose outputs selective checkpointing keeps (the emulated kernels and CUDA's own)
-SAVE_FOR_SELECTIVE_AC = (
-    "cuda_flash_attention", "cuda_efficient_attention", "cuda_cudnn_attention",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-)
-
 
 def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """CUDA's preprocessing of a mask for the memory-efficient kernel: additive, last dim padded to 16."""

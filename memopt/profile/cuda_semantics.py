@@ -39,8 +39,8 @@ from memopt.categories import MemoryCategory
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import AttentionPolicy, emulated_sdpa
 from memopt.profile.autocast_policy import cuda_autocast_policy
-from memopt.profile.tracker import MemoryTracker, allocator_size
-from memopt.units import MiB
+from memopt.profile.tracker import MemoryTracker
+from memopt.units import MiB, allocator_size
 
 __all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "kernel_policy_for", "trace_semantics"]
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.profile.costs import PhaseCost
-from memopt.profile.trace import OptimizerTrace, _model_state, expand_model_state
+from memopt.profile.trace import OptimizerTrace, expand_model_state, model_state_entries
 from memopt.profile.tracker import ALLOC, FREE
 
 __all__ = ["SHALLOW_BLOCKS", "canonical_events", "extrapolate_optimizer", "model_layout", "scaled_optimizer_trace",
@@ -58,7 +58,7 @@ def model_layout(model: nn.Module, weight_dtype: torch.dtype
         return None
     kept = {(s, u): (u if u < 3 else 3) for s, n in enumerate(counts) for u in (0, 1, 2, n - 1)}
     params = []
-    for shape, dtype, grad, stack, unit in _model_state(model, stacks)["params"]:
+    for shape, dtype, grad, stack, unit in model_state_entries(model, stacks)["params"]:
         if stack >= 0 and (stack, unit) not in kept:
             continue
         floating = getattr(torch, dtype).is_floating_point

@@ -40,7 +40,7 @@ from memopt.profile.trace import (
     trace_optimizer,
     trace_variant,
 )
-from memopt.profile.tracker import allocator_size
+from memopt.units import allocator_size
 
 __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
 
@@ -121,7 +121,7 @@ class Profile:
         total = 0
         item = torch.empty((), dtype=weight_dtype).element_size()
         for numel, dtype, _ in self.param_sizes:
-            size = item if _is_float(dtype) else torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            size = item if is_float_dtype(dtype) else torch.empty((), dtype=getattr(torch, dtype)).element_size()
             total += allocator_size(numel * size)
         return total
 
@@ -129,7 +129,7 @@ class Profile:
         item = torch.empty((), dtype=weight_dtype).element_size()
         total = 0
         for numel, dtype in self.buffer_sizes:
-            size = item if _is_float(dtype) and weight_dtype != torch.float32 else \
+            size = item if is_float_dtype(dtype) and weight_dtype != torch.float32 else \
                 torch.empty((), dtype=getattr(torch, dtype)).element_size()
             total += allocator_size(numel * size)
         return total
@@ -365,7 +365,7 @@ class Profile:
                 "analytic": self.analytic, "notes": self.notes}
 
 
-def _is_float(dtype: str) -> bool:
+def is_float_dtype(dtype: str) -> bool:
     return dtype in ("float32", "float16", "bfloat16", "float64")
 
 

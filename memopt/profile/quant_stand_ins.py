@@ -68,7 +68,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.profile.tracker import allocator_size, report_scratch
+from memopt.profile.tracker import report_scratch
+from memopt.units import allocator_size
 
 __all__ = [
     "BNB_NESTED_BLOCKSIZE",

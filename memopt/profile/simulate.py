@@ -20,10 +20,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memopt.apply.batch import check_batch
-from memopt.apply.batch import tensors as batch_tensors
-from memopt.apply.prepare import OptimizerSpec, prepare
-from memopt.apply.train_step import LossFn
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
@@ -31,6 +27,10 @@ from memopt.profile.fake_model import fake_copy, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.tracker import MemoryTracker, TrackedRun
+from memopt.step.batch import check_batch
+from memopt.step.batch import tensors as batch_tensors
+from memopt.step.prepare import OptimizerSpec, prepare
+from memopt.step.train_step import LossFn
 from memopt.strategy import Strategy
 
 __all__ = ["SimulationResult", "simulate_step", "trace_device"]
@@ -70,7 +70,7 @@ class SimulationResult:
 
 def _make_fake_batch(batch_factory: Any, device: str) -> Any:
     batch = batch_factory(device)
-    check_batch(batch)  # any structure of the batch contract (memopt.apply.batch)
+    check_batch(batch)  # any structure of the batch contract (memopt.step.batch)
     return batch
 
 

@@ -28,9 +28,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memopt.apply.batch import tensors as batch_tensors
-from memopt.apply.prepare import prepare
-from memopt.apply.train_step import TrainStep
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
@@ -42,7 +39,10 @@ from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.simulate import trace_device
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
-from memopt.strategy import Checkpointing, Strategy
+from memopt.step.batch import tensors as batch_tensors
+from memopt.step.prepare import prepare
+from memopt.step.train_step import TrainStep
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing, Strategy
 
 __all__ = [
     "TRACED_BLOCKS",
@@ -252,7 +252,7 @@ def traced_unit(position: int, full: int, traced: int) -> int:
     return traced - 1 if position == full - 1 else 2
 
 
-def _model_state(model: nn.Module, stacks: Sequence[Any]) -> dict[str, Any]:
+def model_state_entries(model: nn.Module, stacks: Sequence[Any]) -> dict[str, Any]:
     """Every distinct parameter and buffer of ``model`` (as a simulated step counts them: ``parameters()``, then
     ``buffers()``), each with the (stack, block) it belongs to, (-1, -1) outside the blocks."""
     where: dict[int, tuple[int, int]] = {}
@@ -283,7 +283,7 @@ class _RawTrace:
     attribution: dict[str, Any] | None = None
 
 
-BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.apply.batch)
+BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.step.batch)
 
 
 def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strategy: Strategy,
@@ -300,7 +300,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
         has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
-        model_state = _model_state(clone, prepared.stacks) if has_extras else None
+        model_state = model_state_entries(clone, prepared.stacks) if has_extras else None
         remove = install_markers(prepared.stacks, tracker.set_phase)
         attrib = ModuleAttribution(clone, lambda: tracker.run.phases[tracker._phase])
         tracker.module_fn = attrib.current
@@ -551,7 +551,7 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
         opt_params = master.masters if master is not None else list(holder.parameters())
         if optimizer == "user":
             opt = optimizer_spec(opt_params)
-        elif optimizer in ("adamw8bit", "paged_adamw8bit"):
+        elif optimizer in EIGHT_BIT_OPTIMIZERS:
             opt = Fake8bitAdamW(opt_params, paged=optimizer == "paged_adamw8bit", state_device=host)
         else:
             from memopt.techniques.optimizers import build_optimizer
@@ -604,7 +604,7 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
         allocated = {key for kind, key, _ in events if kind == ALLOC}
         freed = {key for kind, key, _ in events if kind == FREE}
         grad_keys |= {key for key in freed if key not in allocated}
-    from memopt.profile.tracker import allocator_size
+    from memopt.units import allocator_size
 
     state_bytes = 0
     live: dict[int, int] = {}

@@ -25,8 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
+from memopt.units import allocator_size
 
-__all__ = ["MemoryTracker", "TrackedRun", "allocator_size", "current_tracker", "report_scratch"]
+__all__ = ["MemoryTracker", "TrackedRun", "current_tracker", "report_scratch"]
 
 _CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("memopt_tracker", default=None)
 
@@ -41,16 +42,6 @@ def report_scratch(nbytes: int, label: str) -> None:
     tracker = _CURRENT.get()
     if tracker is not None:
         tracker.transient(nbytes, label)
-
-_MIN_BLOCK = 512
-
-
-def allocator_size(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator hands out for a request of ``nbytes`` (0 stays 0)."""
-    if nbytes <= 0:
-        return 0
-    return -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
-
 
 _SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
 

@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply.train_step import LossFn, TrainStep
 from memopt.blocks import BlockStack, find_block_stacks
 from memopt.models.hf_task import is_causal_lm
+from memopt.step.train_step import LossFn, TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.attention import apply_attention_backend
 from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, cast_model, uses_grad_scaler
-from memopt.techniques.quantization import is_quantized
+from memopt.techniques.quantization_apply import is_quantized
 
 __all__ = ["Prepared", "prepare"]
 
@@ -59,7 +59,7 @@ class Prepared:
             self.undo_stack.pop()()
 
 
-def _disable_kv_cache(model: nn.Module) -> Callable[[], None]:
+def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     """use_cache=False on every config in the model (encoder-decoders copy the config per stack)."""
     configs = {}
     for module in model.modules():
@@ -92,7 +92,7 @@ def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSp
         if not callable(spec):
             raise ValueError("strategy.optimizer='user' needs optimizer=<callable taking the parameters>")
         return spec(params)
-    if fake and strategy.optimizer in ("adamw8bit", "paged_adamw8bit"):
+    if fake and strategy.eight_bit_optimizer:
         from memopt.profile.stand_ins import Fake8bitAdamW
 
         return Fake8bitAdamW(params, paged=strategy.optimizer == "paged_adamw8bit", state_device=host_device,
@@ -109,7 +109,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
     undo: list[Callable[[], None]] = []
     try:
         # 0. no KV cache in training
-        undo.append(_disable_kv_cache(model))
+        undo.append(disable_kv_cache(model))
         # 1. precision (before moving: weights stored in bf16 never occupy the GPU in fp32); bf16_master keeps the
         #    fp32 originals to become the master weights, so no precision is lost in the cast
         adapters = strategy.extra("adapters") is not None
@@ -129,10 +129,10 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList of identical "
                              "layers), and this model has none; use checkpointing mode 'none'")
         undo.append(apply_checkpointing(stacks, strategy.checkpointing))
-        # 3b. quantization and adapters (memopt.techniques.quantization / .adapters; imported here so that peft and
-        #     bitsandbytes load only when used)
+        # 3b. quantization and adapters (memopt.techniques.quantization_apply / .adapters; imported here so that
+        #     peft and bitsandbytes load only when used)
         if quantize:
-            from memopt.techniques.quantization import apply_quantization
+            from memopt.techniques.quantization_apply import apply_quantization
 
             target_device = move_to if move_to is not None and not fake else None
             undo.append(apply_quantization(model, strategy.extra("quantization"), fake=fake, device=target_device))

@@ -1,6 +1,6 @@
 """One optimizer step over the user's global batch: micro-batches, exact accumulation, the update.
 
-What a batch may be and how the loss is made: ``memopt.apply.batch``.
+What a batch may be and how the loss is made: ``memopt.step.batch``.
 
 The same code runs a real training step (``memopt.wrap``) and a simulated one on fake tensors (the
 profile's ground truth), so what is measured is what is predicted.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.apply import batch as _batch
+from memopt.step import batch as _batch
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
@@ -33,7 +33,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    """Micro-batches of ``micro_batch_size`` samples along dim 0 (any batch structure: ``memopt.apply.batch``)."""
+    """Micro-batches of ``micro_batch_size`` samples along dim 0 (any batch structure: ``memopt.step.batch``)."""
     return _batch.split(batch, micro_batch_size)
 
 
@@ -47,7 +47,7 @@ def default_loss(output: Any, batch: Any) -> torch.Tensor:
     return _batch.default_loss(output, batch)
 
 
-def _to(batch: Any, device: torch.device | str | None) -> Any:
+def micro_batch_to(batch: Any, device: torch.device | str | None) -> Any:
     """One micro-batch on ``device`` (the distributed steps move theirs one at a time)."""
     return _batch.to_device(batch, device)
 
@@ -108,7 +108,7 @@ class TrainStep:
 
     def loss(self, micro_batch: Any) -> torch.Tensor:
         """The forward pass and loss of one micro-batch (under the strategy's autocast), by the batch contract of
-        ``memopt.apply.batch``; chunked cross-entropy replaces the model's own causal-LM loss."""
+        ``memopt.step.batch``; chunked cross-entropy replaces the model's own causal-LM loss."""
         with self._forward_ctx():
             if self.strategy.chunked_ce:
                 if self.loss_fn is not None or not isinstance(micro_batch, dict):

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
-from memopt.profile.tracker import allocator_size
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+from memopt.units import allocator_size
 
 __all__ = [
     "ADAPTER_KINDS",
@@ -417,7 +418,7 @@ def optimizer_state_bytes(numels: Iterable[int], optimizer: str, param_dtype: to
             device += 2 * r(n * size) + (r(4) if optimizer == "adamw_fused" else 0)
     elif optimizer == "sgd":
         device = sum(r(n * size) for n in numels)
-    elif optimizer in ("adamw8bit", "paged_adamw8bit"):
+    elif optimizer in EIGHT_BIT_OPTIMIZERS:
         is_paged = optimizer == "paged_adamw8bit"
         any_8bit = False
         for n in numels:

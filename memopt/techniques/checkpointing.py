@@ -18,14 +18,20 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memopt.blocks import BlockStack
-from memopt.profile.attention_kernels import SAVE_FOR_SELECTIVE_AC
 from memopt.strategy import Checkpointing
 
 __all__ = ["SELECTIVE_SAVE_OPS", "apply_checkpointing", "selective_policy"]
 
+# attention kernels by op name: CUDA's own, and the profile's emulations of them
+# (memopt.profile.attention_kernels registers its ops under these names so the same policy applies when tracing)
+ATTENTION_KERNEL_OPS = (
+    "cuda_flash_attention", "cuda_efficient_attention", "cuda_cudnn_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+)
 # matmuls and attention: expensive to recompute, so selective checkpointing keeps their outputs
 SELECTIVE_SAVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "_grouped_mm",
-                                *SAVE_FOR_SELECTIVE_AC})
+                                *ATTENTION_KERNEL_OPS})
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

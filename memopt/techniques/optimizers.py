@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+
 __all__ = ["OPTIMIZER_FIDELITY", "bnb_available", "build_optimizer"]
 
 OPTIMIZER_FIDELITY = {
@@ -66,7 +68,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], **kwargs: A
     if name == "sgd":
         options.setdefault("momentum", 0.9)
         return torch.optim.SGD(params, **options)
-    if name in ("adamw8bit", "paged_adamw8bit"):
+    if name in EIGHT_BIT_OPTIMIZERS:
         if not bnb_available():
             raise ValueError(f"optimizer {name!r} needs bitsandbytes: pip install 'memopt[bnb]'")
         import bitsandbytes as bnb

@@ -4,7 +4,7 @@ Each technique owns one field of ``Strategy`` and tells the planner (a) which va
 given search context, and (b) a cheap lower bound on what a value adds to the step time, so whole
 families of candidates can be ruled out before they are traced. Estimating a value exactly is the
 profile's job (the value selects which trace the composition uses, or which optimizer is traced);
-applying it is the technique module's ``apply_*`` function, called by ``memopt.apply.prepare`` in a
+applying it is the technique module's ``apply_*`` function, called by ``memopt.step.prepare`` in a
 fixed order.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from memopt.strategy import Checkpointing
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing
 
 __all__ = ["TECHNIQUES", "BaseTimes", "SearchContext", "Technique"]
 
@@ -138,7 +138,7 @@ class _Optimizer:
         # (or passed by the user): the foreach variant's temporaries are not GPU-validated yet.
         values = ["adamw_fused"]
         if ctx.bnb_available:
-            values += ["adamw8bit", "paged_adamw8bit"]
+            values += list(EIGHT_BIT_OPTIMIZERS)
         if ctx.user_optimizer:
             values = ["user"]
         return values

@@ -144,7 +144,7 @@ def test_time_passes_scales_a_prefix_of_equal_micro_batches():
     model = build_model(SPEC, device="cpu")
     batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
     plan = make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb", pins={"micro_batch_size": 1})
-    from memopt.apply.prepare import prepare
+    from memopt.step.prepare import prepare
 
     prepared = prepare(model, plan.strategy, **KW)
     try:

@@ -1,4 +1,4 @@
-"""The batch and loss contract (memopt.apply.batch): tuples, lists, tensors, dicts with extra keys and nested
+"""The batch and loss contract (memopt.step.batch): tuples, lists, tensors, dicts with extra keys and nested
 batches train through memopt.wrap exactly as an unwrapped loop does, micro-batched or not."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.apply import batch as B
+from memopt.step import batch as B
 
 
 class Blocks(nn.Module):

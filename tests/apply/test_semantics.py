@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
 from memopt.models import SampleSpec, build_model, make_batch
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 
 STEPS = 20

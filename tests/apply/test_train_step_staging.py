@@ -3,7 +3,7 @@ device before the first forward, and the guard's census off by default (it costs
 
 import torch
 
-from memopt.apply.train_step import _loss_item_counts, _stage, count_loss_items, split_batch
+from memopt.step.train_step import _loss_item_counts, _stage, count_loss_items, split_batch
 
 
 def _batch() -> dict:

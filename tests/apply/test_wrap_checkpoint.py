@@ -9,14 +9,11 @@ pytest.importorskip("peft")
 
 import memopt
 from memopt.models import SampleSpec, build_model, make_batch
-from memopt.profile.tracker import MemoryTracker, allocator_size
-from memopt.techniques.quantization import (
-    QuantSetting,
-    is_quantized,
-    load_peak_bytes,
-    load_quantized,
-    model_skeleton,
-)
+from memopt.profile.tracker import MemoryTracker
+from memopt.techniques.quantization import QuantSetting
+from memopt.techniques.quantization_apply import is_quantized
+from memopt.techniques.quantized_load import load_peak_bytes, load_quantized, model_skeleton
+from memopt.units import allocator_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
 SAMPLE = {"batch_size": 4, "seq_len": 32}

@@ -76,7 +76,7 @@ def global_batch(position: int, size: int = GLOBAL_BATCH) -> dict[str, torch.Ten
 
 def reference_losses(steps: int, micro_batch: int = 2, lr: float = 1e-2) -> list[float]:
     """The single-process trajectory: memopt's TrainStep on one device over the whole global batch."""
-    from memopt.apply.train_step import TrainStep
+    from memopt.step.train_step import TrainStep
 
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

@@ -65,9 +65,9 @@ def test_fsdp2_cpu_offload_moves_the_estimated_bytes(tmp_path):
 
 def test_fsdp2_checkpoint_resumes_on_one_process(tmp_path):
     """Save at world 2 after 3 steps; load into a plain model in this process; the 4th step's loss matches."""
-    from memopt.apply.train_step import TrainStep
     from memopt.distributed.checkpoint import load_checkpoint
     from memopt.distributed.train_step import DistributedTrainStep
+    from memopt.step.train_step import TrainStep
     from memopt.strategy import Strategy
 
     out, ckpt = tmp_path / "ckpt.json", tmp_path / "ckpt"

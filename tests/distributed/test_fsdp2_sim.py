@@ -53,12 +53,12 @@ def test_estimate_matches_fsdp_mem_tracker(precision):
 
 
 def _llama_case_vs_sim(model: str, *, micro_batch: int, seq_len: int, grad_accum: int, ckpt: str) -> tuple[dict, dict]:
+    from harness import sharded_cases as sc
     from memopt.blocks import find_block_stacks
     from memopt.distributed.simulate import simulate_fsdp2
     from memopt.models import SampleSpec, build_model, make_batch
     from memopt.strategy import Checkpointing
     from memopt.techniques.checkpointing import apply_checkpointing
-    from memopt.validation import sharded_cases as sc
 
     ck = Checkpointing(mode=ckpt)  # type: ignore[arg-type]
     case = sc.ShardedCase(id="sim", model=model, engine="fsdp2", stage=3, world_size=2, seq_len=seq_len,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memopt.validation import sharded_cases as sc
+from harness import sharded_cases as sc
 
 RUNS = sorted((Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "raw" / "session6_x1").glob(
     "*.rank0.json"))

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from harness import sharded_cases as sc
 from memopt.distributed import estimate as est
 from memopt.distributed import memory as dmem
 from memopt.strategy import Checkpointing
 from memopt.units import GiB
-from memopt.validation import sharded_cases as sc
 
 ROOT = Path(__file__).resolve().parents[2]
 

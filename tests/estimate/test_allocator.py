@@ -14,15 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memopt.estimate.allocator import (
+from memopt.estimate.allocator import simulate_allocator
+from memopt.estimate.allocator_config import (
     AllocatorConfig,
-    AllocatorOOMError,
-    CachingAllocatorSim,
     _roundup_power2_next_division,
     get_allocation_size,
     round_size,
-    simulate_allocator,
 )
+from memopt.estimate.allocator_sim import AllocatorOOMError, CachingAllocatorSim
 
 KiB = 1 << 10
 MiB = 1 << 20

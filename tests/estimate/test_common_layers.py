@@ -96,7 +96,7 @@ def _failing_for_offload(exc_type, monkeypatch):
 
 
 def test_an_internal_estimate_error_is_not_swallowed_by_the_planner(monkeypatch):
-    from memopt.estimate.allocator import EventStreamError
+    from memopt.estimate.allocator_sim import EventStreamError
 
     _failing_for_offload(EventStreamError, monkeypatch)
     with pytest.raises(EventStreamError, match="injected"):

@@ -4,7 +4,8 @@ strategy applied for real (not a replay of the traces): allocated peak within 1%
 import pytest
 
 import memopt
-from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
+from memopt.estimate.allocator import simulate_allocator
+from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.models import SampleSpec, build_model, make_batch, with_overrides
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.simulate import simulate_step

@@ -6,9 +6,10 @@ with every block checkpointed and the chunked loss: each repeated middle block's
 import pytest
 
 import memopt
-from memopt.estimate.allocator import AllocatorConfig, CachingAllocatorSim
+from memopt.estimate.allocator_config import AllocatorConfig
+from memopt.estimate.allocator_sim import CachingAllocatorSim
 from memopt.estimate.compose import pass_layout
-from memopt.estimate.estimator import _static, estimate_strategy, event_stream, step_plan
+from memopt.estimate.estimator import estimate_strategy, event_stream, static_bytes, step_plan
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.profile.tracker import ALLOC
@@ -42,7 +43,7 @@ def test_allocated_bytes_return_to_the_same_level_after_every_step(prof, ck, m, 
     assert max(prof.full_block_counts) == 8
     layout = pass_layout(traces, sp.base, sp.block_modes, prof.full_block_counts)
     opt = prof.optimizer(s.precision, s.optimizer, traces[sp.base])
-    _, static_events = _static(prof, s, traces, sp.base, b * m, opt.master_bytes)
+    _, static_events = static_bytes(prof, s, traces, sp.base, b * m, opt.master_bytes)
     ends, peaks = [], []
     for steps in (2, 3, 4):
         events, _ = event_stream(traces, layout, b, m, opt, static_events, num_steps=steps)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from memopt.validation.predict import estimate_row
-from memopt.validation.rows import Row
+from harness.predict import estimate_row
+from harness.rows import Row
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "validation" / "estimator_h200.json"
 ROWS = [r for r in json.loads(REPORT.read_text())["rows"] if r.get("ok") and "superseded" not in r] \

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import memopt
-from memopt.apply.prepare import prepare
+from harness.real_step import real_step_peaks
 from memopt.models import SampleSpec, build_model, make_batch, with_overrides
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.adapters import AdapterSetting
 from memopt.techniques.quantization import with_extra
-from memopt.validation.real_step import real_step_peaks
 
 pytest.importorskip("peft")
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import PlanEscalator
 from memopt.guard.faults import FaultInjector
-from memopt.guard.recovery import OOMGuard, PlanEscalator, PreparedReplanner
+from memopt.guard.reapply import PreparedReplanner
+from memopt.guard.recovery import OOMGuard
 from memopt.models import build_model, make_batch
 from memopt.plan import make_plan
 from memopt.profile.api import profile_model
+from memopt.step.prepare import prepare
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +53,8 @@ def test_plan_escalator_replans_on_the_same_profile_and_training_continues(tmp_p
 
 
 def test_plan_escalator_plans_for_what_foreign_memory_leaves(tmp_path, monkeypatch):
-    from memopt.guard.recovery import EscalationFailed, OOMMeasurement
+    from memopt.guard.escalation import EscalationFailed
+    from memopt.guard.oom import OOMMeasurement
 
     monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
     sample = {"batch_size": 16, "seq_len": 128}  # activations ~50 MiB of a ~900 MiB total: smaller plans exist

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import EscalationFailed
 from memopt.guard.faults import MemoryCap
 from memopt.guard.foreign import measure_foreign, remaining_budget
 from memopt.guard.memory import SimulatedMemorySource, TrackedMemorySource
-from memopt.guard.recovery import EscalationFailed, MemoptOOMError, OOMMeasurement, PreparedReplanner, reprepare
+from memopt.guard.oom import MemoptOOMError, OOMMeasurement
+from memopt.guard.reapply import PreparedReplanner, reprepare
 from memopt.guard.runtime import RuntimeGuard
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 
 from ._helpers import fake_plan, make_batch, make_model
@@ -173,7 +175,7 @@ def test_escalation_plans_for_what_is_left_and_keeps_the_engine():
     """By hand: budget 1 GiB, the plan predicted 400 MiB (100 MiB runtime); at the OOM 1000 MiB were reserved
     (600 MiB of them foreign) and 64 MiB asked for. The plan's own under-prediction is (1064 - 600) / 400 =
     1.16, not 1064 / 400; the re-plan may predict min((424 - 16) / 1.16, 400 - 30) MiB of the 424 MiB left."""
-    from memopt.guard.recovery import escalation_policy
+    from memopt.guard.escalation import escalation_policy
 
     MiB = 1 << 20
     plan = fake_plan(CATALOG[0], total=400 * MiB, runtime=100 * MiB, budget=1024 * MiB)

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import step_down
 from memopt.guard.leaks import LeakDetector
 from memopt.guard.memory import CudaMemorySource
-from memopt.guard.recovery import PreparedReplanner, step_down
+from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
 from memopt.guard.telemetry import Telemetry
+from memopt.step.prepare import prepare
 from memopt.strategy import Strategy
 from memopt.units import MiB
 

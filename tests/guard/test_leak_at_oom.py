@@ -11,19 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import prediction_is_current, step_down
 from memopt.guard.faults import FaultInjector, MemoryCap
 from memopt.guard.leaks import LeakDetector, fast_growth
 from memopt.guard.memory import TrackedMemorySource
-from memopt.guard.recovery import (
-    MemoptLeakError,
-    MemoptOOMError,
-    OOMMeasurement,
-    PreparedReplanner,
-    prediction_is_current,
-    step_down,
-)
+from memopt.guard.oom import MemoptLeakError, MemoptOOMError, OOMMeasurement
+from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
+from memopt.step.prepare import prepare
 from memopt.strategy import Strategy
 
 from ._helpers import fake_plan, make_batch, make_model, params_of

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
 from memopt.categories import MemoryCategory
 from memopt.guard.leaks import LeakDetector, sustained_growth
 from memopt.guard.memory import TrackedMemorySource
 from memopt.guard.telemetry import Telemetry
+from memopt.step.prepare import prepare
 from memopt.strategy import Strategy
 
 from ._helpers import make_batch, make_model

@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import EscalationFailed, escalation_policy, step_down
 from memopt.guard.faults import FaultInjector
-from memopt.guard.recovery import (
-    EscalationFailed,
-    MemoptOOMError,
-    OOMGuard,
-    OOMMeasurement,
-    PreparedReplanner,
-    escalation_policy,
-    parse_oom_message,
-    step_down,
-)
+from memopt.guard.oom import MemoptOOMError, OOMMeasurement, parse_oom_message
+from memopt.guard.reapply import PreparedReplanner
+from memopt.guard.recovery import OOMGuard
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 
 from ._helpers import batches, fake_plan, make_model, params_of

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import step_down
 from memopt.guard.faults import FaultInjector
 from memopt.guard.memory import TrackedMemorySource
-from memopt.guard.recovery import PreparedReplanner, step_down
+from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.report import STEP_CATEGORY, RunData, postmortem
 from memopt.guard.runtime import RuntimeGuard
 from memopt.report.__main__ import main
+from memopt.step.prepare import prepare
 from memopt.strategy import Strategy
 from memopt.units import MiB
 

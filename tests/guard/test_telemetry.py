@@ -6,15 +6,15 @@ import json
 
 import torch
 
-from memopt.apply.prepare import prepare
+from memopt.guard.escalation import step_down
 from memopt.guard.faults import FaultInjector
 from memopt.guard.memory import SimulatedMemorySource, TrackedMemorySource
-from memopt.guard.recovery import PreparedReplanner, step_down
+from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
 from memopt.guard.telemetry import Telemetry, format_progress
-from memopt.profile.tracker import allocator_size
+from memopt.step.prepare import prepare
 from memopt.strategy import Strategy
-from memopt.units import GiB, MiB
+from memopt.units import GiB, MiB, allocator_size
 
 from ._helpers import batches, fake_plan, make_model
 

@@ -120,7 +120,7 @@ def test_an_oom_under_the_trainer_is_recovered_and_training_is_unchanged(tmp_pat
 
 
 def test_recovery_gives_up_with_a_report_and_the_state_untouched(tmp_path):
-    from memopt.guard.recovery import MemoptOOMError
+    from memopt.guard.oom import MemoptOOMError
 
     trainer = _wrap(_trainer(tmp_path), pins={"precision": "fp32", "optimizer": "adamw", "micro_batch_size": 8})
     before = _params(trainer.model)
@@ -213,7 +213,7 @@ def test_an_oom_inside_the_optimizer_step_is_undone_and_the_step_rerun_one_tenso
 def test_an_optimizer_step_that_keeps_failing_gives_up_with_parameters_and_states_as_before(tmp_path, first_plan):
     from transformers import TrainerCallback
 
-    from memopt.guard.recovery import MemoptOOMError
+    from memopt.guard.oom import MemoptOOMError
 
     trainer = _foreach_trainer(tmp_path, first_plan, transaction="always")
     seen = {}
@@ -241,7 +241,7 @@ def test_an_optimizer_step_that_keeps_failing_gives_up_with_parameters_and_state
 
 
 def test_an_optimizer_oom_without_a_copy_says_the_parameters_are_partly_updated(tmp_path, monkeypatch, first_plan):
-    from memopt.guard.recovery import MemoptOOMError
+    from memopt.guard.oom import MemoptOOMError
 
     trainer = _foreach_trainer(tmp_path, first_plan, transaction="never")
     _OOMInForeachSqrt(monkeypatch, call=_groups_per_step(trainer) + 2)  # step 1, the second group

@@ -51,7 +51,7 @@ def test_shape_samples_work_for_models_recognised_by_their_mapping(build, family
 
 
 def test_the_causal_label_shift_is_applied_to_gpt2_lm_head_model():
-    from memopt.apply.prepare import prepare
+    from memopt.step.prepare import prepare
     from memopt.strategy import Strategy
 
     model = T.GPT2LMHeadModel(T.GPT2Config(**GPT2))

@@ -5,7 +5,8 @@ can still train (measured: bert-large at 12 GiB on the H200). The planner replay
 import pytest
 
 import memopt
-from memopt.estimate.allocator import AllocatorConfig, simulate_allocator
+from memopt.estimate.allocator import simulate_allocator
+from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.estimate.estimator import CappedOOM, estimate_strategy
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
@@ -49,13 +50,13 @@ def test_a_candidate_over_budget_uncapped_fits_under_the_cap(prof):
     assert ev.fits and ev.total_bytes <= budget
     # the same replay, by hand: the simulator under the cap never runs out
     from memopt.estimate.compose import pass_layout
-    from memopt.estimate.estimator import _static, event_stream, step_plan
+    from memopt.estimate.estimator import event_stream, static_bytes, step_plan
 
     sp = step_plan(prof, S)
     traces = {k: prof.variant(k, 8) for k in sp.variants}
     layout = pass_layout(traces, sp.base, sp.block_modes, prof.full_block_counts)
     opt = prof.optimizer(S.precision, S.optimizer, traces[sp.base])
-    _, static_events = _static(prof, S, traces, sp.base, 8, opt.master_bytes)
+    _, static_events = static_bytes(prof, S, traces, sp.base, 8, opt.master_bytes)
     events, start = event_stream(traces, layout, 8, 1, opt, static_events, num_steps=2)
     res = simulate_allocator(events[start:], config=AllocatorConfig(expandable_segments=False),
                              initial_events=events[:start], cap_bytes=budget - free.runtime_bytes)

@@ -9,7 +9,8 @@ import memopt
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.plan import Policy
-from memopt.plan.planner import _context, _min_footprint
+from memopt.plan.context import search_context
+from memopt.plan.footprint import min_footprint
 from memopt.plan.search import extras_levels
 
 # wide and shallow: the weights and their optimizer states dominate, so every rung of the ladder saves memory
@@ -36,8 +37,8 @@ def _plan(prof, budget: int, fidelity: str, **pins):
 def _smallest(prof, fidelity: str) -> int:
     """The policy's smallest estimated total (a budget of 1 byte would report only its model-state floor)."""
     pol = Policy.build(fidelity=fidelity, margin="0%", pins=FIXED)
-    ctx = _context(prof, HW, SAMPLE["batch_size"], pol, user_optimizer=False)
-    ev = _min_footprint(prof, HW, pol, ctx, 1 << 50)
+    ctx = search_context(prof, HW, SAMPLE["batch_size"], pol, user_optimizer=False)
+    ev = min_footprint(prof, HW, pol, ctx, 1 << 50)
     assert not ev.floor_only
     return ev.total_bytes
 
@@ -106,7 +107,7 @@ def test_pins_choose_the_rung(prof):
     plan = _plan(prof, 10**12, "qlora", quant_bits=4, adapter_rank=8)
     assert _level(plan) == (8, 4)
     assert "Chosen by the pins" in " ".join(plan.notes)
-    ctx = _context(prof, HW, 2, Policy.build(fidelity="qlora"), user_optimizer=False)
+    ctx = search_context(prof, HW, 2, Policy.build(fidelity="qlora"), user_optimizer=False)
     names = [[k for k, _ in lv] for lv in extras_levels(ctx, Policy.build(fidelity="qlora"))]
     assert names == [[], ["adapters"], ["adapters", "quantization"], ["adapters", "quantization"]]
     bits = [dict(dict(lv).get("quantization", {})).get("bits") for lv in

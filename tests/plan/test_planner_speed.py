@@ -6,14 +6,16 @@ import dataclasses
 import pytest
 
 import memopt
-import memopt.plan.planner as planner_module
+import memopt.plan.footprint as footprint_module
+import memopt.plan.plan_build as plan_build_module
 import memopt.plan.search as search_module
 from memopt.estimate.estimator import estimate_strategy
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.plan import Policy
+from memopt.plan.context import search_context
 from memopt.plan.floors import state_floor
-from memopt.plan.planner import _context, _Estimates, _min_footprint
+from memopt.plan.footprint import Estimates, min_footprint
 from memopt.plan.policy import ALLOWANCES
 from memopt.plan.search import candidates, evaluate, extras_saving
 
@@ -35,7 +37,7 @@ def test_the_state_floor_is_below_every_estimate(prof, fidelity):
     """Every candidate (each precision, optimizer, offload, adapters, quantized base): floor <= the estimate, and
     the floor is not trivially the weights alone where the optimizer's states are known."""
     pol = Policy.build(fidelity=fidelity, pins={"expandable_segments": True, "attention": "auto"})
-    ctx = _context(prof, HW, 2, pol, user_optimizer=False)
+    ctx = search_context(prof, HW, 2, pol, user_optimizer=False)
     cands = candidates(dataclasses.replace(ctx, max_micro_batch=1), pol)
     seen = set()
     for s in cands:
@@ -59,12 +61,12 @@ def test_a_hopeless_policy_reports_its_floor_without_tracing(prof, monkeypatch):
         raise AssertionError("the report estimated a candidate that cannot fit")
 
     lossy = Policy.build(fidelity="lossy")
-    cands = candidates(dataclasses.replace(_context(prof, HW, 2, lossy, user_optimizer=False), max_micro_batch=1),
-                       lossy)
+    cands = candidates(dataclasses.replace(search_context(prof, HW, 2, lossy, user_optimizer=False),
+                                           max_micro_batch=1), lossy)
     smallest = min(state_floor(prof, s, HW).total_bytes for s in cands)
     budget = (smallest + HW.runtime_overhead_bytes) // 2  # above the runtime, below the model states
-    monkeypatch.setattr(planner_module, "estimate_strategy", no_estimates)
-    monkeypatch.setattr(planner_module, "evaluate", no_estimates)
+    monkeypatch.setattr(footprint_module, "estimate_strategy", no_estimates)
+    monkeypatch.setattr(footprint_module, "evaluate", no_estimates)
     monkeypatch.setattr(search_module, "estimate_strategy", no_estimates)
     plan = memopt.plan(SPEC, SAMPLE, budget=budget, hardware=HW, profile=prof, fidelity="lossy",
                        forbid={"offload": True})
@@ -80,7 +82,7 @@ def _brute_min(prof, pol, ctx, budget):
 
     def rank(s):  # the most saving extras level, then the memory-saving extremes; offload tried both ways
         return (-extras_saving(s), s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None,
-                -s.chunked_ce, s.optimizer not in ("adamw8bit", "paged_adamw8bit"), not s.expandable_segments)
+                -s.chunked_ce, not s.eight_bit_optimizer, not s.expandable_segments)
 
     cands.sort(key=rank)
     best = None
@@ -94,10 +96,10 @@ def _brute_min(prof, pol, ctx, budget):
 def test_min_footprint_with_bounds_equals_simulating_every_candidate(prof):
     budget = 2 * GB
     base = Policy.build()
-    ctx = _context(prof, HW, 2, base, user_optimizer=False)
-    shared = _Estimates(prof, HW)
+    ctx = search_context(prof, HW, 2, base, user_optimizer=False)
+    shared = Estimates(prof, HW)
     for pol in [base] + [base.relaxed(a) for a in ALLOWANCES if a not in base.allow]:
-        fast = _min_footprint(prof, HW, pol, ctx, budget, shared)
+        fast = min_footprint(prof, HW, pol, ctx, budget, shared)
         brute = _brute_min(prof, pol, ctx, budget)
         assert fast.strategy == brute.strategy
         assert fast.total_bytes == brute.total_bytes and fast.fits == brute.fits
@@ -109,15 +111,15 @@ def test_first_fit_reach_fits_and_is_no_smaller_than_the_minimum(prof):
     """What allowing more would reach: the first fitting candidate (estimated exactly) when one fits, at least the
     policy's smallest total; the smallest itself when the likeliest candidate does not fit."""
     base = Policy.build()
-    ctx = _context(prof, HW, 2, base, user_optimizer=False)
-    shared = _Estimates(prof, HW)
+    ctx = search_context(prof, HW, 2, base, user_optimizer=False)
+    shared = Estimates(prof, HW)
     for pol in [base.relaxed("8bit_optimizer"), base.relaxed("lossy")]:
-        smallest = _min_footprint(prof, HW, pol, ctx, 40 * GB, shared)
-        roomy = _min_footprint(prof, HW, pol, ctx, 40 * GB, shared, first_fit=True)
+        smallest = min_footprint(prof, HW, pol, ctx, 40 * GB, shared)
+        roomy = min_footprint(prof, HW, pol, ctx, 40 * GB, shared, first_fit=True)
         assert roomy.fits and not roomy.floor_only and roomy.total_bytes >= smallest.total_bytes
         assert roomy.strategy.precision != "fp32" and not roomy.strategy.activation_offload  # the likeliest
         tight = smallest.total_bytes + pol.margin(smallest.total_bytes) - 1  # nothing fits: the minimum
-        assert _min_footprint(prof, HW, pol, ctx, tight, shared, first_fit=True).total_bytes == smallest.total_bytes
+        assert min_footprint(prof, HW, pol, ctx, tight, shared, first_fit=True).total_bytes == smallest.total_bytes
 
 
 def _no_floor(profile, s, hw, cache=None):
@@ -132,7 +134,8 @@ def test_plans_are_the_same_without_the_state_floor(prof, monkeypatch, budget):
     report without floors is exact, and a floor-only report is below it (a lower bound)."""
     with_floor = memopt.plan(SPEC, SAMPLE, budget=int(budget), hardware=HW, profile=prof, fidelity="lossy")
     monkeypatch.setattr(search_module, "state_floor", _no_floor)
-    monkeypatch.setattr(planner_module, "state_floor", _no_floor)
+    monkeypatch.setattr(footprint_module, "state_floor", _no_floor)
+    monkeypatch.setattr(plan_build_module, "state_floor", _no_floor)
     without = memopt.plan(SPEC, SAMPLE, budget=int(budget), hardware=HW, profile=prof, fidelity="lossy")
     assert (with_floor.fits == without.fits and with_floor.strategy == without.strategy) or \
         with_floor.infeasible["smallest_is_lower_bound"]

@@ -8,7 +8,7 @@ import memopt
 from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.plan import Plan, Policy
-from memopt.plan.planner import _context
+from memopt.plan.context import search_context
 from memopt.plan.search import _under_cap, candidates, evaluate, rank, search
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
@@ -30,7 +30,7 @@ def _small_policy(**extra) -> Policy:
 @pytest.mark.slow
 def test_search_finds_the_brute_force_optimum(prof):
     pol = _small_policy()
-    ctx = _context(prof, HW, 8, pol, user_optimizer=False)
+    ctx = search_context(prof, HW, 8, pol, user_optimizer=False)
     everything = candidates(ctx, pol)
     assert len(everything) >= 30
     # a budget between the smallest and the largest footprint, so the choice is not trivial

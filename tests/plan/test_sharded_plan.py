@@ -9,7 +9,8 @@ import pytest
 
 from memopt.distributed.sharding import ShardingSetting
 from memopt.hardware import load_hardware
-from memopt.plan.planner import make_plan, resolve_policy
+from memopt.plan.context import resolve_policy
+from memopt.plan.planner import make_plan
 from memopt.plan.sharded import plan_sharded, sharding_settings
 from memopt.units import GiB, MiB
 

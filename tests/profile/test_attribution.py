@@ -9,15 +9,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memopt
-from memopt.apply.prepare import prepare
 from memopt.estimate.attribution import predict_attribution, split_exact
 from memopt.guard.attribution import StepAttribution
 from memopt.models import with_overrides
 from memopt.profile.cuda_semantics import cuda_semantics, kernel_policy_for
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
-from memopt.profile.tracker import allocator_size as a
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
+from memopt.units import allocator_size as a
 
 V, D, B, T = 512, 32, 8, 256
 

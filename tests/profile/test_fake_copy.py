@@ -7,7 +7,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memopt.profile.fake_model import fake_copy
-from memopt.profile.tracker import MemoryTracker, allocator_size
+from memopt.profile.tracker import MemoryTracker
+from memopt.units import allocator_size
 
 
 class _StateHolder:

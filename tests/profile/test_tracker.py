@@ -1,6 +1,7 @@
 import torch
 
-from memopt.profile.tracker import MemoryTracker, allocator_size
+from memopt.profile.tracker import MemoryTracker
+from memopt.units import allocator_size
 
 
 def test_allocator_rounding():

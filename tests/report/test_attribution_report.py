@@ -13,8 +13,8 @@ from memopt.guard.faults import FaultInjector
 from memopt.models import SampleSpec, build_model, make_batch, with_overrides
 from memopt.profile.attribution import group_of
 from memopt.profile.tracker import MemoryTracker
-from memopt.profile.tracker import allocator_size as a
 from memopt.report.__main__ import main as report_main
+from memopt.units import allocator_size as a
 
 SAMPLE = {"batch_size": 4, "seq_len": 64}
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 5})

@@ -137,7 +137,7 @@ def test_targets_counts_and_undo_on_tiny_llama():
 
 
 def _train(model: nn.Module, strategy: Strategy, batch: dict, steps: int):
-    from memopt.apply.prepare import prepare
+    from memopt.step.prepare import prepare
 
     prepared = prepare(model, strategy, device_type="cpu", optimizer_kwargs={"lr": 1e-2})
     for _ in range(steps):
@@ -189,7 +189,7 @@ def test_only_adapters_train_and_the_saved_adapter_loads_into_the_unquantized_mo
 
 def test_apply_qlora_outside_a_strategy():
     bnb = pytest.importorskip("bitsandbytes")
-    from memopt.techniques.quantization import apply_qlora
+    from memopt.techniques.quantization_apply import apply_qlora
 
     model = build_model("tiny_llama", device="cpu")
     q_proj = model.model.layers[0].self_attn.q_proj

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from memopt.apply.prepare import prepare
+from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 
 
@@ -48,3 +48,17 @@ def test_buffers_are_updated_once_per_step_under_checkpointing(mode):
     assert steps[0] == pytest.approx(steps[1], rel=1e-6)
     for (name, a), (_, b) in zip(plain.state_dict().items(), ckpt.state_dict().items()):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_selective_checkpointing_keeps_the_profiles_emulated_attention_kernels():
+    """The profile traces CUDA's attention as its own custom ops: selective checkpointing must keep their outputs, or
+    the trace would recompute attention where the GPU run keeps it."""
+    import inspect
+    import re
+
+    from memopt.profile import attention_kernels
+    from memopt.techniques.checkpointing import SELECTIVE_SAVE_OPS
+
+    forward_ops = re.findall(r'custom_op\("memopt::(\w+_attention)"', inspect.getsource(attention_kernels))
+    assert len(forward_ops) >= 3, forward_ops
+    assert set(forward_ops) <= SELECTIVE_SAVE_OPS

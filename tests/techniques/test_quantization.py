@@ -15,27 +15,28 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 from memopt.models import SampleSpec, build_model, load_model_spec, make_batch
-from memopt.profile.tracker import ALLOC, MemoryTracker, allocator_size
+from memopt.profile.tracker import ALLOC, MemoryTracker
 from memopt.strategy import Strategy
 from memopt.techniques.adapters import AdapterSetting, find_target_linears, target_shapes
 from memopt.techniques.quantization import (
     QuantSetting,
-    apply_quantization,
-    dequant_temporaries,
-    dequant_time_s,
-    dequant_traffic_bytes,
     extras_label,
     fidelity_needs,
-    load_quantized,
     method_change_note,
     planner_extras,
     qlora,
-    quantization_targets,
-    quantize_linear,
-    quantized_storage_bytes,
-    quantized_weight_bytes,
     with_extra,
 )
+from memopt.techniques.quantization_apply import apply_quantization, quantization_targets, quantize_linear
+from memopt.techniques.quantized_bytes import (
+    dequant_temporaries,
+    dequant_time_s,
+    dequant_traffic_bytes,
+    quantized_storage_bytes,
+    quantized_weight_bytes,
+)
+from memopt.techniques.quantized_load import load_quantized
+from memopt.units import allocator_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
 MiB = 1024 * 1024
@@ -369,9 +370,9 @@ def test_load_quantized_layer_by_layer(tiny, tmp_path):
 def _real_step_peaks(model: nn.Module, strategy: Strategy, batch: dict, num_steps: int = 2) -> list[int]:
     """``simulate_step``'s protocol on real tensors: track weights (and quantization state) and the batch, then
     the peak of each optimizer step. bitsandbytes' CPU GEMM runs op by op so its temporaries are seen."""
-    from memopt.apply.prepare import prepare
+    from harness.real_step import real_step_peaks
     from memopt.profile.quant_stand_ins import quant_state_tensors, visible_bnb_kernels
-    from memopt.validation.real_step import real_step_peaks
+    from memopt.step.prepare import prepare
 
     prepared = prepare(model, strategy, device_type="cpu")
     try:

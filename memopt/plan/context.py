@@ -1,0 +1,53 @@
+"""What a plan is searched for: the hardware spec, the policy, and the search context of a profile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memopt.hardware import HardwareSpec, load_hardware
+from memopt.plan.policy import Policy
+from memopt.profile.profile import Profile
+from memopt.techniques.adapters import peft_installed
+from memopt.techniques.attention import flash_attn_available
+from memopt.techniques.optimizers import bnb_installed
+from memopt.techniques.registry import SearchContext
+
+__all__ = ["resolve_hardware", "resolve_policy", "search_context"]
+
+
+def resolve_hardware(hardware: str | HardwareSpec | dict | None) -> HardwareSpec:
+    """The spec to plan for: a shipped name, a dict, a spec; ``"auto"`` the local GPU (an error without one); None
+    the local GPU or, when none is visible, ``memopt.hardware.DEFAULT_HARDWARE`` (the plan's notes say so)."""
+    return load_hardware(hardware)
+
+
+def resolve_policy(policy: Policy | dict[str, Any] | None, **overrides: Any) -> Policy:
+    if isinstance(policy, Policy) and not any(v is not None for v in overrides.values()):
+        return policy
+    data: dict[str, Any] = {}
+    if isinstance(policy, Policy):
+        data = {"fidelity": sorted(policy.allow), "pins": policy.pins, "forbid": policy.forbid,
+                "max_micro_batch": policy.max_micro_batch}
+    elif isinstance(policy, dict):
+        data = dict(policy)
+    elif policy is not None:
+        raise ValueError(f"policy must be a memopt Policy or a dict, got {type(policy).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return Policy.build(**data)
+
+
+def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,
+                   user_optimizer: bool) -> SearchContext:
+    vocab = profile.vocab_size
+    if vocab is None:  # a profile saved before the vocabulary was recorded: ask its model, if one is at hand
+        vocab = getattr(getattr(profile._model, "config", None), "vocab_size", None)
+    # PyTorch's own choice ("auto") is searched; a named backend only when pinned: on the GPUs modelled the
+    # other kernels allocate at least as much and run no faster than the one SDPA picks
+    backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
+    return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
+                         supports_bf16=hw.supports_bf16, vocab_size=vocab,
+                         causal_lm=profile.family == "causal_lm" and not profile.chunked_ce_refusal,
+                         bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
+                         peft_available=peft_installed(),
+                         user_optimizer=user_optimizer, attention_backends=backends,
+                         max_micro_batch=policy.max_micro_batch)
