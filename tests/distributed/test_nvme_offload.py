@@ -73,9 +73,10 @@ def _aligned(nbytes: int) -> int:
 def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
     """ZeRO-3 with parameters and optimizer on NVMe, against CPU offload and memopt's plan (one rank, fp32 run).
 
-    DeepSpeed 0.19.8 on its CPU accelerator stores swapped parameters in bf16 (``zero_stage_3/bfloat16params``: the
-    accelerator's preferred dtype) even in an fp32 run, so the forward sees bf16-rounded weights: the NVMe run's
-    first loss differs from CPU offload's by ~1e-5. The optimizer side (fp32 master, Adam states, fp32 gradients)
+    DeepSpeed 0.19.8 on its CPU accelerator stores swapped parameters in the accelerator's preferred dtype even in an
+    fp32 run: bf16 (``zero_stage_3/bfloat16params``) on a CPU with bf16 support, where the forward sees bf16-rounded
+    weights and the NVMe run's first loss differs from CPU offload's by ~1e-5, fp32 (``float32params``) elsewhere.
+    The optimizer side (fp32 master, Adam states, fp32 gradients)
     swaps without rounding: with only the optimizer on NVMe the losses are identical to CPU offload's.
     """
     pytest.importorskip("deepspeed")
@@ -96,10 +97,15 @@ def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
     # equivalence: optimizer states on NVMe instead of host RAM give the same numbers, bit for bit
     assert opt_only["losses"] == cpu["losses"]
     assert opt_only["nvme_swap_bytes"]["optimizer"] > 0 and opt_only["nvme_swap_bytes"]["params"] == 0
-    # parameters on NVMe too: bf16-rounded weights (measured 1.2e-5 on the first loss, 3.5e-3 by the third step)
+    # parameters on NVMe too, swapped in the dtype DeepSpeed's CPU accelerator prefers on this machine: bf16 where
+    # the CPU has bf16 support (rounded weights: measured 1.2e-5 on the first loss, 3.5e-3 by the third step), fp32
+    # elsewhere (the same numbers as CPU offload)
+    swap_dirs = sorted(d.name for d in (paths["nvme"] / "zero_stage_3").iterdir() if d.name.endswith("params"))
+    assert swap_dirs in (["bfloat16params"], ["float32params"]), swap_dirs
+    if swap_dirs == ["float32params"]:
+        assert run["losses"] == cpu["losses"]
     assert run["losses"][0] == pytest.approx(cpu["losses"][0], rel=1e-4)
     assert run["losses"] == pytest.approx(cpu["losses"], rel=2e-2)
-    assert (paths["nvme"] / "zero_stage_3" / "bfloat16params").is_dir()
 
     # memopt's plan for this setting (one rank, fp32): parameters 4 B + optimizer side (master 0 + Adam 8) + the fp32
     # gradient (4) per param
@@ -109,16 +115,17 @@ def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
                               offload_optimizer="nvme", offload_params="nvme")
     assert plan.nvme_bytes == 16 * p
     files = run["nvme_swap_bytes"]
-    # DeepSpeed's layout: a bf16 file per parameter of >= 1 MiB (smaller ones stay in memory); for the optimizer's
-    # one sub-group the fp32 master, exp_avg and exp_avg_sq (4 B each per parameter) and, written at the accumulation
-    # boundary, the fp32 gradient of each swapped tensor
-    swapped = sum(n for n in numels if n * 2 >= MIN_SWAP_BYTES and n >= 100_000)
-    assert files["params"] == 2 * swapped
+    # DeepSpeed's layout: a file per parameter of >= 1 MiB in the swap dtype (smaller ones stay in memory); for the
+    # optimizer's one sub-group the fp32 master, exp_avg and exp_avg_sq (4 B each per parameter) and, written at the
+    # accumulation boundary, the fp32 gradient of each swapped tensor
+    swap_elt = 2 if swap_dirs == ["bfloat16params"] else 4
+    swapped = sum(n for n in numels if n * swap_elt >= MIN_SWAP_BYTES and n >= 100_000)
+    assert swapped > 0 and files["params"] == swap_elt * swapped
     assert files["optimizer"] == 3 * _aligned(4 * p)
     assert files["other"] == 4 * swapped  # the gradient files
-    # the difference from the plan, term by term: bf16 instead of fp32 parameters (and none under 1 MiB), the fp32
+    # the difference from the plan, term by term: swap-dtype instead of fp32 parameters (none under 1 MiB), the fp32
     # master DeepSpeed keeps beside them, gradient files for the swapped tensors only
-    assert files["total"] == plan.nvme_bytes - 4 * p + 2 * swapped + 4 * p - 4 * p + 4 * swapped
+    assert files["total"] == plan.nvme_bytes - 4 * p + swap_elt * swapped + 4 * p - 4 * p + 4 * swapped
 
     # what the engine moved through its aio handles: each step writes every swap file once and reads the optimizer
     # side and gradients once and the parameters per micro-batch
