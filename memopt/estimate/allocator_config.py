@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memopt.units import MiB
+
 __all__ = [
     "AllocatorConfig",
     "get_allocation_size",
     "round_size",
 ]
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 
 K_MIN_BLOCK_SIZE = 512  # every request is rounded to a multiple of this
 K_SMALL_SIZE = 1 * MiB  # largest request served by the small pool

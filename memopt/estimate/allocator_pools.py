@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from memopt.estimate.allocator_config import K_ROUND_LARGE, K_SMALL_BUFFER, NO_LIMIT, AllocatorConfig, GiB
+from memopt.estimate.allocator_config import K_ROUND_LARGE, K_SMALL_BUFFER, NO_LIMIT, AllocatorConfig
+from memopt.units import GiB
 
 __all__ = [
     "ADDR_MASK",

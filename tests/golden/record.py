@@ -81,6 +81,8 @@ def _config_plan(case: Case) -> Any:
 
 
 def _module_plan(case: Case) -> Any:
+    import torch
+
     import memopt
     from tests.zoo.hf_families import FAMILIES
     from tests.zoo.torch_patterns import PATTERNS
@@ -89,8 +91,6 @@ def _module_plan(case: Case) -> Any:
         fam = next(f for f in FAMILIES if f.id == case.name)
         return memopt.plan(fam.build(), fam.sample(TINY_BATCH), budget=case.budget, hardware="h200")
     pat = next(p for p in PATTERNS if p.name == case.name)
-    import torch
-
     return memopt.plan(pat.build(), pat.sample(TINY_BATCH, torch.Generator().manual_seed(0)), budget=case.budget,
                        hardware="h200", loss_fn=pat.loss_fn)
 
@@ -135,8 +135,9 @@ def run_all(selected: list[Case], jobs: int) -> dict[str, dict[str, Any]]:
             futures = {key: pool.submit(_plan_group, group) for key, group in by_model.items()}
             out: dict[str, dict[str, Any]] = {}
             for key, fut in futures.items():
-                out.update(fut.result())
-                print(f"  {key}: {sum(r['plan_s'] for r in fut.result().values()):.1f} s", flush=True)
+                records = fut.result()
+                out.update(records)
+                print(f"  {key}: {sum(r['plan_s'] for r in records.values()):.1f} s", flush=True)
     return out
 
 
