@@ -188,6 +188,8 @@ class VariantTrace:
     model_state: dict[str, Any] | None = None
     # which module and op made each allocation (memopt.profile.attribution.trace_record); None in old profiles
     attribution: dict[str, Any] | None = None
+    # ops whose output size depends on values, traced at their largest (memopt.profile.data_dependent)
+    bounded_ops: list[str] = field(default_factory=list)
 
     def size(self, lo_bytes: int, hi_bytes: int, b: int) -> int:
         """Requested bytes at micro-batch ``b`` (linear between/beyond the traced sizes)."""
@@ -204,7 +206,7 @@ class VariantTrace:
                 "input_bytes": list(self.input_bytes), "input_sizes": [list(x) for x in self.input_sizes],
                 "attention_backends": self.attention_backends, "traced_blocks": self.traced_blocks,
                 "lo": self.lo, "hi": self.hi, "min_b": self.min_b, "model_state": self.model_state,
-                "attribution": self.attribution}
+                "attribution": self.attribution, "bounded_ops": self.bounded_ops}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VariantTrace:
@@ -213,7 +215,7 @@ class VariantTrace:
                    input_bytes=tuple(d["input_bytes"]), input_sizes=[tuple(x) for x in d["input_sizes"]],
                    attention_backends=list(d["attention_backends"]), traced_blocks=list(d["traced_blocks"]),
                    lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1), model_state=d.get("model_state"),
-                   attribution=d.get("attribution"))
+                   attribution=d.get("attribution"), bounded_ops=list(d.get("bounded_ops", [])))
 
 
 def expand_model_state(state: dict[str, Any], traced_blocks: Sequence[int], full_counts: Sequence[int]
@@ -281,6 +283,7 @@ class _RawTrace:
     micro_batch: int = 1
     model_state: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
+    bounded_ops: list[str] = field(default_factory=list)
 
 
 BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.step.batch)
@@ -357,7 +360,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
                      persistent_keys=set(tracker.run.persistent_keys), inputs=inputs, attention=attention,
                      traced_blocks=[len(s) for s in find_block_stacks(clone)], offload=offload_by_phase,
                      micro_batch=micro_batch, model_state=model_state,
-                     attribution=attribution_with_ops(record, tracker, op_of))
+                     attribution=attribution_with_ops(record, tracker, op_of),
+                     bounded_ops=sorted(tracker.run.bounded_ops))
 
 
 def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, str]]]]:
@@ -371,6 +375,66 @@ def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, 
             break
         out.append((raw.phases[i], i, by_phase.get(i, [])))
     return out
+
+
+def alignment_opcodes(a: list[Any], c: list[Any]) -> list[tuple[str, int, int, int, int]]:
+    """Opcodes (difflib's) turning ``a`` into ``c``: the common prefix and suffix matched first, then the rest.
+
+    difflib's alignment is quadratic in the events it searches, and a recurrent layer unrolled over a long sequence
+    repeats the same few events tens of thousands of times: aligned by it, two micro-batch sizes of such a trace take
+    minutes. So the differing stretch alone is searched, and only when the answer can be other than "mismatch": when
+    ``a`` is not a subsequence of ``c`` no alignment can be exact or inserts-only, and one ``replace`` says so. A long
+    stretch that is a subsequence is matched greedily (every event of ``a`` paired, the rest inserts).
+    """
+    n = min(len(a), len(c))
+    head = 0
+    while head < n and a[head] == c[head]:
+        head += 1
+    tail = 0
+    while tail < n - head and a[len(a) - 1 - tail] == c[len(c) - 1 - tail]:
+        tail += 1
+    a_end, c_end = len(a) - tail, len(c) - tail
+    out: list[tuple[str, int, int, int, int]] = [("equal", 0, head, 0, head)] if head else []
+    if head < a_end or head < c_end:
+        out.extend(_middle_opcodes(a, c, head, a_end, c_end))
+    if tail:
+        out.append(("equal", a_end, len(a), c_end, len(c)))
+    return out
+
+
+_DIFFLIB_MAX_WORK = 4_000_000  # events of one stretch times events of the other: above it, difflib takes seconds
+
+
+def _middle_opcodes(a: list[Any], c: list[Any], head: int, a_end: int,
+                    c_end: int) -> list[tuple[str, int, int, int, int]]:
+    embedding = _embedding(a, c, head, a_end, c_end)
+    if embedding is None:
+        return [("replace", head, a_end, head, c_end)]
+    if (a_end - head) * (c_end - head) <= _DIFFLIB_MAX_WORK:
+        matcher = difflib.SequenceMatcher(None, a[head:a_end], c[head:c_end], autojunk=False)
+        return [(op, i1 + head, i2 + head, j1 + head, j2 + head) for op, i1, i2, j1, j2 in matcher.get_opcodes()]
+    out: list[tuple[str, int, int, int, int]] = []
+    i = head
+    for j in range(head, c_end):
+        op = "equal" if embedding[j] else "insert"
+        if out and out[-1][0] == op:
+            out[-1] = (op, out[-1][1], i + (op == "equal"), out[-1][3], j + 1)
+        else:
+            out.append((op, i, i + (op == "equal"), j, j + 1))
+        i += op == "equal"
+    return out
+
+
+def _embedding(a: list[Any], c: list[Any], head: int, a_end: int, c_end: int) -> list[bool] | None:
+    """Which events of ``c[head:c_end]`` (indexed as in ``c``) pair with ``a[head:a_end]`` in a greedy embedding of
+    the one in the other; None when ``a``'s stretch is not a subsequence of ``c``'s."""
+    matched = [False] * c_end
+    i = head
+    for j in range(head, c_end):
+        if i < a_end and a[i] == c[j]:
+            matched[j] = True
+            i += 1
+    return matched if i == a_end else None
 
 
 def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], str]:
@@ -392,7 +456,7 @@ def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], str]:
         a = [(e[0], e[3]) for e in ev1]
         c = [(e[0], e[3]) for e in ev2]
         merged: list[tuple[int, int, int, int]] = []
-        for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes():
+        for op, i1, i2, j1, j2 in alignment_opcodes(a, c):
             if op == "equal":
                 for (k1, key1, b1, _), (_, key2, b2, _) in zip(ev1[i1:i2], ev2[j1:j2]):
                     if k1 == ALLOC:
@@ -447,7 +511,8 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                             attention_backends=sorted(set(raw1.attention)), traced_blocks=raw1.traced_blocks,
                             lo=lo, hi=hi, min_b=min_b, model_state=raw1.model_state,
                             attribution=merge_record(raw1.attribution, raw2.attribution if raw2 is not raw1 else None,
-                                                     {e[1] for seg in segments for e in seg.events}, _UNMATCHED))
+                                                     {e[1] for seg in segments for e in seg.events}, _UNMATCHED),
+                            bounded_ops=sorted(set(raw1.bounded_ops) | set(raw2.bounded_ops)))
 
     if key.micro_batch is not None:
         raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)

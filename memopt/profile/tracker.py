@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
+from memopt.profile.data_dependent import BOUNDED_OPS, largest_output
 from memopt.units import allocator_size
 
 __all__ = ["MemoryTracker", "TrackedRun", "current_tracker", "report_scratch"]
@@ -66,6 +68,8 @@ class TrackedRun:
     persistent_keys: set[int] = field(default_factory=set)  # process-lifetime buffers (cuBLAS workspaces)
     # key -> the module that was running when it was allocated (only with ``MemoryTracker.module_fn`` set)
     alloc_module: dict[int, str] = field(default_factory=dict)
+    # ops whose output size depends on values, traced at their largest (``memopt.profile.data_dependent``)
+    bounded_ops: set[str] = field(default_factory=set)
 
     def peak(self, start_bytes: int = 0) -> tuple[int, int]:
         """(peak bytes, index of the event at which it is reached) replaying the log from ``start_bytes``."""
@@ -236,7 +240,13 @@ class MemoryTracker(TorchDispatchMode):
             # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
             # batches, where every such check holds.
             return True
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except DynamicOutputShapeException:
+            out = largest_output(func, args, kwargs or {}) if func in BOUNDED_OPS else NotImplemented
+            if out is NotImplemented:
+                raise
+            self.run.bounded_ops.add(func.__name__)
         label = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
