@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
 from memopt.profile.data_dependent import BOUNDED_OPS, largest_output
+from memopt.profile.scalar_values import ScalarShadows
 from memopt.units import allocator_size
 
 __all__ = ["MemoryTracker", "TrackedRun", "current_tracker", "report_scratch"]
@@ -99,6 +100,7 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.run = TrackedRun()
+        self.shadows = ScalarShadows()
         self._live: dict[int, int] = {}  # id(storage) -> key (keys are unique over the run; ids are reused)
         self._next_key = 1
         self._sizes: dict[int, int] = {}  # key -> rounded bytes
@@ -235,11 +237,15 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func in _SCALAR_READS and args and _is_fake_bool(args[0]):
-            # A fake tensor has no values. Models read booleans to take fast paths ("is the padding
-            # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
-            # batches, where every such check holds.
-            return True
+        if func in _SCALAR_READS and args:
+            known = self.shadows.value(args[0])
+            if known is not None:  # a constant or a uniform draw (memopt.profile.scalar_values)
+                return self.shadows.read(func, known)
+            if _is_fake_bool(args[0]):
+                # A fake tensor has no values. Models read booleans to take fast paths ("is the padding
+                # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
+                # batches, where every such check holds.
+                return True
         try:
             out = func(*args, **(kwargs or {}))
         except DynamicOutputShapeException:
@@ -247,6 +253,7 @@ class MemoryTracker(TorchDispatchMode):
             if out is NotImplemented:
                 raise
             self.run.bounded_ops.add(func.__name__)
+        self.shadows.observe(func, args, kwargs or {}, out)
         label = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
