@@ -6,7 +6,7 @@ calls ``memopt.wrap(model, budget=..., sample=batch)`` exactly as a user would (
 trace included), trains ``--steps`` steps and records the prediction beside the measurement:
 
     python scripts/zoo_matrix_gpu.py run --out $OUT/zoo.jsonl [--rows ID,ID] [--width 3] [--deadline-s 540]
-    python scripts/zoo_matrix_gpu.py report benchmarks/any_model/zoo_h200.jsonl --out benchmarks/any_model/zoo_h200
+    python scripts/zoo_matrix_gpu.py report OLDER.jsonl NEWER.jsonl --out benchmarks/any_model/zoo_h200  # later wins
 
 Each row runs in its own process (an OOM or a crash ends only that row); several rows share the GPU at once when
 their budgets fit together (``--width``), so the step times of such a run are not timing data. Fields:
@@ -401,6 +401,12 @@ def _run_pool(rows: list[ZooRow], out_file: Path, width: int, deadline_s: float,
                     proc.kill()
                     with out_file.open("a") as f:
                         f.write(json.dumps({"id": row.id, "crashed": True, "error": "timed out"}) + "\n")
+                elif proc.returncode != 0 and not _has_row(out_file, row.id):  # killed before it could write
+                    with out_file.open("a") as f:
+                        f.write(json.dumps({"id": row.id, "crashed": True, "budget": row.budget,
+                                            "error": f"the row's process ended with {proc.returncode}"
+                                            + (" (SIGKILL: most likely the host's out-of-memory killer)"
+                                               if proc.returncode == -9 else "")}) + "\n")
                 running.remove(r)
                 print(f"[{time.time() - start:5.0f}s] done {row.id} rc={proc.returncode}", flush=True)
         used = sum(b for *_, b in running)
@@ -422,12 +428,25 @@ def _run_pool(rows: list[ZooRow], out_file: Path, width: int, deadline_s: float,
         print(f"not run (deadline): {row.id}", flush=True)
 
 
+def _has_row(out_file: Path, row_id: str) -> bool:
+    if not out_file.exists():
+        return False
+    return any(json.loads(x).get("id") == row_id for x in out_file.read_text().splitlines() if x.strip())
+
+
 def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:+.1f}%"
 
 
 def report(paths: list[Path], out: Path) -> None:
-    rows = [json.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
+    latest: dict[str, dict[str, Any]] = {}  # a row measured again in a later file replaces the earlier one
+    for p in paths:
+        for x in p.read_text().splitlines():
+            if x.strip():
+                r = json.loads(x)
+                latest.pop(r["id"], None)
+                latest[r["id"]] = {**r, "source": p.name}
+    rows = list(latest.values())
     errs = [abs(r["allocated_error"]) for r in rows if r.get("allocated_error") is not None]
     lines = ["| row | params | plan | predicted alloc | measured alloc | error | total / budget | first-try OOM "
              "| crashed | pred step s | meas step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]

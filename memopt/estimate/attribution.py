@@ -176,7 +176,7 @@ def _states_by_group(profile: Any, strategy: Strategy,
                      params: dict[str, list[tuple[list[tuple[tuple[int, ...], str]], int]]]) -> dict[str, int]:
     """Optimizer-state bytes each group's parameters make (traced per group; by parameter bytes without a
     tracing policy at hand)."""
-    from memopt.profile.trace import trace_optimizer
+    from memopt.profile.optimizer_trace import trace_optimizer
 
     policy = getattr(profile, "_policy", None)
     out: dict[str, int] = {}

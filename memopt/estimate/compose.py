@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.categories import MemoryCategory
-from memopt.profile.trace import OptimizerTrace, VariantKey, VariantTrace, traced_unit
+from memopt.profile.optimizer_trace import OptimizerTrace
+from memopt.profile.trace import VariantKey, VariantTrace, traced_unit
 from memopt.profile.tracker import ALLOC, FREE
 from memopt.units import allocator_size
 

@@ -25,7 +25,8 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.profile.costs import PhaseCost
-from memopt.profile.trace import OptimizerTrace, expand_model_state, model_state_entries
+from memopt.profile.optimizer_trace import OptimizerTrace
+from memopt.profile.trace import expand_model_state, model_state_entries
 from memopt.profile.tracker import ALLOC, FREE
 
 __all__ = ["SHALLOW_BLOCKS", "canonical_events", "extrapolate_optimizer", "model_layout", "scaled_optimizer_trace",

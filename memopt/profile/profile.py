@@ -29,15 +29,14 @@ from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import UnsupportedAttention
 from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
+from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
 from memopt.profile.trace import (
     PRECISION_GROUP,
     BatchFactory,
-    OptimizerTrace,
     TraceAlignmentError,
     VariantKey,
     VariantTrace,
     expand_model_state,
-    trace_optimizer,
     trace_variant,
 )
 from memopt.units import allocator_size

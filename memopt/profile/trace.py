@@ -18,7 +18,6 @@ The optimizer step is traced on its own, over fake parameters and gradients of t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,21 +37,20 @@ from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.simulate import trace_device
-from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
+from memopt.profile.trace_alignment import alignment_opcodes
+from memopt.profile.tracker import ALLOC, MemoryTracker
 from memopt.step.batch import tensors as batch_tensors
 from memopt.step.prepare import prepare
 from memopt.step.train_step import TrainStep
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing, Strategy
+from memopt.strategy import Checkpointing, Strategy
 
 __all__ = [
     "TRACED_BLOCKS",
-    "OptimizerTrace",
     "Segment",
     "TraceAlignmentError",
     "VariantKey",
     "VariantTrace",
     "expand_model_state",
-    "trace_optimizer",
     "trace_variant",
     "variant_key",
 ]
@@ -377,66 +375,6 @@ def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, 
     return out
 
 
-def alignment_opcodes(a: list[Any], c: list[Any]) -> list[tuple[str, int, int, int, int]]:
-    """Opcodes (difflib's) turning ``a`` into ``c``: the common prefix and suffix matched first, then the rest.
-
-    difflib's alignment is quadratic in the events it searches, and a recurrent layer unrolled over a long sequence
-    repeats the same few events tens of thousands of times: aligned by it, two micro-batch sizes of such a trace take
-    minutes. So the differing stretch alone is searched, and only when the answer can be other than "mismatch": when
-    ``a`` is not a subsequence of ``c`` no alignment can be exact or inserts-only, and one ``replace`` says so. A long
-    stretch that is a subsequence is matched greedily (every event of ``a`` paired, the rest inserts).
-    """
-    n = min(len(a), len(c))
-    head = 0
-    while head < n and a[head] == c[head]:
-        head += 1
-    tail = 0
-    while tail < n - head and a[len(a) - 1 - tail] == c[len(c) - 1 - tail]:
-        tail += 1
-    a_end, c_end = len(a) - tail, len(c) - tail
-    out: list[tuple[str, int, int, int, int]] = [("equal", 0, head, 0, head)] if head else []
-    if head < a_end or head < c_end:
-        out.extend(_middle_opcodes(a, c, head, a_end, c_end))
-    if tail:
-        out.append(("equal", a_end, len(a), c_end, len(c)))
-    return out
-
-
-_DIFFLIB_MAX_WORK = 4_000_000  # events of one stretch times events of the other: above it, difflib takes seconds
-
-
-def _middle_opcodes(a: list[Any], c: list[Any], head: int, a_end: int,
-                    c_end: int) -> list[tuple[str, int, int, int, int]]:
-    embedding = _embedding(a, c, head, a_end, c_end)
-    if embedding is None:
-        return [("replace", head, a_end, head, c_end)]
-    if (a_end - head) * (c_end - head) <= _DIFFLIB_MAX_WORK:
-        matcher = difflib.SequenceMatcher(None, a[head:a_end], c[head:c_end], autojunk=False)
-        return [(op, i1 + head, i2 + head, j1 + head, j2 + head) for op, i1, i2, j1, j2 in matcher.get_opcodes()]
-    out: list[tuple[str, int, int, int, int]] = []
-    i = head
-    for j in range(head, c_end):
-        op = "equal" if embedding[j] else "insert"
-        if out and out[-1][0] == op:
-            out[-1] = (op, out[-1][1], i + (op == "equal"), out[-1][3], j + 1)
-        else:
-            out.append((op, i, i + (op == "equal"), j, j + 1))
-        i += op == "equal"
-    return out
-
-
-def _embedding(a: list[Any], c: list[Any], head: int, a_end: int, c_end: int) -> list[bool] | None:
-    """Which events of ``c[head:c_end]`` (indexed as in ``c``) pair with ``a[head:a_end]`` in a greedy embedding of
-    the one in the other; None when ``a``'s stretch is not a subsequence of ``c``'s."""
-    matched = [False] * c_end
-    i = head
-    for j in range(head, c_end):
-        if i < a_end and a[i] == c[j]:
-            matched[j] = True
-            i += 1
-    return matched if i == a_end else None
-
-
 def _align(one: _RawTrace, two: _RawTrace) -> tuple[list[Segment], str]:
     """Pair the events of two traces (smaller size first); keys of the result are those of the first.
 
@@ -543,150 +481,3 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
     # no two sizes run the same ops: every micro-batch size is traced exactly when a plan asks for it
     return [build(segments, two, three, key, 2, 3, _NEVER), exact_one,
             build(_exact_segments(two), two, two, key.at(2), 2, 2, 2)]
-
-
-@dataclass
-class OptimizerTrace:
-    """The optimizer step over the full model: first step (states appear) and a later one."""
-
-    precision: str
-    optimizer: str
-    first: list[tuple[int, int, int]]  # (kind, key, bytes)
-    steady: list[tuple[int, int, int]]
-    state_bytes: int  # rounded bytes of optimizer state alive after the first step (master weights excluded)
-    master_bytes: int  # fp32 master copies (bf16_master), allocated when the plan is applied
-    cost: PhaseCost = field(default_factory=PhaseCost)
-    host_state_bytes: int = 0  # paged optimizer state living outside the allocator
-    state_keys: set[int] = field(default_factory=set)  # keys (in ``first``) of the states the step creates
-    extras: str = ""  # the variant extras (``VariantKey.extras_id``) whose trainable parameters it steps
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "optimizer": self.optimizer, "first": self.first,
-                "steady": self.steady, "state_bytes": self.state_bytes, "master_bytes": self.master_bytes,
-                "cost": self.cost.to_dict(), "host_state_bytes": self.host_state_bytes,
-                "state_keys": sorted(self.state_keys), "extras": self.extras}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> OptimizerTrace:
-        return cls(precision=d["precision"], optimizer=d["optimizer"], first=[tuple(e) for e in d["first"]],
-                   steady=[tuple(e) for e in d["steady"]], state_bytes=d["state_bytes"],
-                   master_bytes=d["master_bytes"], cost=PhaseCost.from_dict(d["cost"]),
-                   host_state_bytes=d.get("host_state_bytes", 0), state_keys=set(d.get("state_keys", ())),
-                   extras=d.get("extras", ""))
-
-
-class _ParamHolder(nn.Module):
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        super().__init__()
-        self.params = nn.ParameterList(params)
-
-
-def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, policy: KernelPolicy,
-                    optimizer_spec: Any = None, optimizer_kwargs: dict[str, Any] | None = None, *,
-                    params: Sequence[tuple[tuple[int, ...], str]] | None = None) -> OptimizerTrace:
-    """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s trainable ones
-    (floating ones in the precision's weight dtype), or, with ``params``, of exactly these (shape, dtype) (the
-    trainable parameters of a transformed model, already in their final dtypes; ``model`` is not used)."""
-    from memopt.profile.stand_ins import Fake8bitAdamW
-    from memopt.techniques.precision import MasterWeights, weight_dtype
-
-    device, emulate = trace_device(policy)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    wdtype = weight_dtype(precision)
-    tracker = MemoryTracker(device)
-    costs = CostRecorder(lambda: tracker._phase)
-    host = "meta" if emulate else "cpu"
-    seen: set[int] = set()
-    with fake_mode:
-        fakes = []
-        if params is not None:
-            for shape, dtype_name in params:
-                fakes.append(nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)))
-        else:
-            assert model is not None
-            for p in model.parameters():
-                if id(p) in seen or not p.requires_grad:
-                    continue
-                seen.add(id(p))
-                dtype = wdtype if p.is_floating_point() else p.dtype
-                fakes.append(nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
-        holder = _ParamHolder(fakes)
-        strategy = Strategy(precision=precision, optimizer=optimizer)
-        master = MasterWeights(list(holder.parameters())) if precision == "bf16_master" else None
-        opt_params = master.masters if master is not None else list(holder.parameters())
-        if optimizer == "user":
-            opt = optimizer_spec(opt_params)
-        elif optimizer in EIGHT_BIT_OPTIMIZERS:
-            opt = Fake8bitAdamW(opt_params, paged=optimizer == "paged_adamw8bit", state_device=host)
-        else:
-            from memopt.techniques.optimizers import build_optimizer
-
-            opt = build_optimizer(optimizer, opt_params, **(optimizer_kwargs or {}))
-        scaler = None
-        if precision == "fp16_autocast":
-            from memopt.profile.stand_ins import FakeGradScaler
-
-            scaler = FakeGradScaler(device)
-        step = TrainStep(model=holder, optimizer=opt, strategy=strategy, device_type=device, scaler=scaler,
-                         master=master)
-        tracker.op_hooks.append(costs)
-        with tracker:
-            # parameters and master copies exist before the step: tracked so in-place writes are not new bytes
-            for p in holder.parameters():
-                tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
-            for m in master.masters if master is not None else []:
-                tracker.track(m, MemoryCategory.OPTIMIZER_STATES, "master_weight")
-            phase_first = None
-            for i in range(2):
-                for p in holder.parameters():
-                    p.grad = torch.empty_like(p)
-                tracker.set_phase(f"opt{i}")
-                if phase_first is None:
-                    phase_first = len(tracker.run.phases) - 1
-                step.optimizer_step()
-            tracker.set_phase("end")
-            state_keys = set()
-            for state in opt.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor) and v.device.type == device:
-                        state_keys.add(tracker.key_of(v))
-            host_state = sum(v.untyped_storage().nbytes() for state in opt.state.values() for v in state.values()
-                             if isinstance(v, torch.Tensor) and v.device.type != device)
-    phases = tracker.run.phases
-    first_ph, second_ph = phases.index("opt0"), phases.index("opt1")
-    # gradients are created outside the step (they are the backward's); zero_grad frees them: drop both
-    grad_keys: set[int] = set()
-    first: list[tuple[int, int, int]] = []
-    steady: list[tuple[int, int, int]] = []
-    for kind, key, size, ph, _label in tracker.run.events:
-        target = first if first_ph <= ph < second_ph else steady if ph >= second_ph else None
-        if target is None:
-            continue
-        target.append((kind, key, size))
-    # gradients belong to the backward pass, not to the step: the fake ones made here (before each step) and
-    # their frees by zero_grad are dropped (a key freed in a phase that did not allocate it is a gradient)
-    for events in (first, steady):
-        allocated = {key for kind, key, _ in events if kind == ALLOC}
-        freed = {key for kind, key, _ in events if kind == FREE}
-        grad_keys |= {key for key in freed if key not in allocated}
-    from memopt.units import allocator_size
-
-    state_bytes = 0
-    live: dict[int, int] = {}
-    for kind, key, size in first:
-        if kind == ALLOC:
-            live[key] = size
-        else:
-            live.pop(key, None)
-    state_bytes = sum(allocator_size(size) for key, size in live.items() if key in state_keys)
-    master_bytes = 0
-    if master is not None:
-        master_bytes = sum(allocator_size(m.untyped_storage().nbytes()) for m in master.masters)
-    cost = costs.costs.get(second_ph, PhaseCost())
-    return OptimizerTrace(precision=precision, optimizer=optimizer, first=_drop_grads(first, grad_keys),
-                          steady=_drop_grads(steady, grad_keys), state_bytes=state_bytes, master_bytes=master_bytes,
-                          cost=cost, host_state_bytes=host_state, state_keys=state_keys - {None})
-
-
-def _drop_grads(events: list[tuple[int, int, int]], grad_keys: set[int]) -> list[tuple[int, int, int]]:
-    return [e for e in events if e[1] not in grad_keys]

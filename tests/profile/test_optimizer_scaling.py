@@ -16,7 +16,8 @@ from memopt.profile.optimizer_scaling import (
     scaled_optimizer_trace,
     trainable_params,
 )
-from memopt.profile.trace import OptimizerTrace, trace_optimizer, variant_key
+from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
+from memopt.profile.trace import variant_key
 from memopt.techniques.adapters import AdapterSetting, peft_installed
 from memopt.techniques.precision import weight_dtype
 from memopt.techniques.quantization import with_extra

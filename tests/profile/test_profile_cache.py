@@ -6,8 +6,8 @@ import memopt
 from memopt.hardware import load_hardware
 from memopt.models import build_model, with_overrides
 from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.optimizer_trace import trace_optimizer
 from memopt.profile.profile import Profile, optimizer_step_class
-from memopt.profile.trace import trace_optimizer
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 3, "hidden_size": 64, "intermediate_size": 128,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})

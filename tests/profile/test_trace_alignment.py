@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memopt.profile.trace import alignment_opcodes
+from memopt.profile.trace_alignment import alignment_opcodes
 
 
 def _verdict(ops: list[tuple[str, int, int, int, int]]) -> str:
