@@ -10,16 +10,23 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+_DIFFLIB_MAX_WORK = 4_000_000  # events of one trace times events of the other: above it, difflib takes seconds
 
-def alignment_opcodes(a: list[Any], c: list[Any]) -> list[tuple[str, int, int, int, int]]:
-    """Opcodes (difflib's) turning ``a`` into ``c``: the common prefix and suffix matched first, then the rest.
+
+def alignment_opcodes(a: list[Any], c: list[Any], *,
+                      max_work: int = _DIFFLIB_MAX_WORK) -> list[tuple[str, int, int, int, int]]:
+    """Opcodes (difflib's) turning ``a`` into ``c``.
 
     difflib's alignment is quadratic in the events it searches, and a recurrent layer unrolled over a long sequence
     repeats the same few events tens of thousands of times: aligned by it, two micro-batch sizes of such a trace take
-    minutes. So the differing stretch alone is searched, and only when the answer can be other than "mismatch": when
-    ``a`` is not a subsequence of ``c`` no alignment can be exact or inserts-only, and one ``replace`` says so. A long
-    stretch that is a subsequence is matched greedily (every event of ``a`` paired, the rest inserts).
+    minutes. Up to ``max_work`` (the product of the lengths) the answer is difflib's own. Above it the common prefix
+    and suffix are matched first and only the stretch between them is searched, and only when the verdict can be
+    other than "mismatch": when ``a`` is not a subsequence of ``c`` no alignment is exact or inserts-only, and one
+    ``replace`` says so; when it is, the stretch is searched by difflib if small, else matched greedily (every event
+    of ``a`` paired, the rest inserts).
     """
+    if len(a) * len(c) <= max_work:
+        return difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes()
     n = min(len(a), len(c))
     head = 0
     while head < n and a[head] == c[head]:
@@ -30,21 +37,18 @@ def alignment_opcodes(a: list[Any], c: list[Any]) -> list[tuple[str, int, int, i
     a_end, c_end = len(a) - tail, len(c) - tail
     out: list[tuple[str, int, int, int, int]] = [("equal", 0, head, 0, head)] if head else []
     if head < a_end or head < c_end:
-        out.extend(_middle_opcodes(a, c, head, a_end, c_end))
+        out.extend(_middle_opcodes(a, c, head, a_end, c_end, max_work))
     if tail:
         out.append(("equal", a_end, len(a), c_end, len(c)))
     return out
 
 
-_DIFFLIB_MAX_WORK = 4_000_000  # events of one stretch times events of the other: above it, difflib takes seconds
-
-
-def _middle_opcodes(a: list[Any], c: list[Any], head: int, a_end: int,
-                    c_end: int) -> list[tuple[str, int, int, int, int]]:
+def _middle_opcodes(a: list[Any], c: list[Any], head: int, a_end: int, c_end: int,
+                    max_work: int) -> list[tuple[str, int, int, int, int]]:
     embedding = _embedding(a, c, head, a_end, c_end)
     if embedding is None:
         return [("replace", head, a_end, head, c_end)]
-    if (a_end - head) * (c_end - head) <= _DIFFLIB_MAX_WORK:
+    if (a_end - head) * (c_end - head) <= max_work:
         matcher = difflib.SequenceMatcher(None, a[head:a_end], c[head:c_end], autojunk=False)
         return [(op, i1 + head, i2 + head, j1 + head, j2 + head) for op, i1, i2, j1, j2 in matcher.get_opcodes()]
     out: list[tuple[str, int, int, int, int]] = []

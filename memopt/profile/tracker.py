@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -47,6 +46,12 @@ def report_scratch(nbytes: int, label: str) -> None:
         tracker.transient(nbytes, label)
 
 _SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _valueless(args: Any) -> bool:
+    """Whether a fake tensor among ``args`` has no known values (the fake mode computes on those that do)."""
+    return any(type(t).__name__ == "FakeTensor" and getattr(t, "constant", None) is None
+               for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
 
 
 def _is_fake_bool(t: Any) -> bool:
@@ -246,12 +251,12 @@ class MemoryTracker(TorchDispatchMode):
                 # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
                 # batches, where every such check holds.
                 return True
-        try:
+        # an op whose output size depends on values it cannot see is given its largest output before the fake
+        # mode raises (or, under a symbolic shape environment, returns sizes no byte count can use)
+        out = largest_output(func, args, kwargs or {}) if func in BOUNDED_OPS and _valueless(args) else NotImplemented
+        if out is NotImplemented:
             out = func(*args, **(kwargs or {}))
-        except DynamicOutputShapeException:
-            out = largest_output(func, args, kwargs or {}) if func in BOUNDED_OPS else NotImplemented
-            if out is NotImplemented:
-                raise
+        else:
             self.run.bounded_ops.add(func.__name__)
         self.shadows.observe(func, args, kwargs or {}, out)
         label = None

@@ -30,13 +30,29 @@ def _check_edit_script(a: list, c: list, ops: list[tuple[str, int, int, int, int
 events = st.lists(st.sampled_from(["mm", "add", "ws", "clone", "sum"]), max_size=40)
 
 
+def _is_subsequence(a: list[str], c: list[str]) -> bool:
+    it = iter(c)
+    return all(any(e == x for x in it) for e in a)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=events, c=events)
+def test_short_traces_get_difflibs_own_answer(a: list[str], c: list[str]) -> None:
+    assert alignment_opcodes(a, c) == difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes()
+
+
 @settings(max_examples=400, deadline=None)
 @given(a=events, c=events)
-def test_the_verdict_is_difflibs(a: list[str], c: list[str]) -> None:
-    ops = alignment_opcodes(a, c)
+def test_the_fast_path_says_inserts_exactly_when_the_smaller_trace_is_a_subsequence(a: list[str], c: list[str]) -> None:
+    """Above its work limit (forced here to 0) the verdict follows from the traces alone: exact when equal, inserts
+    when every event of the smaller trace pairs with one of the larger in order, mismatch otherwise; and whenever
+    difflib's answer is exact or inserts-only, so is this one."""
+    ops = alignment_opcodes(a, c, max_work=0)
     _check_edit_script(a, c, ops)
-    full = difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes()
-    assert _verdict(ops) == _verdict(full)
+    expected = "exact" if a == c else "inserts" if _is_subsequence(a, c) else "mismatch"
+    assert _verdict(ops) == expected
+    full = _verdict(difflib.SequenceMatcher(None, a, c, autojunk=False).get_opcodes())
+    assert full == "mismatch" or full == _verdict(ops)
 
 
 @settings(max_examples=200, deadline=None)
@@ -45,7 +61,7 @@ def test_events_only_the_larger_size_has_are_inserts(a: list[str], extra: list[t
     c = list(a)
     for at, e in sorted(extra, reverse=True):
         c.insert(min(at, len(c)), e)
-    ops = alignment_opcodes(a, c)
+    ops = alignment_opcodes(a, c, max_work=0)
     _check_edit_script(a, c, ops)
     assert _verdict(ops) == ("exact" if not extra else "inserts")
 
