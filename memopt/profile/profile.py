@@ -194,10 +194,11 @@ class Profile:
         for t in traces:
             self.variants[t.key] = t
         bounded = sorted({op for t in traces for op in t.bounded_ops})
-        note = (f"{', '.join(bounded)}: output size depends on values; traced at its largest (every element "
-                "selected), which over-estimates batches that select fewer")
-        if bounded and note not in self.notes:
-            self.notes.append(note)
+        if bounded:
+            note = (f"{', '.join(bounded)}: output size depends on values; traced at its largest (every element "
+                    "selected), which over-estimates batches that select fewer")
+            if note not in self.notes:
+                self.notes.append(note)
         self.trace_s += time.perf_counter() - start
         self._save()
         return traces[0]

@@ -80,7 +80,7 @@ class ScalarShadows:
                     return torch.device("cpu")
                 return a
 
-            real_kwargs = {k: real(v) for k, v in kwargs.items() if k != "device"}
+            real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             try:
                 result = func(*tree_map(real, args), **tree_map(real, real_kwargs))
             except Exception:  # an op the CPU cannot run on these values: the read keeps its default

@@ -12,7 +12,8 @@ A variant with extras also records the model state of the transformed, truncated
 and buffer: shape, dtype, trainable, and the block it belongs to): the full model's state follows by
 repeating the middle block (:func:`expand_model_state`), and so does the optimizer's parameter set.
 
-The optimizer step is traced on its own, over fake parameters and gradients of the *full* model.
+The optimizer step is traced on its own, over fake parameters and gradients of the *full* model
+(:mod:`memopt.profile.optimizer_trace`); :mod:`memopt.profile.trace_alignment` pairs the two traces' events.
 """
 
 from __future__ import annotations
