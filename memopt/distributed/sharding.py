@@ -555,6 +555,21 @@ def machine_host_memory_bytes() -> int:
         return 0
 
 
+def machine_host_taken_bytes(reclaimable_bytes: int = 0) -> int:
+    """RAM of this machine that its other processes and this one already hold, less ``reclaimable_bytes`` (the
+    model's own host copy, freed when the engine moves it to the GPU): what offloaded states cannot have.
+    0 where the OS does not say (no ``/proc/meminfo``) or ``MEMOPT_HOST_MEMORY`` overrides the machine's figure."""
+    if os.environ.get("MEMOPT_HOST_MEMORY"):
+        return 0
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+    return max(0, machine_host_memory_bytes() - available - reclaimable_bytes)
+
+
 def validate_offload(setting: ShardingSetting, host_ram_bytes: int | None = None, *, num_params: int | None = None,
                      precision: str = "bf16_autocast", optimizer: str = "adamw_fused",
                      nvme_free_bytes: int | None = None, headroom: float = 0.9) -> dict[str, int]:

@@ -97,8 +97,8 @@ class MemoptCallback:
 
 def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
     """The sample to plan for: the user's, else shapes (a model memopt makes batches for: a causal, masked or
-    seq2seq LM, an image classifier), else one global batch of the Trainer's own data, collated by its collator
-    from the longest of the first samples (any model: a classifier, a model with extra inputs)."""
+    seq2seq LM, an image classifier) sized by the dataset's longest rows, else one global batch of the Trainer's own
+    data, collated by its collator from its longest rows (any model: a classifier, a model with extra inputs)."""
     from memopt.profile.api import spec_from_module
 
     args = trainer.args
@@ -114,29 +114,79 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
         if batch is not None:
             return batch
     extra = dict(sample or {})
-    if "seq_len" not in extra and dataset is not None and len(dataset) > 0:
-        first = dataset[0]
-        ids = first.get("input_ids") if isinstance(first, dict) else None
-        if ids is not None:
-            extra["seq_len"] = max(len(dataset[i]["input_ids"]) for i in range(min(len(dataset), 256)))
+    if "seq_len" not in extra and dataset is not None and hasattr(dataset, "__len__") and len(dataset) > 0:
+        longest = longest_rows(dataset, ("input_ids", "labels"))
+        if longest.get("input_ids"):
+            extra["seq_len"] = longest["input_ids"]
+            spec = spec_from_module(trainer.model)
+            if longest.get("labels") and spec is not None and spec.family == "seq2seq_lm":
+                extra.setdefault("decoder_seq_len", longest["labels"])
     return {"batch_size": global_batch, **extra}
 
 
+#: rows read one by one where the dataset has no columnar store to measure (spread over the whole dataset)
+ROWS_READ = 4096
+
+
+def _row_indices(n: int) -> list[int]:
+    if n <= ROWS_READ:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (ROWS_READ - 1)) for i in range(ROWS_READ)})
+
+
+def _length(value: Any) -> int:
+    """A row field's length (tokens); 0 for a scalar (a class label, a 0-d tensor)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0]) if value.dim() else 0
+    return len(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else 0
+
+
+def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
+    """The longest value of each of ``keys`` over the dataset's rows (a Trainer shuffles: any row can come in any
+    batch, and the plan must hold for the longest). A Hugging Face ``datasets.Dataset`` is measured whole from its
+    Arrow columns; any other sized dataset on up to ``ROWS_READ`` rows spread over it."""
+    table = getattr(dataset, "data", None)
+    out: dict[str, int] = {}
+    if hasattr(table, "column_names") and getattr(dataset, "_indices", None) is None:
+        import pyarrow.compute as pc
+
+        for key in keys:
+            if key in table.column_names:
+                lengths = pc.list_value_length(table.column(key))
+                out[key] = int(pc.max(lengths).as_py() or 0)
+        if out:
+            return out
+    for i in _row_indices(len(dataset)):
+        row = dataset[i]
+        if not isinstance(row, dict):
+            return out
+        for key in keys:
+            if key in row:
+                out[key] = max(out.get(key, 0), _length(row[key]))
+    return out
+
+
 def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
-    """``size`` samples of the dataset through the Trainer's collator, the longest of the first 256 first (the plan
-    must hold for the longest batch), or None (no sized dataset or collator)."""
+    """``size`` samples of the dataset through the Trainer's collator, the longest rows first (read over the whole
+    dataset, up to ``ROWS_READ`` rows spread over it: the plan must hold for the longest batch), or None (no sized
+    dataset or collator)."""
     collator = getattr(trainer, "data_collator", None)
     if dataset is None or collator is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
     if hasattr(trainer, "_get_collator_with_removed_columns"):  # the columns the Trainer's loader drops, dropped
         collator = trainer._get_collator_with_removed_columns(collator, description="training")
-    rows = [dataset[i] for i in range(min(len(dataset), 256))]
+    rows = [dataset[i] for i in _row_indices(len(dataset))]
 
-    def length(row: Any) -> int:
-        ids = row.get("input_ids") if isinstance(row, dict) else None
-        return len(ids) if ids is not None else 0
+    def length(row: Any) -> tuple[int, int]:
+        if not isinstance(row, dict):
+            return 0, 0
+        return _length(row.get("input_ids")), _length(row.get("labels"))
 
     rows.sort(key=length, reverse=True)
+    if len(rows) > 1 and isinstance(rows[0], dict) and _length(rows[0].get("labels")):
+        # the batch pads every key to its longest: the longest labels ride along with the longest inputs
+        longest_labels = max(rows, key=lambda r: _length(r.get("labels")))
+        rows = [rows[0], longest_labels, *[r for r in rows[1:] if r is not longest_labels]]
     rows = (rows * (size // len(rows) + 1))[:size]
     try:
         batch = collator(rows)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
+
+from torch import nn
 
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, default_hardware_note
@@ -93,16 +96,18 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     world, n_nodes = world_size or world, nodes or (n_nodes if world_size is None else 1)
     host = parse_bytes(host_memory) if host_memory is not None else None
     nvme = nvme_path or hw.extra.get("nvme_path")
+    reclaimable = host_copy_bytes(model)
     with prof.batched_saves():  # the traces this plan adds are written to the cache once, at the end
         if world > 1:  # every candidate is a sharded one (DDP included)
-            plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start)
+            plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start, reclaimable)
         else:
             result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
             offload = None
             if result.best is None and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
                     and hw.supports_bf16:
                 try:
-                    offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start)
+                    offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start,
+                                       reclaimable)
                 except ValueError as exc:  # the model cannot run as the engine runs it: the single-GPU report stands
                     notes.append(f"offloading the model states to the host was not possible: {exc}")
             # where an offload plan answers, the single-GPU report is only a note: its relaxations are given by
@@ -194,10 +199,22 @@ def _check_batch(pol: Policy, global_batch: int, world: Any) -> None:
     checks.raise_problems(problems, "pins")
 
 
+def host_copy_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers in host memory, which an engine frees as it moves them to the
+    GPU or into its own layout (0 for anything but a module)."""
+    if not isinstance(model, nn.Module):
+        return 0
+    storages = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.device.type == "cpu":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def _sharded(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, notes: list[str], world: int, nodes: int,
-             host: int | None, nvme: str | None, start: float) -> Plan:
+             host: int | None, nvme: str | None, start: float, reclaimable: int = 0) -> Plan:
     plan, _ = plan_sharded(prof, hw, budget, pol, world_size=world, nodes=nodes, host_memory_bytes=host,
-                           nvme_path=nvme, notes=notes)
+                           nvme_path=nvme, notes=notes, host_reclaimable_bytes=reclaimable)
     plan.search["seconds"] = time.perf_counter() - start
     return plan
 

@@ -8,7 +8,8 @@ copies and the CPU optimizer), and returns the fastest candidate that fits every
 * GPU: predicted reserved peak + the memory outside the allocator (CUDA runtime, NCCL) + the policy's margin
   <= the per-GPU budget;
 * host RAM per node (shared by the node's ranks: offloaded states, pinned buffers, the CPU optimizer's states)
-  <= ``HOST_RAM_USABLE`` of the node's RAM (``HardwareSpec.host_memory_bytes``, else this machine's);
+  <= ``HOST_RAM_USABLE`` of the node's RAM (``HardwareSpec.host_memory_bytes``, else this machine's, less what its
+  processes already hold beyond the model's own host copy: a host that runs out is killed, losing the run);
 * NVMe per node <= the free space at ``nvme_path`` (NVMe settings are tried only with a path).
 
 The engine is chosen by predicted speed where several can run a setting. A setting that fits the GPU but not host
@@ -27,7 +28,7 @@ from typing import Any
 
 from memopt.distributed import estimate as dest
 from memopt.distributed import memory as dmem
-from memopt.distributed.sharding import ShardingSetting, machine_host_memory_bytes
+from memopt.distributed.sharding import ShardingSetting, machine_host_memory_bytes, machine_host_taken_bytes
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
@@ -227,13 +228,15 @@ def predict_strategy(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_
     return {**pred, "step_time_s": _step_time(shared, strategy, setting, pred)}
 
 
-def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None) -> str:
+def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None,
+               host_taken: int = 0) -> str:
     """'' when the prediction fits every tier, else why not."""
     if pred["total_bytes"] + margin > budget:
         return f"needs {format_bytes(pred['total_bytes'])} per GPU (+ margin {format_bytes(margin)})"
-    if pred["host_bytes_per_node"] > HOST_RAM_USABLE * host_ram:
+    if pred["host_bytes_per_node"] + host_taken > HOST_RAM_USABLE * host_ram:
+        taken = f", less the {format_bytes(host_taken)} this machine's processes hold" if host_taken else ""
         return (f"needs {format_bytes(pred['host_bytes_per_node'])} of host RAM per node, more than "
-                f"{HOST_RAM_USABLE:.0%} of {format_bytes(host_ram)}")
+                f"{HOST_RAM_USABLE:.0%} of {format_bytes(host_ram)}{taken}")
     if pred["nvme_bytes_per_node"] and (nvme_free is None or pred["nvme_bytes_per_node"] > nvme_free):
         return f"needs {format_bytes(pred['nvme_bytes_per_node'])} of NVMe per node"
     return ""
@@ -241,11 +244,14 @@ def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nv
 
 def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Policy, *, world_size: int, nodes: int,
                  host_memory_bytes: int | None = None, nvme_path: str | None = None, notes: list[str] | None = None,
-                 settings: list[ShardingSetting] | None = None) -> tuple[Plan, list[ShardedCandidate]]:
+                 settings: list[ShardingSetting] | None = None,
+                 host_reclaimable_bytes: int = 0) -> tuple[Plan, list[ShardedCandidate]]:
     """The fastest sharded / offloaded plan of ``profile`` on ``world_size`` GPUs that fits every tier.
 
     The profile's sample batch is the global batch, split evenly over the data-parallel ranks. Returns the plan and
-    every candidate evaluated (fastest fitting first).
+    every candidate evaluated (fastest fitting first). Planned for this machine's RAM (no ``host_memory_bytes``
+    given or in ``hw``), the host tier is what its processes do not hold already, counting
+    ``host_reclaimable_bytes`` (the model's host copy, which the engine frees) as free.
     """
     notes = list(notes or [])
     if not policy.allows("precision", "bf16_autocast") or not hw.supports_bf16:
@@ -256,8 +262,11 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
         raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "
                          f"a multiple of {world_size}, or fewer GPUs")
     host_ram = host_memory_bytes or hw.host_memory_bytes or machine_host_memory_bytes()
+    host_taken = 0
     if not (host_memory_bytes or hw.host_memory_bytes):
-        notes.append(f"host RAM per node taken from this machine ({format_bytes(host_ram)}); set "
+        host_taken = machine_host_taken_bytes(host_reclaimable_bytes)
+        held = f", of which {format_bytes(host_taken)} is held by its processes now" if host_taken else ""
+        notes.append(f"host RAM per node taken from this machine ({format_bytes(host_ram)}{held}); set "
                      "hardware.host_memory_bytes for the machine you plan for")
     nvme_free = None
     if nvme_path:
@@ -280,7 +289,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
                             grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
                             extras=(("sharding", setting.to_dict()),))
         pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
-        why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free)
+        why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free, host_taken)
         candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
         return candidates[-1]
 

@@ -7,6 +7,7 @@ backward: checkpointed), the optimizer the Trainer built, and on a GPU the alloc
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 __all__ = ["compare_losses", "plan_applied"]
@@ -35,11 +36,16 @@ def plan_applied(record: dict[str, Any]) -> dict[str, Any]:
         return {"all": False, "why": record.get("error") or "no plan or no step recorded"}
     trainer = record["trainer"]
     checks: dict[str, dict[str, Any]] = {}
+    replans = [{"step": st["step"], "to": st["strategy"]} for prev, st in itertools.pairwise(steps)
+               if st.get("strategy") and prev.get("strategy") and st["strategy"] != prev["strategy"]]
+    if replans:  # the guard re-planned (an out-of-memory error recovered): judge the plan it started with
+        steps = [st for st in steps if st["step"] < replans[0]["step"]]
     micro = sorted({f["batch"] for st in steps for f in st["forwards"]})
     per_step = sorted({len(st["forwards"]) for st in steps})
     checks["micro_batches"] = {"plan": f"{s['grad_accum_steps']} x {s['micro_batch_size']}",
                                "ran": f"{per_step} x {micro}",
-                               "ok": per_step == [s["grad_accum_steps"]] and micro == [s["micro_batch_size"]]}
+                               "ok": all(_micro_batches_as_planned([f["batch"] for f in st["forwards"]], s)
+                                         for st in steps)}
     seen = sorted({str(f["matmul_dtype"]) for st in steps for f in st["forwards"]})
     checks["precision"] = {"plan": s["precision"],
                            "ran": f"linear layers compute in {', '.join(seen)}; accelerator mixed precision "
@@ -66,7 +72,26 @@ def plan_applied(record: dict[str, Any]) -> dict[str, Any]:
                            else f"expandable_segments={in_force}",
                            "ok": None if "expandable_segments_in_force" not in record
                            else in_force == s["expandable_segments"]}
-    return {"all": all(v["ok"] is not False for v in checks.values()), "checks": checks}
+    out = {"all": all(v["ok"] is not False for v in checks.values()) and not replans, "checks": checks}
+    if replans:
+        out["replans"] = [{"step": r["step"], "to": _label(r["to"])} for r in replans]
+    return out
+
+
+def _label(strategy: dict[str, Any]) -> str:
+    from memopt.strategy import Strategy
+
+    return Strategy.from_dict(strategy).label()
+
+
+def _micro_batches_as_planned(batches: list[int], s: dict[str, Any]) -> bool:
+    """The step's forwards are the plan's micro-batches: ``grad_accum_steps`` of ``micro_batch_size``, or for a
+    short batch (an epoch's last) as many full ones as it holds and the rest."""
+    mb, total = s["micro_batch_size"], sum(batches)
+    if total >= mb * s["grad_accum_steps"]:
+        return batches == [mb] * s["grad_accum_steps"]
+    full, rest = divmod(total, mb)
+    return batches == [mb] * full + ([rest] if rest else [])
 
 
 def _losses(record: dict[str, Any]) -> list[float]:

@@ -36,6 +36,16 @@ def _first_dim(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+def _traced(args: tuple, kwargs: dict) -> bool:
+    """A forward on fake or meta tensors (memopt's trace of a copy of the model), not a training forward."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return isinstance(value, FakeTensor) or value.device.type == "meta"
+    return False
+
+
 class Probe:
     """A TrainerCallback (duck-typed: every event it does not define is a no-op)."""
 
@@ -52,6 +62,8 @@ class Probe:
 
     def _hook_model(self, model: torch.nn.Module) -> None:
         def seen(module: Any, args: tuple, kwargs: dict) -> None:
+            if _traced(args, kwargs):  # memopt's profile traces a copy of the model, these hooks included
+                return
             self.forwards.append({"batch": _first_dim(args, kwargs), "matmul_dtype": None})
 
         # the model's own forward is where the batch arrives; autocast is entered inside it (accelerate wraps
@@ -138,6 +150,9 @@ class Probe:
         recomputed = sorted(b for b, n in per_block.items() if n > len(forwards))
         row: dict[str, Any] = {"step": state.global_step, "seconds": time.perf_counter() - self.step_start,
                                "forwards": forwards, "recomputed_blocks": recomputed}
+        plan = getattr(self.trainer, "memopt_plan", None)
+        if plan is not None:  # the plan in force: memopt's guard may have re-planned during the step
+            row["strategy"] = plan.strategy.to_dict()
         if torch.cuda.is_available():
             row["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
             row["max_reserved_bytes"] = torch.cuda.max_memory_reserved()

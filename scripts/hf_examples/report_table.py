@@ -49,7 +49,10 @@ def _applied(run: dict[str, Any]) -> str:
     bad = [k for k, v in applied["checks"].items() if v["ok"] is False]
     unseen = [k for k, v in applied["checks"].items() if v["ok"] is None]
     text = "all" if not bad else "NOT " + ", ".join(bad)
-    return text + (f" (not seen here: {', '.join(unseen)})" if unseen else "")
+    text += f" (not seen here: {', '.join(unseen)})" if unseen else ""
+    for r in applied.get("replans", []):
+        text += f"; RE-PLANNED at step {r['step']} (out of memory) to {r['to']}"
+    return text
 
 
 def write_table(results: dict[str, Any], path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -52,6 +53,7 @@ def main(out: str, engine: str, mode: str) -> None:
                                                                     grad_accum_steps=w.GLOBAL_BATCH // 2))
     assert not dist.is_initialized()
     model = w.tiny_model()
+    model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's: its forward keeps a KV cache
     if mode == "plan":
         wrapped = memopt.wrap(model, plan=plan, device="cpu", lr=1e-2)
     else:
@@ -62,6 +64,7 @@ def main(out: str, engine: str, mode: str) -> None:
     engine_obj = getattr(wrapped, "engine", None) or wrapped.model
     result = {"losses": losses, "group": dist.is_initialized() and dist.get_world_size(),
               "engine": type(engine_obj).__name__, "wrapped": type(wrapped).__name__,
+              "use_cache_in_training": model.config.use_cache,
               "started_group": getattr(getattr(wrapped, "_sharded", wrapped), "started_group", None)}
     Path(out).write_text(json.dumps(result))
 

@@ -105,15 +105,27 @@ def digest(plan: dict[str, Any]) -> dict[str, Any]:
     return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "summary": {k: plan.get(k) for k in _SUMMARY}}
 
 
+#: the host RAM the record plans offload for (the recording machine's): neither another machine's RAM nor what its
+#: processes hold at the moment may decide a recorded plan
+RECORD_HOST_MEMORY = "25275973632"
+
+
 def plan_record(case: Case) -> dict[str, Any]:
     """What ``case`` plans to today, as recorded; an error is recorded as its type and message."""
     warnings.filterwarnings("ignore")
     planner: Callable[[Case], Any] = _config_plan if case.group in ("config", "recipe") else _module_plan
     start = time.perf_counter()
+    before = os.environ.get("MEMOPT_HOST_MEMORY")
+    os.environ["MEMOPT_HOST_MEMORY"] = RECORD_HOST_MEMORY
     try:
         record: dict[str, Any] = digest(planner(case).to_dict())
     except Exception as exc:  # a refusal is behaviour too
         record = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if before is None:
+            del os.environ["MEMOPT_HOST_MEMORY"]
+        else:
+            os.environ["MEMOPT_HOST_MEMORY"] = before
     record["plan_s"] = round(time.perf_counter() - start, 1)  # not compared: how long the case takes
     return record
 

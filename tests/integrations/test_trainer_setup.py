@@ -138,3 +138,35 @@ def test_models_without_a_shape_sampler_plan_from_the_trainers_data(tmp_path, ki
     assert wrapped.memopt_plan.fits and wrapped.memopt_plan.global_batch == 4
     wrapped.train()
     assert any(not torch.equal(before[k], v) for k, v in wrapped.model.named_parameters())
+
+
+def _rows(lengths: dict[int, tuple[int, int]], n: int, base: int = 8) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of ``base`` tokens; row i has (input, label) lengths ``lengths[i]`` where given."""
+    return [{"input_ids": torch.full((lengths.get(i, (base, base))[0],), 5),
+             "labels": torch.full((lengths.get(i, (base, base))[1],), 5)} for i in range(n)]
+
+
+def test_the_trainer_is_planned_for_the_datasets_longest_row_wherever_it_is(tmp_path):
+    """A Trainer shuffles: the longest row, far past the first few hundred, can come in any batch. The plan read
+    the first 256 rows' lengths and a later, longer batch ran past it (a T5 translation run on the H200 ran out of
+    memory under memopt's cap in its second epoch)."""
+    from memopt.integrations.hf_trainer import ROWS_READ, longest_rows
+
+    rows = _rows({700: (40, 8)}, 1000)
+    assert longest_rows(rows, ("input_ids", "labels")) == {"input_ids": 40, "labels": 8}
+    trainer = _trainer(tmp_path, _llama(), rows, steps=1)
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
+    assert wrapped.memopt_plan.model["sample"]["seq_len"] == 40
+    # beyond ROWS_READ rows, a spread of rows over the whole dataset is read, its first and last included
+    many = _rows({0: (12, 8), 3 * ROWS_READ - 1: (30, 50)}, 3 * ROWS_READ)
+    assert longest_rows(many, ("input_ids", "labels")) == {"input_ids": 30, "labels": 50}
+
+
+def test_a_seq2seq_trainer_is_planned_for_its_longest_labels(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(memopt.models.with_overrides("tiny_t5", {"num_layers": 2, "num_decoder_layers": 2}),
+                        device="cpu")
+    trainer = _trainer(tmp_path, model, _rows({300: (10, 24)}, 400), steps=1)
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
+    sample = wrapped.memopt_plan.model["sample"]
+    assert (sample["seq_len"], sample["decoder_seq_len"]) == (10, 24)
