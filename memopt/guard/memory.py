@@ -45,6 +45,7 @@ class MemorySample:
     peak_reserved_bytes: int
     device_used_bytes: int | None = None  # the whole device as the driver sees it (all processes)
     device_total_bytes: int | None = None
+    process_used_bytes: int | None = None  # this process's share of it (NVML), where others share the device
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -53,10 +54,12 @@ class MemorySample:
 
     @property
     def outside_allocator_bytes(self) -> int | None:
-        """Device memory in use outside PyTorch's allocator (CUDA context, handles, NCCL, other processes)."""
-        if self.device_used_bytes is None:
+        """This process's device memory outside PyTorch's allocator (CUDA context, handles, NCCL); where its own
+        share is not known, the device's (other processes included)."""
+        used = self.process_used_bytes if self.process_used_bytes is not None else self.device_used_bytes
+        if used is None:
             return None
-        return max(self.device_used_bytes - self.reserved_bytes, 0)
+        return max(used - self.reserved_bytes, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,9 +142,14 @@ class CudaMemorySource:
         free, total = torch.cuda.mem_get_info(self.device)
         s = self._stats()
         allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        # this process's own share: beside other jobs on the device, their memory is not this plan's runtime
+        # (a calibration from the device-wide figure was refused as "more than 50% off", or learnt it)
+        from memopt.apply.budget import process_device_bytes
+
         return MemorySample(allocated_bytes=int(allocated["current"]), reserved_bytes=int(reserved["current"]),
                             peak_allocated_bytes=int(allocated["peak"]), peak_reserved_bytes=int(reserved["peak"]),
-                            device_used_bytes=int(total - free), device_total_bytes=int(total))
+                            device_used_bytes=int(total - free), device_total_bytes=int(total),
+                            process_used_bytes=process_device_bytes(self.device.index))
 
     def allocated_bytes(self) -> int:
         return int(self._stats()["allocated_bytes"]["all"]["current"])
@@ -220,10 +228,11 @@ class SimulatedMemorySource:
     kind = "simulated"
 
     def __init__(self, *, device_type: str = "cpu", device_total_bytes: int | None = None,
-                 outside_allocator_bytes: int = 0) -> None:
+                 outside_allocator_bytes: int = 0, other_processes_bytes: int = 0) -> None:
         self.device_type = device_type
         self.device_total_bytes = device_total_bytes
         self.outside_allocator_bytes = outside_allocator_bytes
+        self.other_processes_bytes = other_processes_bytes  # what other jobs on the device hold
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
 
     def set(self, *, allocated: int | None = None, reserved: int | None = None) -> None:
@@ -236,10 +245,12 @@ class SimulatedMemorySource:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def sample(self) -> MemorySample:
-        used = None if self.device_total_bytes is None else self.reserved + self.outside_allocator_bytes
+        own = None if self.device_total_bytes is None else self.reserved + self.outside_allocator_bytes
         return MemorySample(allocated_bytes=self.allocated, reserved_bytes=self.reserved,
                             peak_allocated_bytes=self.peak_allocated, peak_reserved_bytes=self.peak_reserved,
-                            device_used_bytes=used, device_total_bytes=self.device_total_bytes)
+                            device_used_bytes=None if own is None else own + self.other_processes_bytes,
+                            device_total_bytes=self.device_total_bytes,
+                            process_used_bytes=own if self.other_processes_bytes else None)
 
     def allocated_bytes(self) -> int:
         return self.allocated

@@ -14,7 +14,8 @@ peak_reserved_bytes                 every retry)
 peak_fragmentation_bytes            peak reserved - peak allocated
 device_used_bytes,                  the driver's view (``torch.cuda.mem_get_info``: every process on the
 device_total_bytes                  device); null where unknown (CPU)
-outside_allocator_bytes             device used - reserved: CUDA context, handles, NCCL (null on CPU)
+process_used_bytes                  this process's share of it (NVML), null where no other process is listed
+outside_allocator_bytes             this process's used - reserved: CUDA context, handles, NCCL (null on CPU)
 measured_total_bytes                peak reserved + outside the allocator: comparable to the plan's total
 predicted_peak_allocated_bytes,     the plan's prediction (null without a plan)
 predicted_peak_reserved_bytes,
@@ -356,7 +357,7 @@ class Telemetry:
                 "peak_reserved_bytes": s.peak_reserved_bytes,
                 "peak_fragmentation_bytes": s.peak_reserved_bytes - s.peak_allocated_bytes,
                 "device_used_bytes": s.device_used_bytes, "device_total_bytes": s.device_total_bytes,
-                "outside_allocator_bytes": outside,
+                "process_used_bytes": s.process_used_bytes, "outside_allocator_bytes": outside,
                 "measured_total_bytes": s.peak_reserved_bytes + (outside or 0)}
 
     def _prediction_fields(self) -> dict[str, Any]:

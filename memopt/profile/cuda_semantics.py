@@ -42,7 +42,7 @@ from memopt.profile.autocast_policy import cuda_autocast_policy
 from memopt.profile.tracker import MemoryTracker
 from memopt.units import MiB, allocator_size
 
-__all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "kernel_policy_for", "trace_semantics"]
+__all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "grouped_mm_in_any_float", "kernel_policy_for", "trace_semantics"]
 
 _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "addr"}
 
@@ -164,12 +164,9 @@ def _dropout_kernel(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def cuda_kernel_facts(policy: KernelPolicy, tracker: MemoryTracker | None = None) -> Iterator[None]:
-    """What CUDA's kernels allocate that no dispatch mode sees, on *both* trace paths (fake CPU tensors emulating
-    a GPU, and fake CUDA tensors on a GPU machine): the cuBLAS workspaces, the scratch of kernels that allocate
-    inside themselves, and the output of the grouped GEMM in any float dtype (PyTorch's meta function for
-    ``_grouped_mm`` admits only bf16 inputs, while its CUDA kernel also runs the fp32 inputs that transformers'
-    MoE experts pass under autocast: ``_grouped_mm`` has no autocast kernel, so autocast never casts them)."""
+def grouped_mm_in_any_float() -> Iterator[None]:
+    """``_grouped_mm`` on fake tensors of any float dtype, as its CUDA kernel runs them (PyTorch's meta function
+    admits only bf16: transformers' grouped-GEMM experts in fp32 could not be traced at all)."""
     lib = Library("aten", "IMPL")
     with contextlib.ExitStack() as stack:
         # torch <= 2.12 registers _grouped_mm's meta function from Python and refuses a second Python kernel for the
@@ -184,6 +181,18 @@ def cuda_kernel_facts(policy: KernelPolicy, tracker: MemoryTracker | None = None
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
             lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
         stack.callback(lib._destroy)
+        yield
+
+
+@contextlib.contextmanager
+def cuda_kernel_facts(policy: KernelPolicy, tracker: MemoryTracker | None = None) -> Iterator[None]:
+    """What CUDA's kernels allocate that no dispatch mode sees, on *both* trace paths (fake CPU tensors emulating
+    a GPU, and fake CUDA tensors on a GPU machine): the cuBLAS workspaces, the scratch of kernels that allocate
+    inside themselves, and the output of the grouped GEMM in any float dtype (PyTorch's meta function for
+    ``_grouped_mm`` admits only bf16 inputs, while its CUDA kernel also runs the fp32 inputs that transformers'
+    MoE experts pass under autocast: ``_grouped_mm`` has no autocast kernel, so autocast never casts them)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(grouped_mm_in_any_float())
         if tracker is not None:
             for hook in (_Workspaces(tracker, policy), _KernelTemporaries(tracker)):
                 tracker.op_hooks.append(hook)

@@ -97,6 +97,7 @@ def _probe_refusal(model: nn.Module) -> str | None:
     causal-LM cross-entropy of ``lm_head(base_model(...).last_hidden_state)``, nothing before or after."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memopt.profile.cuda_semantics import grouped_mm_in_any_float
     from memopt.profile.fake_model import fake_copy
     from memopt.profile.hf_compat import real_code_paths
     from memopt.profile.tracker import MemoryTracker
@@ -120,7 +121,8 @@ def _probe_refusal(model: nn.Module) -> str | None:
     clone.loss_function = spy
     try:
         # the tracker answers the boolean checks models make on masks (fake tensors have no values)
-        with mode, real_code_paths(), torch.no_grad(), MemoryTracker("cpu", record=False):
+        # grouped-GEMM experts run in fp32 here, as the trace runs them
+        with mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(), MemoryTracker("cpu", record=False):
             ids = torch.zeros(1, 4, dtype=torch.long)
             out = clone(input_ids=ids, labels=ids, use_cache=False)
     except Exception as exc:  # any failure: the structure could not be verified

@@ -45,6 +45,22 @@ def test_records_and_progress_with_injected_figures(tmp_path):
     assert tel.progress() == "mem 0.9/1.0 GiB (pred 0.9)"
 
 
+def test_other_processes_on_the_device_are_not_this_runs_memory(tmp_path):
+    """Beside other jobs on one GPU, the driver's used figure holds their memory too; the run's total (what the
+    calibration learns from, what is compared with the plan's total) is its own: reserved + its own runtime."""
+    mem = SimulatedMemorySource(device_total_bytes=80 * GiB, outside_allocator_bytes=300 * MiB,
+                                other_processes_bytes=20 * GiB)
+    tel = Telemetry(mem, plan=fake_plan(Strategy(micro_batch_size=4), total=900 * MiB, budget=GiB), run_dir=tmp_path,
+                    leaks=False)
+    tel.begin_step()
+    mem.set(allocated=500 * MiB, reserved=600 * MiB)
+    rec = tel.end_step(loss=torch.tensor(1.0))
+    tel.close()
+    assert rec["device_used_bytes"] == 20 * GiB + 900 * MiB  # the device as the driver sees it
+    assert rec["process_used_bytes"] == 900 * MiB and rec["outside_allocator_bytes"] == 300 * MiB
+    assert rec["measured_total_bytes"] == 900 * MiB
+
+
 def test_format_progress():
     assert format_progress(int(31.2 * GiB), 40 * GiB, int(30.9 * GiB)) == "mem 31.2/40.0 GiB (pred 30.9)"
     assert format_progress(300 * MiB, None, None) == "mem 300.0 MiB"

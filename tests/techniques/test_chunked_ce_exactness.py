@@ -95,3 +95,16 @@ def test_profile_of_a_softcapped_model_records_the_refusal_and_the_planner_never
     plan = memopt.plan(model, {"batch_size": 2, "seq_len": 16}, budget="20GB", hardware="h200")
     assert plan.strategy.chunked_ce == 0
     assert any("chunked cross-entropy refused" in n for n in plan.notes)
+
+
+def test_the_probe_checks_a_grouped_gemm_mixture_of_experts_head_in_any_process():
+    """transformers' grouped-GEMM experts call ``_grouped_mm`` in fp32, which PyTorch's meta function refuses:
+    the head probe raised in a fresh process and chunked CE was refused for the model, while after some other
+    trace in the same process it was allowed (the plan depended on what the process had planned before)."""
+    from memopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny_moe", device="meta")
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    assert getattr(experts.config, "_experts_implementation", None) in (None, "grouped_mm")
+    assert chunked_ce_refusal(model) is None
