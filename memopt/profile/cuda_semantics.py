@@ -39,10 +39,11 @@ from memopt.categories import MemoryCategory
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_kernels import AttentionPolicy, emulated_sdpa
 from memopt.profile.autocast_policy import cuda_autocast_policy
+from memopt.profile.hf_compat import grouped_mm_in_any_float
 from memopt.profile.tracker import MemoryTracker
 from memopt.units import MiB, allocator_size
 
-__all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "grouped_mm_in_any_float", "kernel_policy_for", "trace_semantics"]
+__all__ = ["KernelPolicy", "cuda_kernel_facts", "cuda_semantics", "kernel_policy_for", "trace_semantics"]
 
 _GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "addr"}
 
@@ -134,26 +135,6 @@ class _KernelTemporaries:
                                    "safe_softmax.mask")
 
 
-def _grouped_mm_meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Output of CUDA's grouped GEMM for any float dtype (PyTorch's meta function admits only bf16, while the
-    CUDA kernel of torch >= 2.10 also runs fp32, as transformers' MoE experts do under autocast)."""
-    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-    if a2 and b2:
-        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
-    elif a2:
-        size = [mat_a.size(0), mat_b.size(-1)]
-    elif b2:
-        size = [mat_a.size(1), mat_b.size(1)]
-    else:
-        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    dtype = out_dtype or mat_a.dtype
-    align = 16 // dtype.itemsize
-    padded = -(-size[-1] // align) * align
-    stride = [size[1] * padded, padded, 1] if a2 == b2 else [padded, 1]
-    return torch.empty_strided(size, stride, dtype=dtype, device=mat_a.device)
-
-
 def _dropout_kernel(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     # CUDA: at::dropout takes the fused kernel for 0 < p < 1 (mask saved as bool)
     if train and 0.0 < p < 1.0 and x.numel() > 0:
@@ -161,27 +142,6 @@ def _dropout_kernel(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     if train and p == 1.0:
         return x * 0.0
     return x
-
-
-@contextlib.contextmanager
-def grouped_mm_in_any_float() -> Iterator[None]:
-    """``_grouped_mm`` on fake tensors of any float dtype, as its CUDA kernel runs them (PyTorch's meta function
-    admits only bf16: transformers' grouped-GEMM experts in fp32 could not be traced at all)."""
-    lib = Library("aten", "IMPL")
-    with contextlib.ExitStack() as stack:
-        # torch <= 2.12 registers _grouped_mm's meta function from Python and refuses a second Python kernel for the
-        # same key (later versions override by default): step aside its bookkeeping while ours is registered; the
-        # dispatcher itself stacks the kernels and restores the original when ours is destroyed
-        registered = getattr(torch.library, "_impls", set())
-        key = "aten/_grouped_mm/Meta"
-        if key in registered:
-            registered.discard(key)
-            stack.callback(registered.add, key)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
-            lib.impl("_grouped_mm", _grouped_mm_meta, "Meta")
-        stack.callback(lib._destroy)
-        yield
 
 
 @contextlib.contextmanager

@@ -97,9 +97,8 @@ def _probe_refusal(model: nn.Module) -> str | None:
     causal-LM cross-entropy of ``lm_head(base_model(...).last_hidden_state)``, nothing before or after."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memopt.profile.cuda_semantics import grouped_mm_in_any_float
     from memopt.profile.fake_model import fake_copy
-    from memopt.profile.hf_compat import real_code_paths
+    from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
     from memopt.profile.tracker import MemoryTracker
 
     try:
