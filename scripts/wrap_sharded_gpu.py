@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from allocation_history import live_at_peak  # noqa: E402
 
 
 def make(args: argparse.Namespace) -> int:
@@ -133,46 +136,6 @@ def run(args: argparse.Namespace) -> int:
     (out / f"rank{rank}.json").write_text(json.dumps(row, indent=2) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
     return 0
-
-
-def _site(frames: list[dict]) -> str:
-    """Where an allocation was made: the innermost frame in DeepSpeed, memopt, transformers or PyTorch's
-    distributed/autograd Python code (file:line function)."""
-    keys = ("deepspeed/", "memopt/", "transformers/", "torch/distributed/", "torch/utils/checkpoint", "torch/nn/")
-    for f in frames:
-        name = f.get("filename", "")
-        if any(k in name for k in keys):
-            short = name.split("site-packages/")[-1]
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return frames[0].get("name", "?") if frames else "?"
-
-
-def live_at_peak(snapshot: dict, device: int, top: int = 30) -> dict:
-    """From the allocator's recorded history: the allocations live at the highest allocated point of the
-    recorded events, summed by the code that made them (``_site``)."""
-    events = snapshot["device_traces"][device]
-    cur = best = best_i = 0
-    for i, e in enumerate(events):
-        if e["action"] == "alloc":
-            cur += e["size"]
-        elif e["action"] == "free_completed":
-            cur -= e["size"]
-        if cur > best:
-            best, best_i = cur, i
-    live: dict[int, dict] = {}
-    for e in events[: best_i + 1]:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-        elif e["action"] == "free_completed":
-            live.pop(e["addr"], None)
-    sites: dict[str, list[int]] = {}
-    for e in live.values():
-        acc = sites.setdefault(_site(e.get("frames", [])), [0, 0])
-        acc[0] += e["size"]
-        acc[1] += 1
-    ordered = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"recorded_peak_bytes": best, "events": len(events), "peak_event": best_i,
-            "sites": [{"site": k, "bytes": v[0], "count": v[1]} for k, v in ordered]}
 
 
 def stream_peaks(snapshot: dict, device: int, default_stream: int, top: int = 16) -> list[dict]:

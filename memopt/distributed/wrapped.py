@@ -123,7 +123,7 @@ class ShardedWrapped:
         self._causal_lm = is_causal_lm(model)  # before an engine wraps it
         # no KV cache in training, as in memopt's one-GPU step and in the profile the plan was traced from: a
         # checkpointed block would otherwise keep its keys and values alive until the loss
-        self.undo_kv_cache = disable_kv_cache(model)
+        disable_kv_cache(model)
         stacks = find_block_stacks(model)
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
