@@ -119,6 +119,19 @@ def _by_module(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str,
     return {g: {"predicted": pg.get(g, {}), "measured": mg.get(g, {})} for g in groups}
 
 
+def _zoo_model(row_id: str) -> tuple[nn.Module, Any, Any, str]:
+    """A row of ``zoo_matrix_gpu.py``: (model, sample, batch function, budget)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import zoo_matrix_gpu as zoo
+
+    row = next(r for r in zoo.ROWS if r.id == row_id)
+    if row.kind in ("custom", "torchvision") or row.extra:
+        raise SystemExit(f"--zoo takes Hugging Face rows called as model(**batch); {row_id} is {row.kind}")
+    model = zoo.build(row)
+    batch = zoo.batch_for(row, model)
+    return model, batch, lambda i: batch, row.budget
+
+
 def run_one(name: str, family: str, base: str, overrides: dict[str, Any], sample: dict[str, Any], out: Path,
             steps: int, device: str, budget: str) -> dict[str, Any]:
     import memopt
@@ -130,7 +143,10 @@ def run_one(name: str, family: str, base: str, overrides: dict[str, Any], sample
     allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model, plan_sample, batch = _build(name, base, overrides, sample)
+    if family == "zoo":
+        model, plan_sample, batch, budget = _zoo_model(name)
+    else:
+        model, plan_sample, batch = _build(name, base, overrides, sample)
     run_dir = out / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     hardware = "auto" if device == "cuda" else "h200"
@@ -176,18 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(m[0] for m in MODELS), help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=2, help="steps per model (the second is recorded)")
     parser.add_argument("--budget", default="40GB")
+    parser.add_argument("--zoo", default="", help="comma-separated zoo_matrix_gpu.py row ids, at their budgets")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (planning for an H200): a smoke test")
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MEMOPT_CACHE_DIR", str(out / "cache"))
-    wanted = args.models.split(",")
+    wanted = args.models.split(",") if not args.zoo else []
+    zoo_rows = [(row_id, "zoo", "", {}, {}) for row_id in args.zoo.split(",") if row_id]
     failed = 0
-    for name, family, base, overrides, sample in MODELS:
-        if name not in wanted:
+    for name, family, base, overrides, sample in MODELS + zoo_rows:
+        if name not in wanted and family != "zoo":
             continue
-        if device == "cpu":  # the configs' own toy sizes: the flow, not the figures
+        if device == "cpu" and family != "zoo":  # the configs' own toy sizes: the flow, not the figures
             overrides = {"dim": 64, "layers": 4, "vocab": 512} if not base else {}
             sample = {"batch_size": 2, "image_size": 32} if "image_size" in sample else {
                 "batch_size": 2, "seq_len": 32, **({"decoder_seq_len": 16} if "decoder_seq_len" in sample else {})}

@@ -80,8 +80,12 @@ def _can_use(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     heads_ok = hq == hk or (hq % hk == 0 and enable_gqa)
     if name == "math":
         return True
-    if mask is not None and mask.requires_grad:
-        return False  # no fused kernel differentiates the mask (T5's learned position bias): math (measured)
+    if mask is not None and mask.shape[-1] != 1 and mask.stride(-1) != 1:
+        return False  # fused kernels need the mask's last dim dense (T5's permuted position bias runs math)
+    if mask is not None and mask.requires_grad and name != "efficient":
+        # only the memory-efficient kernel differentiates its bias (Swin's and T5's learned position biases);
+        # flash takes no mask and cuDNN refuses one that needs a gradient (H200, torch 2.11, measured)
+        return False
     if name == "flash":
         if not policy.has_flash or policy.sm < 80 or not half or mask is not None:
             return False
@@ -170,7 +174,7 @@ def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):
     dv = p.transpose(-2, -1) @ go
     dp = go @ vf.transpose(-2, -1)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    return (ds @ kf) * s, (ds.transpose(-2, -1) @ qf) * s, dv
+    return (ds @ kf) * s, (ds.transpose(-2, -1) @ qf) * s, dv, ds
 
 
 def _blhd(b: int, length: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -212,7 +216,7 @@ def _flash_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                lse: torch.Tensor, is_causal: bool, scale: float | None, round_q: int, round_d: int,
                dq_accum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum)
-    gq, gk, gv = _reference_grads(q, k, v, None, is_causal, scale, grad_out)
+    gq, gk, gv, _ = _reference_grads(q, k, v, None, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -282,10 +286,10 @@ def _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad):
 
 @torch.library.custom_op("memopt::cuda_efficient_attention_backward", mutates_args=())
 def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-             out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
-             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale)
-    gq, gk, gv = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+             out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
+             bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dbias = _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale, bias_grad)
+    gq, gk, gv, ds = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -293,21 +297,27 @@ def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     dq.copy_(gq)
     dk.copy_(gk)
     dv.copy_(gv)
-    return dq, dk, dv
+    if bias_grad:
+        dbias.copy_(ds)
+    return dq, dk, dv, dbias
 
 
 @_eff_bwd.register_fake
-def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale):
+def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale, bias_grad):
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
     dk = _blhd(b, lk, hk, d, k.dtype, k.device)
     dv = _blhd(b, lk, hk, v.shape[-1], v.dtype, v.device)
-    # delta (fp32, B x H x Lq), an fp32 dq accumulator (B x Lq x H x D) and 256 B per (batch, head);
-    # measured on an H200 with torch 2.11 (probe: sdpa backends, bwd_peak)
-    scratch = 4 * b * h * lq + 4 * b * lq * h * d + 256 * b * h
-    report_scratch(_nbytes(dq, dk, dv) + scratch, "efficient_attention_backward.scratch")
-    return dq, dk, dv
+    # the bias gradient is one full (B, H, Lq, Lk) tensor, its last dim padded to 16 as the kernel writes it
+    dbias = (torch.empty(b, h, lq, _round(lk, 16), dtype=bias.dtype, device=q.device)[..., :lk] if bias_grad
+             else q.new_empty(0))
+    # delta (fp32, B x H x Lq), an fp32 dq accumulator over 64 x 64 tiles (Lq and D each rounded up to 64: a
+    # 49-token window of head dim 32 takes 64 x 64) and 256 B per (batch, head); measured on an H200 with torch
+    # 2.11 (scripts/sdpa_mask_grad_probe_gpu.py and the probe's sdpa backends)
+    scratch = 4 * b * h * lq + 4 * b * h * _round(lq, 64) * _round(d, 64) + 256 * b * h
+    report_scratch(_nbytes(dq, dk, dv, dbias) + scratch, "efficient_attention_backward.scratch")
+    return dq, dk, dv, dbias
 
 
 def _eff_setup(ctx, inputs, output) -> None:
@@ -317,12 +327,13 @@ def _eff_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, bias, out, lse)
     ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _eff_backward(ctx, grad_out, grad_lse):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    dq, dk, dv = _eff_bwd(grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv, dbias = _eff_bwd(grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale, ctx.bias_grad)
+    return dq, dk, dv, dbias if ctx.bias_grad else None, None, None, None, None
 
 
 _eff_fwd.register_autograd(_eff_backward, setup_context=_eff_setup)
@@ -353,7 +364,7 @@ def _cudnn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                out: torch.Tensor, stats: torch.Tensor, is_causal: bool,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale)
-    gq, gk, gv = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    gq, gk, gv, _ = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -371,8 +382,9 @@ def _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale):
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
     dk = _blhd(b, lk, hk, d, k.dtype, k.device)
     dv = _blhd(b, lk, hk, dv_, v.dtype, v.device)
-    # measured on an H200 (cuDNN 9.19): the same scratch as flash-attention's backward plus 512 B
-    scratch = 4 * b * h * _round(lq, 128) + 4 * b * _round(lq, 128) * h * _round(d, 32) + 512
+    # measured on an H200 (cuDNN 9.19): softmax_d and a dq accumulator, both fp32 and unpadded (a 49-token
+    # window takes 49 rows, not 128), plus 512 B
+    scratch = 4 * b * h * lq * (d + 1) + 512
     if hk != h:
         scratch += q.element_size() * b * lk * h * (d + dv_)
     report_scratch(_nbytes(dq, dk, dv) + scratch, "cudnn_attention_backward.scratch")

@@ -51,7 +51,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #    grad*output, _safe_softmax's mask) are recorded
 # 5: phase costs count the calls of bitsandbytes' 4-bit linear (``bnb4_calls``, the time model's host floor)
 # 6: every allocation records the module and op that made it (memopt.profile.attribution)
-TRACE_REVISION = 6
+# 7: the memory-efficient kernel takes a mask that needs a gradient; no fused kernel takes a mask whose last dim
+#    is strided
+TRACE_REVISION = 7
 
 
 def cache_dir() -> Path:

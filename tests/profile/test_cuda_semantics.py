@@ -53,7 +53,19 @@ def test_backend_selection_follows_cuda_rules():
         assert choose_backend(q, k, v, None, 0.0, True, False, H90_CUDNN.attention) == "cudnn"
         mask = torch.zeros(2, 8, 128, 128, dtype=torch.bfloat16)
         assert choose_backend(q, k, v, mask, 0.0, False, False, H90.attention) == "efficient"
-        assert choose_backend(q, k, v, mask.requires_grad_(), 0.0, False, False, H90.attention) == "math"
+        # a learned mask (Swin's, T5's position bias): only the memory-efficient kernel differentiates it, and
+        # cuDNN, first on an H200, refuses it (measured: scripts/sdpa_mask_grad_probe_gpu.py)
+        learned = mask.clone().requires_grad_()
+        assert choose_backend(q, k, v, learned, 0.0, False, False, H90.attention) == "efficient"
+        assert choose_backend(q, k, v, learned, 0.1, False, False, H90_CUDNN.attention) == "efficient"
+        assert choose_backend(q, k, v, mask, 0.0, False, False, H90_CUDNN.attention) == "cudnn"
+        # a mask whose last dim is strided (T5's permuted bias in transformers 5.17): no fused kernel takes it
+        strided = torch.zeros(1, 128, 128, 8, dtype=torch.bfloat16).permute(0, 3, 1, 2)
+        assert choose_backend(q, k, v, strided, 0.0, False, False, H90_CUDNN.attention) == "math"
+        assert choose_backend(q, k, v, strided.requires_grad_(), 0.0, False, False, H90.attention) == "math"
+        column = torch.zeros(2, 8, 128, 1, dtype=torch.bfloat16).expand(2, 8, 128, 1)
+        assert choose_backend(q, k, v, column.as_strided(column.shape, (1024, 128, 1, 7)), 0.0, False, False,
+                              H90.attention) == "efficient"  # a size-1 last dim has no stride to check
         q32, k32, v32 = _qkv(2, 8, 8, 128, 64, torch.float32)
         assert choose_backend(q32, k32, v32, None, 0.0, True, False, H90.attention) == "efficient"
         qg, kg, vg = _qkv(2, 8, 2, 128, 64, torch.float32)  # fp32 grouped-query: only math
@@ -141,3 +153,39 @@ def test_softmax_temporaries_match_the_h200_log():
             y.backward(g)
             assert t.current_bytes - start == 50_331_648  # x.grad
             assert t.peak_bytes - t.current_bytes == 50_331_648  # grad * output, freed inside the kernel
+
+
+def test_efficient_attention_differentiates_a_learned_bias():
+    """The memory-efficient kernel's emulation gives the bias its gradient (the math path's value on real
+    tensors) and allocates it as the kernel does: one (B, H, Lq, Lk) tensor, Lk padded to 16, in the bias dtype."""
+    torch.manual_seed(0)
+    b, h, length, d = 2, 4, 49, 32
+    q, k, v = (torch.randn(b, h, length, d, requires_grad=True) for _ in range(3))
+    table = torch.randn(1, h, length, length, requires_grad=True)
+    with cuda_semantics(H90, None, log := []):
+        out = F.scaled_dot_product_attention(q, k, v, table * 1.0)
+    assert log == ["efficient"]
+    out.square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v, table)]
+    for t in (q, k, v, table):
+        t.grad = None
+    F.scaled_dot_product_attention(q, k, v, table * 1.0).square().sum().backward()  # CPU's own kernel
+    for mine, ref in zip(got, (q.grad, k.grad, v.grad, table.grad)):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(b, length, h, d, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                   for _ in range(3))
+        table = torch.empty(1, h, length, length, dtype=torch.bfloat16, requires_grad=True)
+        with cuda_semantics(H90), MemoryTracker("cpu") as t:
+            out = F.scaled_dot_product_attention(q, k, v, table * 1.0)
+            grad = torch.empty_like(out)
+            t.reset_peak()
+            before = t.current_bytes
+            out.backward(grad)
+            grads = (b * h * length * d * 2) * 3  # dq, dk, dv in bf16
+            dbias = b * h * length * 64 * 2  # Lk 49 padded to 64 (the multiple of 16 above it)
+            scratch = 4 * b * h * length + 4 * b * h * 64 * 64 + 256 * b * h  # delta, dq accumulator on 64 x 64
+            expected = grads + dbias + scratch
+            assert expected <= t.peak_bytes - before <= expected + 2048  # the allocator's 512 B rounding
+    assert table.grad is not None and table.grad.shape == (1, h, length, length)
