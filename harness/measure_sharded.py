@@ -158,7 +158,8 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
         if case.engine == "deepspeed":
             import deepspeed
 
-            from memopt.distributed.sharding import prepare_deepspeed_build_env, validate_offload
+            from memopt.distributed.deepspeed_engine import prepare_deepspeed_build_env
+            from memopt.distributed.host_tier import validate_offload
 
             if case.nvme_path:  # a missing or read-only swap directory fails here, not in the first swap
                 import setuptools  # noqa: F401  (DeepSpeed's libaio probe imports distutils: Python 3.12 has it so)
@@ -177,7 +178,8 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             from memopt.blocks import find_block_stacks
-            from memopt.distributed.sharding import ShardingSetting, apply_fsdp2
+            from memopt.distributed.sharding import ShardingSetting
+            from memopt.distributed.torch_engines import apply_fsdp2
 
             setting = ShardingSetting(engine="fsdp2", world_size=case.world_size,
                                       offload_optimizer=case.offload_optimizer,  # type: ignore[arg-type]
@@ -224,7 +226,7 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
             **pools_by_stream(torch, local),
         })
         if case.nvme_path:
-            from memopt.distributed.sharding import nvme_swap_bytes
+            from memopt.distributed.host_tier import nvme_swap_bytes
 
             result["nvme_swap_bytes"] = nvme_swap_bytes(case.nvme_path)
     except torch.cuda.OutOfMemoryError as exc:

@@ -18,8 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.distributed import engine_bytes, timeline
 from memopt.distributed import estimate as est
-from memopt.distributed.estimate import ENGINE_PRECISION, ModelFacts, TimelinePoint, model_facts
+from memopt.distributed.engine_bytes import EngineRun
+from memopt.distributed.estimate import ENGINE_PRECISION
+from memopt.distributed.timeline import TimelinePoint
+from memopt.profile.engine_facts import ModelFacts, model_facts
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import GiB
 
@@ -158,19 +162,19 @@ def _profile(model: str, batch: int, seq_len: int, hardware: str) -> Any:
 
 def activation_timeline(model: str, strategy: Strategy, *, seq_len: int, hardware: str = "h200",
                         grads: str = "transient", profile: Any = None) -> list[TimelinePoint]:
-    """``memopt.distributed.estimate.activation_timeline`` of a shipped model at ``strategy``'s micro-batch."""
+    """``memopt.distributed.timeline.activation_timeline`` of a shipped model at ``strategy``'s micro-batch."""
     prof = profile if profile is not None else _profile(model, strategy.micro_batch_size, seq_len, hardware)
-    return est.activation_timeline(prof, strategy, grads=grads)
+    return timeline.activation_timeline(prof, strategy, grads=grads)
 
 
-def engine_run(case: ShardedCase) -> est.EngineRun:
+def engine_run(case: ShardedCase) -> EngineRun:
     """The engine run of ``case``: memopt's buckets, or DeepSpeed's defaults for a baseline that keeps them."""
-    return est.EngineRun.of(case.setting(), case.grad_accum, deepspeed_defaults=case.ds_defaults)
+    return EngineRun.of(case.setting(), case.grad_accum, deepspeed_defaults=case.ds_defaults)
 
 
 def engine_bytes_at(case: ShardedCase, facts: ModelFacts, point: TimelinePoint | None) -> dict[str, int]:
-    """``memopt.distributed.estimate.engine_bytes_at`` for ``case``."""
-    return est.engine_bytes_at(engine_run(case), facts, point)
+    """``memopt.distributed.engine_bytes.engine_bytes_at`` for ``case``."""
+    return engine_bytes.engine_bytes_at(engine_run(case), facts, point)
 
 
 def predict_case(case: ShardedCase, *, with_time: bool = True, profile: Any = None) -> dict[str, Any]:
@@ -346,7 +350,7 @@ def diagnostic_fsdp2_cases(model: str = "llama32_3b", *, world_size: int = 2, ca
 def case_deepspeed_config(case: ShardedCase) -> dict[str, Any]:
     """The DeepSpeed config dict the GPU run passes to ``deepspeed.initialize``.
 
-    memopt's cases: ``memopt.distributed.sharding.deepspeed_config`` (the config ``memopt.wrap`` and
+    memopt's cases: ``memopt.distributed.deepspeed_engine.deepspeed_config`` (the config ``memopt.wrap`` and
     ``export_deepspeed_json`` produce). Baselines: only what a user writes — the stage, bf16, the offload
     devices with ``pin_memory``, batch sizes and AdamW; buckets, prefetch and overlap stay DeepSpeed's.
     """
@@ -354,7 +358,7 @@ def case_deepspeed_config(case: ShardedCase) -> dict[str, Any]:
         raise ValueError(f"case {case.id!r} runs FSDP2, not DeepSpeed")
     optimizer = {"type": "AdamW", "params": {"lr": 1e-5, "weight_decay": 0.0}}
     if not case.ds_defaults:
-        from memopt.distributed.sharding import deepspeed_config
+        from memopt.distributed.deepspeed_engine import deepspeed_config
 
         cfg = deepspeed_config(case.setting(), precision="bf16_autocast", micro_batch=case.micro_batch,
                                grad_accum=case.grad_accum, optimizer=optimizer,

@@ -53,11 +53,13 @@ def _checkpointing(label: str) -> Any:
 
 def observe(row_path: str, plan_path: str) -> dict[str, Any]:
     import memopt
-    from memopt.distributed import estimate as dest
+    from memopt.distributed.engine_bytes import EngineRun
+    from memopt.distributed.estimate import sharded_time
     from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan.schema import Plan
     from memopt.plan.sharded import predict_strategy
+    from memopt.profile.engine_facts import facts_of_profile
 
     row = json.loads(Path(row_path).read_text())
     plan_path, _, model = plan_path.partition(":")  # PLAN:MODEL: that plan's engine settings for another model
@@ -68,9 +70,9 @@ def observe(row_path: str, plan_path: str) -> dict[str, Any]:
     hw = load_hardware(plan.hardware)
     prof = memopt.profile(name, sample=plan.model["sample"], hardware=hw)
     setting = ShardingSetting.from_any(strategy.extra("sharding"))
-    facts = dest.facts_of_profile(prof)
+    facts = facts_of_profile(prof)
     m = strategy.grad_accum_steps
-    t = dest.sharded_time(prof, strategy, dest.EngineRun.of(setting, m), facts, hw)
+    t = sharded_time(prof, strategy, EngineRun.of(setting, m), facts, hw)
     pred = predict_strategy(prof, hw, strategy, plan.budget_bytes, margin=0)  # the run's cap: no planning margin
     retry_s = pred.get("capped", {}).get("retry_s", 0.0)
     rest = pred["step_time_s"] - retry_s - t.engine_overhead_s  # the step without the engine's fixed work

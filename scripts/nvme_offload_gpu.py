@@ -87,7 +87,7 @@ def aio_env(aio_dir: Path, environ: dict[str, str] | None = None) -> dict[str, s
     if (stubs / "libcuda.so").exists():
         env["LIBRARY_PATH"] += os.pathsep + str(stubs)
     # DeepSpeed's builder cannot parse an arch such as "9.0a" (the GPU image's TORCH_CUDA_ARCH_LIST)
-    from memopt.distributed.sharding import prepare_deepspeed_build_env
+    from memopt.distributed.deepspeed_engine import prepare_deepspeed_build_env
 
     prepare_deepspeed_build_env(env)
     return env

@@ -9,7 +9,9 @@ the activations kept by full checkpointing (block inputs only, analytic) and the
 
 from __future__ import annotations
 
-from memopt.distributed import memory as mem
+from memopt.distributed.engine_buffers import fsdp2_buffer_bytes, nccl_bytes
+from memopt.distributed.memory import sharded_memory
+from memopt.distributed.model_states import state_bytes, zero_paper_model_states
 
 GB = 1e9
 
@@ -30,7 +32,7 @@ def counts(name: str) -> tuple[int, int, int]:
 def zero_paper() -> None:
     print("ZeRO paper, Figure 1: 7.5B parameters, 64 GPUs, K = 12")
     published = {"baseline": 120, "pos": 31.4, "pos+g": 16.6, "pos+g+p": 1.9}
-    for key, value in mem.zero_paper_model_states(7.5e9, 64).items():
+    for key, value in zero_paper_model_states(7.5e9, 64).items():
         print(f"  {key:9s} {value / GB:7.2f} GB   (paper {published[key]} GB, {value / GB / published[key] - 1:+.1%})")
 
 
@@ -58,25 +60,25 @@ def table(name: str, world: int, *, batch: int = 1, seq: int = 4096, gpus_per_no
         ("FSDP2 pure bf16 + CPUOffloadPolicy", "fsdp2", 3, "cpu", "cpu", "bf16_pure"),
     ]
     for label, engine, stage, off_o, off_p, prec in rows:
-        sb = mem.state_bytes(engine, prec)
-        m = mem.sharded_memory(p, engine=engine, stage=stage, world_size=world, sb=sb, nodes=nodes,
-                               unit_params=[block] * layers, root_params=root, largest_module_params=root // 2,
-                               offload_optimizer=off_o, offload_params=off_p)
+        sb = state_bytes(engine, prec)
+        m = sharded_memory(p, engine=engine, stage=stage, world_size=world, sb=sb, nodes=nodes,
+                           unit_params=[block] * layers, root_params=root, largest_module_params=root // 2,
+                           offload_optimizer=off_o, offload_params=off_p)
         total = m.params + m.grads + m.optimizer + m.buffers
         print(f"  {label:46s} {m.params / GB:7.1f} {m.grads / GB:7.1f} {m.optimizer / GB:7.1f} "
               f"{m.buffers / GB:8.1f} {total / GB:7.1f} {m.host_bytes / GB:9.0f}G"
               + (f" nvme {m.nvme_bytes / GB:.0f}G" if m.nvme_bytes else ""))
-    print(f"  + NCCL {mem.nccl_bytes(world) / GB:.2f} GB and the CUDA runtime (~0.8 GB) per GPU, outside the allocator")
+    print(f"  + NCCL {nccl_bytes(world) / GB:.2f} GB and the CUDA runtime (~0.8 GB) per GPU, outside the allocator")
 
 
 def torchtune_70b() -> None:
     """torchtune's README: Llama 3.1 70B full fine-tune, 8 x A100, FSDP2 + CPU offload, pure bf16, AC, b=2, s=2048:
     13.9 GiB peak per GPU (tok_embeddings and output sharded as their own units)."""
     block, layers, root = counts("llama3_70b")
-    sb = mem.state_bytes("fsdp2", "bf16_pure")
+    sb = state_bytes("fsdp2", "bf16_pure")
     half = (root - MODELS["llama3_70b"][0]) // 2
     units = [half] + [block] * layers + [half]  # embedding and head as units of their own
-    buf = mem.fsdp2_buffer_bytes(units, shard_size=8, sb=sb, prefetch=1, root_params=MODELS["llama3_70b"][0])
+    buf = fsdp2_buffer_bytes(units, shard_size=8, sb=sb, prefetch=1, root_params=MODELS["llama3_70b"][0])
     act = layers * 2 * 2048 * 8192 * 2
     print("\ntorchtune's 70B full fine-tune (8 x A100, FSDP2 + CPUOffloadPolicy, bf16, full AC, b=2, s=2048):")
     print(f"  gathered blocks + gradients + reduce buffers {buf['peak'] / 2**30:.1f} GiB, checkpointed inputs "

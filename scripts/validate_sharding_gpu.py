@@ -42,7 +42,7 @@ from harness.sharded_cases import (  # noqa: E402
     single_gpu_cases,
     two_gpu_cases,
 )
-from memopt.distributed.sharding import prepare_deepspeed_build_env  # noqa: E402
+from memopt.distributed.deepspeed_engine import prepare_deepspeed_build_env  # noqa: E402
 from memopt.units import GiB  # noqa: E402
 
 #: seconds a case takes beyond its steps (build, engine init, pinning host buffers), for the deadline

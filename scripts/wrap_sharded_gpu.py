@@ -78,17 +78,17 @@ def run(args: argparse.Namespace) -> int:
     outside = load_hardware(plan.hardware).runtime_overhead_bytes
     torch.cuda.set_per_process_memory_fraction(max(0.01, (plan.budget_bytes - outside) / total), local)
     if args.ds_zero:  # an experiment: DeepSpeed zero_optimization keys over what memopt generates
-        from memopt.distributed import sharding as msh
+        from memopt.distributed import deepspeed_engine
 
         extra = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.ds_zero)}
-        base_config = msh.deepspeed_config
+        base_config = deepspeed_engine.deepspeed_config
 
         def patched(*a: object, **kw: object) -> dict:
             cfg = base_config(*a, **kw)
             cfg["zero_optimization"].update(extra)
             return cfg
 
-        msh.deepspeed_config = patched
+        deepspeed_engine.deepspeed_config = patched
     model_name = plan.model["name"]
     model = build_model(model_name, device="cpu")
     model.config.use_cache = False

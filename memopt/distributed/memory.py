@@ -1,42 +1,15 @@
-"""Per-GPU (and per-node host / NVMe) bytes of the model states under data-parallel sharding: pure arithmetic.
+"""Per-GPU (and per-node host / NVMe) bytes of one sharding setting's model states and buffers: pure arithmetic.
 
 Every function here takes plain numbers (parameter counts, bytes per element, world sizes) and returns
 bytes, so the planner can call them while composing an estimate without a model, a process group or
-an engine at hand. Activations are not here: they come from memopt's profile as on one GPU (each rank
+an engine at hand. ``sharded_memory`` joins the model states (``memopt.distributed.model_states``) and the
+engines' buffers (``memopt.distributed.engine_buffers``) into one setting's picture; ``fit_advice`` says what
+would fit when nothing does. Activations are not here: they come from memopt's profile as on one GPU (each rank
 runs its own micro-batch; sharding does not change them).
-
-Notation (the ZeRO paper's): ``P`` parameters, ``N`` ranks that a state is sharded over.
-
-What each engine keeps, per parameter (``StateBytes``; see ``state_bytes``):
-
-=================== =================================== ==================================================
-engine / precision  persistent (sharded per stage)      transient (buffers)
-=================== =================================== ==================================================
-fsdp2 + mixed       params fp32 4, grads fp32 4,        one unit's params unsharded in bf16 (x2 while the
-(MixedPrecision-    Adam fp32 8: 16 B in all, all /N    next unit is prefetched), its unsharded bf16 grads
-Policy bf16/fp32)                                       and fp32 reduce-scatter input in backward
-fsdp2 + bf16_pure   params 2, grads 2, Adam bf16 4      as above, reduce in bf16
-deepspeed mixed     bf16 params 2, bf16 grads 2,        reduce / all-gather buckets (x4.5 with overlap_comm,
-(bf16 or fp16)      fp32 master 4 + Adam 8              DeepSpeed's docs), the fp32 grad partition at step
-ddp                 everything replicated               DDP's gradient buckets (views with
-                                                        gradient_as_bucket_view=True: no extra bytes)
-=================== =================================== ==================================================
-
-ZeRO stages over ``N`` ranks: stage 1 shards the master weights and optimizer states, stage 2 the
-gradients too, stage 3 the parameters too. FSDP2 is stage 3; hybrid sharding (HSDP, DeepSpeed MiCS)
-shards over ``world / replicate_size`` ranks and replicates across the rest.
 
 Offload (DeepSpeed ZeRO-Offload / ZeRO-Infinity, FSDP2 ``CPUOffloadPolicy``) moves the sharded states to
 host RAM (pinned) or NVMe; host RAM per node is ``ranks per node x`` one rank's share, plus the pinned
 staging buffers of NVMe swapping.
-
-NCCL's own memory (outside PyTorch's allocator): ``NCCL_BYTES_PER_COMMUNICATOR`` per process and
-communicator. Source: NVIDIA/nccl#964 (PyTorch on 4 x A100 with NVLink: 544 MB for a 2-rank group,
-688 MB for a group of more than 2 ranks, per process); NCCL's maintainer in NVIDIA/nccl#986: the
-amount grows with the channels (bandwidth) used and stops growing beyond 2 nodes. Measured on two H200s
-with NVLink (torch 2.11, FSDP2, ``benchmarks/sharding/raw/session8_x2``): 1600 MiB outside the allocator per
-process, less the 804 MB CUDA runtime of one H200 process: 874 MB. We take that (1 communicator for full
-sharding, 2 for hybrid: the shard group and the replicate group).
 """
 
 from __future__ import annotations
@@ -46,282 +19,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+from memopt.distributed.engine_buffers import (
+    DS_OPTIMIZER_SWAP_BUFFER_COUNT,
+    DS_PARAM_SWAP_BUFFER_COUNT,
+    DS_PARAM_SWAP_BUFFER_SIZE,
+    DS_SUB_GROUP_SIZE,
+    deepspeed_buffer_bytes,
+    deepspeed_extra_bytes,
+    fsdp2_buffer_bytes,
+    nccl_bytes,
+)
+from memopt.distributed.model_states import StateBytes, model_state_bytes, shard_numel, state_bytes
 
 __all__ = [
-    "DEEPSPEED_EXTRA_BYTES",
-    "DS_DEFAULT_ALLGATHER_BUCKET",
-    "DS_DEFAULT_REDUCE_BUCKET",
-    "NCCL_BYTES_ONE_RANK",
-    "NCCL_BYTES_PER_COMMUNICATOR",
     "ShardedMemory",
-    "StateBytes",
-    "deepspeed_buffer_bytes",
-    "deepspeed_extra_bytes",
-    "dtype_bytes",
     "fit_advice",
-    "fsdp2_buffer_bytes",
     "fsdp2_offload_traffic",
     "minimum_world_size",
-    "model_state_bytes",
-    "nccl_bytes",
-    "shard_numel",
     "sharded_memory",
-    "state_bytes",
-    "zero_paper_model_states",
 ]
 
-#: NCCL memory per process and communicator, outside PyTorch's allocator: measured on 2 x H200 NVLink (874 MB;
-#: NVIDIA/nccl#964 reports 544-688 MB on A100 NVLink)
-NCCL_BYTES_PER_COMMUNICATOR = 874 * 10**6
-#: one process alone in its NCCL group (DeepSpeed and memopt's FSDP2 create one at world size 1 too): 1316 MiB
-#: outside the allocator on one H200 (raw/session6_x1, session7 ZeRO-2 offload rows) less the 804 MB runtime
-NCCL_BYTES_ONE_RANK = 576 * 10**6
-#: what a DeepSpeed engine's process holds outside the allocator beyond an FSDP2 process of the same world size
-#: (its own process groups and ops), measured on H200s: 1708 MiB at one rank against FSDP2's 1316 (ZeRO-2 and
-#: ZeRO-3, CPU and NVMe offload alike: raw/call1, call3_zero3_rerun, session6_nvme, session8_call5), 2092 MiB at
-#: two ranks against 1600 (ZeRO-3, raw/session5_x2_*). ZeRO-2 applied by memopt.wrap held less: 1380-1437 MB
-#: in five runs (raw/session8_call2, session9: about the FSDP2 figure). The larger figure is kept for every stage,
-#: 0.41 GB on the safe side for ZeRO-1/2, since the validation harness's ZeRO-2 rows held it too
-DEEPSPEED_EXTRA_BYTES = {1: 411 * 10**6, 2: 516 * 10**6}
-#: DeepSpeed's defaults, in elements (deepspeed/runtime/zero/config.py: reduce_bucket_size, allgather_bucket_size).
-DS_DEFAULT_REDUCE_BUCKET = 500_000_000
-DS_DEFAULT_ALLGATHER_BUCKET = 500_000_000
-#: DeepSpeed ZeRO-3 defaults, in elements (stage3_prefetch_bucket_size, stage3_max_live_parameters).
-DS_DEFAULT_PREFETCH_BUCKET = 50_000_000
-DS_DEFAULT_MAX_LIVE = 1_000_000_000
-#: DeepSpeed's docs on ``overlap_comm``: "uses 4.5x the allgather_bucket_size and reduce_bucket_size values".
-DS_OVERLAP_FACTOR = 4.5
-#: ZeRO-Infinity swap buffers (deepspeed/runtime/zero/offload_config.py defaults).
-DS_PARAM_SWAP_BUFFER_COUNT = 5
-DS_PARAM_SWAP_BUFFER_SIZE = 100_000_000  # elements
-DS_OPTIMIZER_SWAP_BUFFER_COUNT = 4
-DS_SUB_GROUP_SIZE = 1_000_000_000  # elements
 
-_DTYPES = {"fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1,
-           "int8": 1, "uint8": 1}
-
-
-def dtype_bytes(dtype: str | int) -> int:
-    """Bytes of one element: ``dtype_bytes("bf16") == 2``; an int passes through."""
-    if isinstance(dtype, int):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of each model state an engine keeps.
-
-    ``param``: the stored weights (what is sharded at stage 3); ``compute``: the dtype parameters are
-    gathered / computed in; ``grad``: the stored gradient; ``master``: an fp32 master copy (0 when the
-    stored weights are already the optimizer's); ``optim``: optimizer states; ``reduce``: the dtype
-    gradients are reduced in; ``step_grad``: a full-precision copy of the gradient partition made for the
-    optimizer step (DeepSpeed ZeRO-1/2 without offload).
-    """
-
-    param: int = 4
-    compute: int = 4
-    grad: int = 4
-    master: int = 0
-    optim: int = 8
-    reduce: int = 4
-    step_grad: int = 0
-
-    @property
-    def optimizer_side(self) -> int:
-        """Master weights + optimizer states: the ZeRO paper's ``K``."""
-        return self.master + self.optim
-
-
-_OPTIM_STATE_FACTOR = {  # bytes of optimizer state per parameter, per byte of the state dtype
-    "adamw_fused": 2, "adamw_foreach": 2, "adamw": 2, "adam": 2, "sgd": 1, "user": 2,
-}
-
-
-def state_bytes(engine: str, precision: str = "bf16_autocast", optimizer: str = "adamw_fused") -> StateBytes:
-    """What ``engine`` keeps per parameter for a memopt precision and optimizer.
-
-    FSDP2 maps memopt's mixed-precision settings (``bf16_autocast``, ``bf16_master``, ``fp16_autocast``)
-    onto ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=fp32)``: the sharded parameters are
-    the fp32 masters, so there is no separate master copy. DeepSpeed's bf16/fp16 modes keep 16-bit
-    weights and gradients and an fp32 master partition. ``bf16_pure`` keeps everything in bf16
-    (DeepSpeed has no such mode: it is mapped to its bf16 mode). 8-bit optimizers are not sharded by
-    either engine here and raise.
-    """
-    if optimizer in EIGHT_BIT_OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} (bitsandbytes) is not supported with sharding; use adamw_fused "
-                         "(FSDP2 shards torch optimizers) or DeepSpeed's own Adam")
-    factor = _OPTIM_STATE_FACTOR.get(optimizer, 2)
-    half = 2
-    if engine in ("fsdp2", "ddp"):
-        if precision == "fp32":
-            return StateBytes(param=4, compute=4, grad=4, master=0, optim=4 * factor, reduce=4)
-        if precision == "bf16_pure":
-            return StateBytes(param=2, compute=2, grad=2, master=0, optim=2 * factor, reduce=2)
-        if engine == "ddp":
-            if precision == "bf16_master":
-                return StateBytes(param=2, compute=2, grad=2, master=4, optim=4 * factor, reduce=2)
-            return StateBytes(param=4, compute=4, grad=4, master=0, optim=4 * factor, reduce=4)
-        return StateBytes(param=4, compute=half, grad=4, master=0, optim=4 * factor, reduce=4)
-    if engine == "deepspeed":
-        if precision == "fp32":
-            return StateBytes(param=4, compute=4, grad=4, master=0, optim=4 * factor, reduce=4, step_grad=0)
-        return StateBytes(param=2, compute=2, grad=2, master=4, optim=4 * factor, reduce=2, step_grad=4)
-    raise ValueError(f"unknown engine {engine!r}; one of 'ddp', 'fsdp2', 'deepspeed'")
-
-
-def shard_numel(numel: int, shape0: int | None, n: int) -> int:
-    """Elements one rank stores of a tensor of ``numel`` elements sharded over ``n`` ranks.
-
-    FSDP2 shards dim 0 and pads every rank's shard to ``ceil(dim0 / n)`` rows; pass the tensor's dim-0
-    size as ``shape0`` for that. Without ``shape0`` the flat ``ceil(numel / n)`` is returned (DeepSpeed
-    pads its flat partitions the same way up to alignment).
-    """
-    if n <= 1:
-        return numel
-    if shape0 is None or shape0 <= 0:
-        return -(-numel // n)
-    rows = -(-shape0 // n)
-    return rows * (numel // shape0)
-
-
-# -- model states -------------------------------------------------------------------------------------
-def model_state_bytes(num_params: int, *, stage: int, shard_size: int, sb: StateBytes) -> dict[str, int]:
-    """Persistent per-GPU bytes of params, gradients and optimizer side (master + states) at a ZeRO stage.
-
-    Stage 0 replicates everything; stage 1 shards master + optimizer states over ``shard_size`` ranks;
-    stage 2 also the gradients; stage 3 also the parameters. Flat ``ceil`` sharding (no per-tensor padding).
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    n = max(1, shard_size)
-    shard = -(-num_params // n)
-    params = num_params * sb.param if stage < 3 else shard * sb.param
-    grads = num_params * sb.grad if stage < 2 else shard * sb.grad
-    optim = (num_params if stage == 0 else shard) * sb.optimizer_side
-    return {"params": params, "grads": grads, "optimizer": optim}
-
-
-def zero_paper_model_states(num_params: float, world_size: int, k: int = 12) -> dict[str, float]:
-    """The ZeRO paper's Figure 1 figures (mixed-precision Adam: 2 + 2 + K bytes per parameter).
-
-    Returns bytes per GPU for "baseline", "pos", "pos+g" and "pos+g+p" (Rajbhandari et al., 2020, sec. 5:
-    7.5B parameters on 64 GPUs give 120, 31.4, 16.6 and 1.9 GB).
-    """
-    n, psi = world_size, float(num_params)
-    return {"baseline": (2 + 2 + k) * psi, "pos": 2 * psi + 2 * psi + k * psi / n,
-            "pos+g": 2 * psi + (2 + k) * psi / n, "pos+g+p": (2 + 2 + k) * psi / n}
-
-
-# -- buffers --------------------------------------------------------------------------------------------
-def fsdp2_buffer_bytes(unit_params: Sequence[int], *, shard_size: int, sb: StateBytes, prefetch: int = 1,
-                       root_params: int = 0, reshard_after_forward: bool = True,
-                       forward_overlap: bool = False, stream_overlap: bool = False) -> dict[str, int]:
-    """Bytes of FSDP2's unsharded parameters, unsharded gradients and collective buffers on one GPU.
-
-    ``unit_params``: parameters of each ``fully_shard`` unit (the blocks), in forward order;
-    ``root_params``: the root module's own parameters (embeddings, head, final norm). The root is not
-    resharded after forward: its gathered parameters stay from its forward to the end of backward, and its
-    unsharded gradients (in the compute dtype) from the head's backward to the end.
-
-    Backward, at the unit being processed: its gathered parameters, the flat all-gather output of the
-    ``prefetch`` units FSDP2 gathers ahead (none for the last unit), its unsharded gradients (compute
-    dtype) and the reduce-scatter input they are copied into (reduce dtype); the reduce-scatter output
-    is the sharded gradient (counted with the gradients). Forward: the unit's gathered parameters and,
-    during copy-out, the flat all-gather output of the same size; with ``forward_overlap`` (a GPU, where
-    the next all-gather runs on its own stream while the unit computes) also ``prefetch`` more units.
-    ``stream_overlap`` adds the previous unit's reduce-scatter input still in flight on a GPU.
-    This is what PyTorch's ``FSDPMemTracker`` measures on one stream (see ``memopt.distributed.simulate``).
-    With ``reshard_after_forward=False`` every unit stays gathered from its forward to its backward.
-
-    Returns the peaks (``forward_peak``, ``backward_peak``, ``peak``) and ``backward_by_unit``: the
-    buffer bytes while unit ``k`` of the backward order is processed (``sharded_memory`` adds the
-    gradient shards reduced so far to find the joint peak with the model states).
-    """
-    if not unit_params:
-        unit_params = [0]
-    units = list(unit_params)
-    c, r = sb.compute, sb.reduce
-    ahead = max(0, prefetch)
-    root = root_params * c
-    root_grads = root_params * c
-    back = units[::-1]
-    held_all = sum(units) * c if not reshard_after_forward else 0
-    by_unit = []
-    for k, u in enumerate(back):
-        nxt = back[k + 1:k + 1 + ahead]
-        current = u * c if reshard_after_forward else 0
-        gathering = sum(nxt) * c if reshard_after_forward else 0
-        inflight = back[k - 1] * r if (stream_overlap and k > 0) else 0
-        # units already processed have been resharded and their gradients reduced
-        still_held = (sum(back[k:]) * c) if not reshard_after_forward else 0
-        by_unit.append(root + root_grads + current + gathering + still_held + u * c + u * r + inflight)
-    big = max(units)
-    fwd_units = (1 + (ahead if forward_overlap else 0)) * big * c if reshard_after_forward else held_all
-    fwd = root + fwd_units + big * c
-    bwd = max(by_unit)
-    return {"unsharded_params": root + (max(fwd_units, (1 + ahead) * big * c) if reshard_after_forward
-                                        else held_all),
-            "all_gather": big * c, "unsharded_grads": big * c + root_grads, "reduce_scatter": big * r,
-            "peak": max(fwd, bwd), "forward_peak": fwd, "backward_peak": bwd, "backward_by_unit": by_unit}
-
-
-def deepspeed_buffer_bytes(num_params: int, *, stage: int, shard_size: int, sb: StateBytes,
-                           largest_module_params: int = 0, reduce_bucket: int = DS_DEFAULT_REDUCE_BUCKET,
-                           allgather_bucket: int = DS_DEFAULT_ALLGATHER_BUCKET, overlap_comm: bool = True,
-                           prefetch_bucket: int = DS_DEFAULT_PREFETCH_BUCKET,
-                           max_live_parameters: int = DS_DEFAULT_MAX_LIVE,
-                           offload_optimizer: bool = False) -> dict[str, int]:
-    """Peak bytes of DeepSpeed's communication buffers on one GPU (bucket sizes in elements).
-
-    ZeRO-1/2: the reduce and all-gather buckets in the 16-bit dtype, times 4.5 with ``overlap_comm``
-    (DeepSpeed's configuration docs: "overlap_comm ... uses 4.5x the allgather_bucket_size and
-    reduce_bucket_size values"), and at the optimizer step an fp32 copy of the gradient partition
-    (``StateBytes.step_grad``; none when the optimizer is offloaded). Buckets never exceed the model.
-    ZeRO-3: the gathered parameters — at least the largest module (DeepSpeed gathers module by module),
-    at most ``stage3_max_live_parameters`` plus the prefetch bucket — and the reduce bucket (doubled
-    with ``overlap_comm``).
-    """
-    n = max(1, shard_size)
-    c = sb.compute
-    rb = min(reduce_bucket, num_params)
-    if stage in (0, 1, 2):
-        ab = min(allgather_bucket, num_params)
-        buckets = (rb + ab) * c
-        if overlap_comm:
-            buckets = int(DS_OVERLAP_FACTOR * buckets)
-        step = 0 if offload_optimizer else -(-num_params // n) * sb.step_grad
-        return {"buckets": buckets, "step_grad": step, "gathered_params": 0, "peak": buckets + step}
-    live = min(max_live_parameters + prefetch_bucket, num_params)
-    live = max(live, largest_module_params)
-    gathered = live * c
-    reduce = rb * c * (2 if overlap_comm else 1)
-    # the step converts one optimizer sub-group's gradients to fp32 at a time (sub_group_size elements)
-    step = 0 if offload_optimizer else min(DS_SUB_GROUP_SIZE, -(-num_params // n)) * sb.step_grad
-    return {"buckets": reduce, "step_grad": step, "gathered_params": gathered, "peak": max(gathered + reduce, step)}
-
-
-def deepspeed_extra_bytes(engine: str, world_size: int) -> int:
-    """``DEEPSPEED_EXTRA_BYTES`` for a DeepSpeed engine (the two-rank figure beyond two ranks), else 0."""
-    if engine != "deepspeed":
-        return 0
-    return DEEPSPEED_EXTRA_BYTES[1] if world_size <= 1 else DEEPSPEED_EXTRA_BYTES[2]
-
-
-def nccl_bytes(world_size: int, replicate_size: int = 1, *, per_communicator: int = NCCL_BYTES_PER_COMMUNICATOR
-               ) -> int:
-    """NCCL's memory per process outside PyTorch's allocator: one communicator per process group used."""
-    if world_size <= 1:
-        return NCCL_BYTES_ONE_RANK
-    groups = 1 if replicate_size <= 1 or replicate_size >= world_size else 2
-    return groups * per_communicator
-
-
-# -- the whole picture -------------------------------------------------------------------------------
 @dataclass
 class ShardedMemory:
     """Per-GPU device bytes, per-node host bytes and per-node NVMe bytes of one sharding setting."""

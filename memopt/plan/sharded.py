@@ -26,13 +26,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from memopt.distributed import estimate as dest
-from memopt.distributed import memory as dmem
-from memopt.distributed.sharding import ShardingSetting, machine_host_memory_bytes, machine_host_taken_bytes
+from memopt.distributed.engine_bytes import EngineRun
+from memopt.distributed.estimate import ENGINE_PRECISION, compute_estimate, predict_sharded, sharded_time
+from memopt.distributed.host_tier import machine_host_memory_bytes, machine_host_taken_bytes
+from memopt.distributed.memory import fit_advice
+from memopt.distributed.sharding import ShardingSetting
+from memopt.distributed.timeline import activation_timeline, timeline_grads
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.plan.search import bisect_blocks
+from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes
 
@@ -139,30 +143,30 @@ class _SharedWork:
     """What candidates of different engines share at one (micro-batch, checkpointing): the activation timeline
     (per way of counting gradients) and the single-GPU compute estimate; each made once per plan."""
 
-    def __init__(self, profile: Any, facts: dest.ModelFacts, hw: HardwareSpec) -> None:
+    def __init__(self, profile: Any, facts: ModelFacts, hw: HardwareSpec) -> None:
         self.profile, self.facts, self.hw = profile, facts, hw
         self._timelines: dict[tuple[Any, ...], Any] = {}
         self._compute: dict[tuple[Any, ...], Any] = {}
 
     def timeline(self, strategy: Strategy, setting: ShardingSetting) -> Any:
-        grads = dest.timeline_grads(setting)
+        grads = timeline_grads(setting)
         key = (strategy.micro_batch_size, strategy.checkpointing, grads)
         if key not in self._timelines:
-            self._timelines[key] = dest.activation_timeline(
-                self.profile, strategy.replace(precision=dest.ENGINE_PRECISION), grads=grads)
+            self._timelines[key] = activation_timeline(
+                self.profile, strategy.replace(precision=ENGINE_PRECISION), grads=grads)
         return self._timelines[key]
 
     def step_s(self, strategy: Strategy, setting: ShardingSetting) -> float:
         key = (strategy.micro_batch_size, strategy.grad_accum_steps, strategy.checkpointing)
         if key not in self._compute:
-            self._compute[key] = dest.compute_estimate(self.profile, strategy, self.hw)
-        run = dest.EngineRun.of(setting, strategy.grad_accum_steps)
-        return float(dest.sharded_time(self.profile, strategy, run, self.facts, self.hw, self._compute[key]).step_s)
+            self._compute[key] = compute_estimate(self.profile, strategy, self.hw)
+        run = EngineRun.of(setting, strategy.grad_accum_steps)
+        return float(sharded_time(self.profile, strategy, run, self.facts, self.hw, self._compute[key]).step_s)
 
 
 def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) -> dict[str, Any]:
-    run = dest.EngineRun.of(setting, strategy.grad_accum_steps)
-    pred = dest.predict_sharded(shared.profile, strategy, run, shared.facts, shared.timeline(strategy, setting))
+    run = EngineRun.of(setting, strategy.grad_accum_steps)
+    pred = predict_sharded(shared.profile, strategy, run, shared.facts, shared.timeline(strategy, setting))
     hw = shared.hw
     allocated, reserved = pred["predicted_peak_allocated_bytes"], pred["predicted_peak_reserved_bytes"]
     runtime = hw.runtime_overhead_bytes + pred["predicted_nccl_bytes"]
@@ -223,7 +227,7 @@ def predict_strategy(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_
     per-GPU peaks and tiers, capped when only the hard cap makes it fit, and ``step_time_s``. For re-predicting
     saved plans against measurements."""
     setting = ShardingSetting.from_any(strategy.extra("sharding"))
-    shared = _SharedWork(profile, dest.facts_of_profile(profile), hw)
+    shared = _SharedWork(profile, facts_of_profile(profile), hw)
     pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
     return {**pred, "step_time_s": _step_time(shared, strategy, setting, pred)}
 
@@ -274,7 +278,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
             raise ValueError(f"nvme_path {nvme_path!r} is not a directory: create it on a local NVMe drive or leave "
                              "it unset (no NVMe offload)")
         nvme_free = shutil.disk_usage(nvme_path).free
-    facts = dest.facts_of_profile(profile)
+    facts = facts_of_profile(profile)
     margin = policy.margin(budget_bytes)
     per_rank = global_batch // world_size
     shared = _SharedWork(profile, facts, hw)
@@ -338,7 +342,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
 
 def _plan_of(profile: Any, hw: HardwareSpec, budget: int, policy: Policy, fitting: list[ShardedCandidate],
              candidates: list[ShardedCandidate], notes: list[str], host_ram: int, nvme_path: str | None,
-             facts: dest.ModelFacts) -> Plan:
+             facts: ModelFacts) -> Plan:
     world = candidates[0].setting.world_size if candidates else 1
     model = {"name": profile.model_name, "class": profile.model_class, "num_params": profile.num_params,
              "num_trainable_params": profile.num_trainable_params, "sample": profile.sample,
@@ -386,15 +390,15 @@ def _engine_name(setting: ShardingSetting) -> str:
 
 
 def _infeasible_message(smallest: ShardedCandidate | None, budget: int, policy: Policy, world: int,
-                        nvme_path: str | None, facts: dest.ModelFacts, hw: HardwareSpec, host_ram: int) -> str:
+                        nvme_path: str | None, facts: ModelFacts, hw: HardwareSpec, host_ram: int) -> str:
     if smallest is None:
         return "no sharded candidate could be made (the policy forbids every checkpointing and micro-batch)"
     head = (f"no sharding or offload on {world} GPU(s) fits: the smallest is {smallest.label()} at "
             f"{format_bytes(smallest.total_bytes)} per GPU ({smallest.reason})")
     other = smallest.prediction["runtime_bytes"] + smallest.prediction["breakdown"]["activations"]
-    advice = dmem.fit_advice(facts.num_params, budget_bytes=budget - policy.margin(budget), world_size=world,
-                             gpus_per_node=max(1, hw.gpus_per_node), other_bytes=other,
-                             unit_params=max(facts.unit_params, default=0), host_ram_bytes=host_ram)
+    advice = fit_advice(facts.num_params, budget_bytes=budget - policy.margin(budget), world_size=world,
+                        gpus_per_node=max(1, hw.gpus_per_node), other_bytes=other,
+                        unit_params=max(facts.unit_params, default=0), host_ram_bytes=host_ram)
     if not nvme_path:
         advice += "; NVMe offload is tried only with a path (hardware.extra.nvme_path=/mnt/nvme)"
     return f"{head}. What would: {advice}"

@@ -209,7 +209,7 @@ def _engine_facts(module: nn.Module) -> dict[str, Any] | None:
     """The parameter counts the sharding planner needs (so it never rebuilds the model from a cached profile)."""
     import dataclasses
 
-    from memopt.distributed.estimate import facts_of_module
+    from memopt.profile.engine_facts import facts_of_module
 
     try:
         return dataclasses.asdict(facts_of_module(module))

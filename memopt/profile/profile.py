@@ -93,7 +93,7 @@ class Profile:
     schema_version: int = SCHEMA_VERSION
     trace_s: float = 0.0
     vocab_size: int | None = None  # the model config's, when it has one (the planner's chunked-loss options)
-    # memopt.distributed.estimate.ModelFacts as a dict: what the sharding engines' memory depends on (None in
+    # memopt.profile.engine_facts.ModelFacts as a dict: what the sharding engines' memory depends on (None in
     # profiles cached before it was recorded: the model is built again to count them)
     engine_facts: dict[str, Any] | None = None
     # why chunked cross-entropy would not be exact for this causal LM (None: it is exact, or not a causal LM)

@@ -38,7 +38,6 @@ UPWARD_LOCAL = {
     ("memopt/plan/planner.py", "memopt.config"),
     ("memopt/plan/calibrate.py", "memopt.guard.calibration"),
     ("memopt/plan/schema.py", "memopt.config.checks"),
-    ("memopt/profile/api.py", "memopt.distributed.estimate"),
     ("memopt/step/prepare.py", "memopt.profile.stand_ins"),
     ("memopt/strategy.py", "memopt.techniques.quantization"),
     ("memopt/strategy.py", "memopt.distributed.sharding"),

@@ -25,8 +25,9 @@ def main(mode: str, ckpt: str, out: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     import _workers as w
 
+    from memopt.distributed.deepspeed_engine import build_deepspeed
     from memopt.distributed.ds_checkpoint import load_deepspeed, save_deepspeed
-    from memopt.distributed.sharding import ShardingSetting, build_deepspeed
+    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep, shard_batch
     from memopt.strategy import Strategy
 

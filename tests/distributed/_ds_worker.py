@@ -21,7 +21,8 @@ def main(out: str, port: str, configs: list[dict]) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     import _workers as w
 
-    from memopt.distributed.sharding import ShardingSetting, build_deepspeed
+    from memopt.distributed.deepspeed_engine import build_deepspeed
+    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep
     from memopt.strategy import Strategy
 
@@ -47,7 +48,7 @@ def main(out: str, port: str, configs: list[dict]) -> None:
                          "num_params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                            for p in model.parameters())}
         if traffic is not None:
-            from memopt.distributed.sharding import nvme_swap_bytes
+            from memopt.distributed.host_tier import nvme_swap_bytes
 
             results[name].update({"nvme_swap_bytes": nvme_swap_bytes(setting.nvme_path), "aio_init": after_init,
                                   "aio_steps": {k: v - after_init[k] for k, v in traffic.bytes.items()},

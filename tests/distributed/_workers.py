@@ -108,7 +108,8 @@ def _teardown() -> None:
 
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
                model: nn.Module | None = None) -> Any:
-    from memopt.distributed.sharding import ShardingSetting, apply_fsdp2
+    from memopt.distributed.sharding import ShardingSetting
+    from memopt.distributed.torch_engines import apply_fsdp2
     from memopt.distributed.train_step import DistributedTrainStep
 
     model = model if model is not None else tiny_model()
@@ -291,7 +292,7 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
         import importlib
 
         # imported before the baseline: their code is not the model
-        for name in ("torch.distributed.fsdp", "torch.distributed.tensor", "memopt.distributed.sharding"):
+        for name in ("torch.distributed.fsdp", "torch.distributed.tensor", "memopt.distributed.torch_engines"):
             importlib.import_module(name)
 
         gc.collect()

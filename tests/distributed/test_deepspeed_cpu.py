@@ -11,12 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from memopt.distributed.sharding import (
-    ShardingSetting,
-    deepspeed_config,
-    export_accelerate_config,
-    export_deepspeed_json,
-)
+from memopt.distributed.config_export import export_accelerate_config, export_deepspeed_json
+from memopt.distributed.deepspeed_engine import deepspeed_config
+from memopt.distributed.sharding import ShardingSetting
 from memopt.strategy import Strategy
 from tests.distributed.ds_ops import op_built
 

@@ -8,7 +8,8 @@ import socket
 import pytest
 import torch
 
-from memopt.distributed import memory as mem
+from memopt.distributed.memory import fsdp2_offload_traffic, sharded_memory
+from memopt.distributed.model_states import state_bytes
 
 from . import _workers as w
 
@@ -51,14 +52,14 @@ def test_fsdp2_cpu_offload_moves_the_estimated_bytes(tmp_path):
     model = w.tiny_model()
     units, root = w.unit_sizes(model)
     total = sum(units) + root
-    sb = mem.state_bytes("fsdp2", "fp32")
-    m = mem.sharded_memory(total, engine="fsdp2", stage=3, world_size=2, sb=sb, unit_params=units, root_params=root,
-                           offload_optimizer="cpu", offload_params="cpu")
+    sb = state_bytes("fsdp2", "fp32")
+    m = sharded_memory(total, engine="fsdp2", stage=3, world_size=2, sb=sb, unit_params=units, root_params=root,
+                       offload_optimizer="cpu", offload_params="cpu")
     assert got["local_param_bytes"] == total * 4 // 2  # every dim 0 here splits evenly over 2 ranks
     assert got["local_param_bytes"] + got["opt_bytes"] == pytest.approx(
         m.host_bytes / 2 - total * 4 // 2, rel=1e-9)  # host per rank minus the gradient shard (freed after step)
-    expected = mem.fsdp2_offload_traffic(units, shard_size=2, sb=sb, root_params=root,
-                                         micro_batches=got["micro_batches"])
+    expected = fsdp2_offload_traffic(units, shard_size=2, sb=sb, root_params=root,
+                                     micro_batches=got["micro_batches"])
     for step_traffic in got["traffic"]:
         assert step_traffic == expected
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from memopt.distributed import memory as mem
-from memopt.distributed.sharding import mp_policy_for
+from memopt.distributed.memory import sharded_memory
+from memopt.distributed.model_states import state_bytes
+from memopt.distributed.torch_engines import mp_policy_for
 
 
 class _Block(nn.Module):
@@ -43,8 +44,8 @@ def test_estimate_matches_fsdp_mem_tracker(precision):
     sim = simulate_fsdp2(lambda: _Model(d, n, v), lambda: (torch.randint(0, v, (2, 16)),), world_size=world,
                          mp_policy=mp_policy_for(precision))
     unit, root = 2 * d * 4 * d, 2 * v * d
-    m = mem.sharded_memory(n * unit + root, engine="fsdp2", stage=3, world_size=world,
-                           sb=mem.state_bytes("fsdp2", precision), unit_params=[unit] * n, root_params=root)
+    m = sharded_memory(n * unit + root, engine="fsdp2", stage=3, world_size=world,
+                       sb=state_bytes("fsdp2", precision), unit_params=[unit] * n, root_params=root)
     # measured: +0.6% (bf16 mixed precision), +1.1% (fp32)
     assert m.peak_bytes == pytest.approx(sim["states_peak"], rel=0.03)
     b = sim["states_breakdown"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from memopt.distributed import memory as mem
-from memopt.distributed.sharding import ShardingSetting, validate_offload
+from memopt.distributed.engine_buffers import fsdp2_buffer_bytes
+from memopt.distributed.host_tier import validate_offload
+from memopt.distributed.memory import fit_advice, fsdp2_offload_traffic, sharded_memory
+from memopt.distributed.model_states import StateBytes, model_state_bytes, state_bytes, zero_paper_model_states
+from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.timing import (
     TimingParams,
     all_gather_time,
@@ -23,13 +26,13 @@ GB = 1e9
 def test_zero_paper_figure_1():
     """ZeRO (Rajbhandari et al. 2020), 7.5B parameters, 64 GPUs, K=12: 120, 31.4, 16.6, 1.9 GB per GPU."""
     published = {"baseline": 120, "pos": 31.4, "pos+g": 16.6, "pos+g+p": 1.9}
-    got = mem.zero_paper_model_states(7.5e9, 64)
+    got = zero_paper_model_states(7.5e9, 64)
     for key, gb in published.items():
         assert got[key] / GB == pytest.approx(gb, rel=0.03), key  # 1.875 rounds to 1.9
     # the general model with the paper's byte counts gives the same numbers
-    sb = mem.StateBytes(param=2, compute=2, grad=2, master=4, optim=8, reduce=2)
+    sb = StateBytes(param=2, compute=2, grad=2, master=4, optim=8, reduce=2)
     for stage, key in zip((0, 1, 2, 3), published):
-        states = mem.model_state_bytes(int(7.5e9), stage=stage, shard_size=64, sb=sb)
+        states = model_state_bytes(int(7.5e9), stage=stage, shard_size=64, sb=sb)
         assert sum(states.values()) / GB == pytest.approx(published[key], rel=0.03), key
 
 
@@ -40,15 +43,15 @@ def test_matches_deepspeed_own_estimators():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     p, gpus = 7_000_000_000, 8
-    sb = mem.state_bytes("deepspeed", "bf16_autocast")
+    sb = state_bytes("deepspeed", "bf16_autocast")
     _, ds_gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=gpus, cpu_offload=False)
-    m = mem.sharded_memory(p, engine="deepspeed", stage=2, world_size=gpus, sb=sb)
+    m = sharded_memory(p, engine="deepspeed", stage=2, world_size=gpus, sb=sb)
     # DeepSpeed: 2 P + 18 P / N (16-bit params; 16-bit + fp32 grads, fp32 master, Adam on the partition)
     ours = m.model_states + m.detail["buffers"]["step_grad"]
     assert ours == pytest.approx(ds_gpu, rel=0.01)
     _, ds3_gpu, largest = estimate_zero3_model_states_mem_needs(p, 500_000_000, num_gpus_per_node=gpus,
                                                                  cpu_offload=False)
-    m3 = mem.sharded_memory(p, engine="deepspeed", stage=3, world_size=gpus, sb=sb)
+    m3 = sharded_memory(p, engine="deepspeed", stage=3, world_size=gpus, sb=sb)
     # DeepSpeed's estimator counts 18 P / N at ZeRO-3 as at ZeRO-2; ours lists 16 P / N of states plus the fp32
     # gradient copy of one optimizer sub-group (<= 1e9 elements) at the step: 20 P / N here, 11% above
     ours3 = m3.model_states + m3.detail["buffers"]["step_grad"]
@@ -57,45 +60,45 @@ def test_matches_deepspeed_own_estimators():
 
 def test_stage_ordering_and_offload_moves_bytes_to_host():
     p, w = 70_000_000_000, 8
-    sb = mem.state_bytes("deepspeed", "bf16_autocast")
-    per_stage = [mem.sharded_memory(p, engine="deepspeed", stage=s, world_size=w, sb=sb).model_states
+    sb = state_bytes("deepspeed", "bf16_autocast")
+    per_stage = [sharded_memory(p, engine="deepspeed", stage=s, world_size=w, sb=sb).model_states
                  for s in (0, 1, 2, 3)]
     assert per_stage == sorted(per_stage, reverse=True)
     assert per_stage[0] == 16 * p
-    off = mem.sharded_memory(p, engine="deepspeed", stage=3, world_size=w, sb=sb, offload_optimizer="cpu",
-                             offload_params="cpu")
+    off = sharded_memory(p, engine="deepspeed", stage=3, world_size=w, sb=sb, offload_optimizer="cpu",
+                         offload_params="cpu")
     assert off.model_states == 0
     # per node: fp32 master + Adam + fp32 grads (16 B) and bf16 params (2 B) for all 8 ranks: 18 P
     assert off.host_bytes == pytest.approx(18 * p, rel=1e-6)
-    nv = mem.sharded_memory(p, engine="deepspeed", stage=3, world_size=w, sb=sb, offload_optimizer="nvme",
-                            offload_params="nvme")
+    nv = sharded_memory(p, engine="deepspeed", stage=3, world_size=w, sb=sb, offload_optimizer="nvme",
+                        offload_params="nvme")
     assert nv.nvme_bytes == pytest.approx(18 * p, rel=1e-6)  # master + Adam (12) + fp32 grads (4) + bf16 params (2)
     assert nv.host_bytes < off.host_bytes
 
 
 def test_fsdp2_full_and_hybrid_shard():
     p, w = 8_000_000_000, 16
-    sb = mem.state_bytes("fsdp2", "bf16_autocast")
+    sb = state_bytes("fsdp2", "bf16_autocast")
     assert (sb.param, sb.compute, sb.grad, sb.optimizer_side) == (4, 2, 4, 8)
     units = [200_000_000] * 32
-    full = mem.sharded_memory(p, engine="fsdp2", stage=3, world_size=w, sb=sb, unit_params=units, nodes=2)
-    hybrid = mem.sharded_memory(p, engine="fsdp2", stage=3, world_size=w, sb=sb, unit_params=units, nodes=2,
-                                replicate_size=2)
+    full = sharded_memory(p, engine="fsdp2", stage=3, world_size=w, sb=sb, unit_params=units, nodes=2)
+    hybrid = sharded_memory(p, engine="fsdp2", stage=3, world_size=w, sb=sb, unit_params=units, nodes=2,
+                            replicate_size=2)
     assert full.model_states == pytest.approx(16 * p / 16, rel=1e-6)
     assert hybrid.model_states == pytest.approx(16 * p / 8, rel=1e-6)
     assert hybrid.nccl == 2 * full.nccl
-    buf = mem.fsdp2_buffer_bytes(units, shard_size=16, sb=sb, prefetch=1)
+    buf = fsdp2_buffer_bytes(units, shard_size=16, sb=sb, prefetch=1)
     # backward: current unit + the prefetched one (bf16), its bf16 gradients and their fp32 reduce-scatter input
     assert buf["backward_peak"] == 200_000_000 * (2 + 2 + 2 + 4)
-    more = mem.fsdp2_buffer_bytes(units, shard_size=16, sb=sb, prefetch=2)
+    more = fsdp2_buffer_bytes(units, shard_size=16, sb=sb, prefetch=2)
     assert more["peak"] > buf["peak"]
-    keep = mem.fsdp2_buffer_bytes(units, shard_size=16, sb=sb, reshard_after_forward=False)
+    keep = fsdp2_buffer_bytes(units, shard_size=16, sb=sb, reshard_after_forward=False)
     assert keep["unsharded_params"] >= sum(units) * 2
 
 
 def test_fsdp2_offload_traffic_counts_resharded_gathers():
-    sb = mem.state_bytes("fsdp2", "bf16_autocast")
-    t = mem.fsdp2_offload_traffic([1000, 1000], shard_size=2, sb=sb, root_params=100)
+    sb = state_bytes("fsdp2", "bf16_autocast")
+    t = fsdp2_offload_traffic([1000, 1000], shard_size=2, sb=sb, root_params=100)
     # blocks gathered twice (forward, backward), root once; fp32 shards in, fp32 gradient shards out
     assert t["h2d_bytes"] == (500 * 2 * 2 + 50) * 4
     assert t["d2h_bytes"] == (500 * 2 + 50) * 4
@@ -168,8 +171,8 @@ def test_sharded_step_time_engine_overhead_and_host_accumulation_by_hand():
 
 
 def test_fit_advice_names_what_would_fit():
-    text = mem.fit_advice(70_000_000_000, budget_bytes=80 * 10**9, world_size=8, other_bytes=20 * 10**9,
-                          unit_params=856_000_000, host_ram_bytes=2 * 2**40)
+    text = fit_advice(70_000_000_000, budget_bytes=80 * 10**9, world_size=8, other_bytes=20 * 10**9,
+                      unit_params=856_000_000, host_ram_bytes=2 * 2**40)
     assert "ZeRO-3: at least" in text and "CPU offload" in text and "NVMe" in text
     assert "ZeRO-1" in text
 

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from memopt.distributed import memory as mem
-from memopt.distributed.sharding import (
-    ShardingSetting,
-    deepspeed_config,
-    nvme_swap_bytes,
-    param_swap_buffer_elements,
-)
+from memopt.distributed.deepspeed_engine import deepspeed_config, param_swap_buffer_elements
+from memopt.distributed.engine_buffers import DS_PARAM_SWAP_BUFFER_SIZE
+from memopt.distributed.host_tier import nvme_swap_bytes
+from memopt.distributed.memory import sharded_memory
+from memopt.distributed.model_states import state_bytes
+from memopt.distributed.sharding import ShardingSetting
 from tests.distributed.ds_ops import op_built
 
 from . import _workers as w
@@ -111,8 +110,8 @@ def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
     # gradient (4) per param
     numels = run["param_numels"]
     p = sum(numels)
-    plan = mem.sharded_memory(p, engine="deepspeed", stage=3, world_size=1, sb=mem.state_bytes("deepspeed", "fp32"),
-                              offload_optimizer="nvme", offload_params="nvme")
+    plan = sharded_memory(p, engine="deepspeed", stage=3, world_size=1, sb=state_bytes("deepspeed", "fp32"),
+                          offload_optimizer="nvme", offload_params="nvme")
     assert plan.nvme_bytes == 16 * p
     files = run["nvme_swap_bytes"]
     # DeepSpeed's layout: a file per parameter of >= 1 MiB in the swap dtype (smaller ones stay in memory); for the
@@ -137,12 +136,12 @@ def test_zero_infinity_trains_on_cpu_and_writes_the_planned_bytes(tmp_path):
 def test_param_swap_buffer_holds_the_largest_partition():
     s = ShardingSetting(engine="deepspeed", stage=3, world_size=1, offload_optimizer="nvme", offload_params="nvme",
                         nvme_path="/nvme")
-    assert param_swap_buffer_elements(s) == mem.DS_PARAM_SWAP_BUFFER_SIZE
+    assert param_swap_buffer_elements(s) == DS_PARAM_SWAP_BUFFER_SIZE
     emb = 151936 * 896  # qwen25_0_5b's embedding: 136M elements, over DeepSpeed's 100M default
     cfg = deepspeed_config(s, largest_param=emb)
     assert cfg["zero_optimization"]["offload_param"]["buffer_size"] == emb
     two = ShardingSetting(**{**s.to_dict(), "world_size": 2})
-    assert param_swap_buffer_elements(two, emb) == mem.DS_PARAM_SWAP_BUFFER_SIZE  # 68M per rank
+    assert param_swap_buffer_elements(two, emb) == DS_PARAM_SWAP_BUFFER_SIZE  # 68M per rank
 
 
 def test_nvme_swap_bytes_sorts_deepspeed_files(tmp_path):
@@ -159,7 +158,8 @@ def test_nvme_swap_bytes_sorts_deepspeed_files(tmp_path):
 def test_build_deepspeed_checks_offload_before_initialize(tmp_path, monkeypatch):
     """A missing or read-only NVMe path and too little host RAM stop ``build_deepspeed`` before DeepSpeed starts."""
     deepspeed = pytest.importorskip("deepspeed")
-    from memopt.distributed import sharding
+    from memopt.distributed import host_tier
+    from memopt.distributed.deepspeed_engine import build_deepspeed
 
     def no_initialize(**_: object) -> None:
         raise AssertionError("deepspeed.initialize ran: the offload check came too late")
@@ -167,12 +167,12 @@ def test_build_deepspeed_checks_offload_before_initialize(tmp_path, monkeypatch)
     monkeypatch.setattr(deepspeed, "initialize", no_initialize)
     nvme = {"engine": "deepspeed", "stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}
     with pytest.raises(ValueError, match="does not exist"):
-        sharding.build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path=str(tmp_path / "nope")), "fp32")
+        build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path=str(tmp_path / "nope")), "fp32")
     if _unwritable("/sys/kernel"):  # sysfs: no new files, root included
         with pytest.raises(ValueError, match="not writable"):
-            sharding.build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path="/sys/kernel"), "fp32")
+            build_deepspeed(w.tiny_model(), ShardingSetting(**nvme, nvme_path="/sys/kernel"), "fp32")
     real = os.sysconf
-    monkeypatch.setattr(sharding.os, "sysconf", lambda k: 1 if k == "SC_PHYS_PAGES" else real(k))
+    monkeypatch.setattr(host_tier.os, "sysconf", lambda k: 1 if k == "SC_PHYS_PAGES" else real(k))
     cpu = ShardingSetting(engine="deepspeed", stage=3, offload_optimizer="cpu", offload_params="cpu")
     with pytest.raises(ValueError, match="host RAM"):
-        sharding.build_deepspeed(w.tiny_model(), cpu, "fp32")
+        build_deepspeed(w.tiny_model(), cpu, "fp32")

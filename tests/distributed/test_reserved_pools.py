@@ -36,12 +36,13 @@ def test_reserved_against_h200_pools(path: Path) -> None:
     assert abs(pred["predicted_runtime_bytes"] - row["measured_outside_allocator_bytes"]) <= 8 * 2**20
     # the side pool (the reduce-scatter stream's: the fp32 gradients) exactly, to the 20 MiB segment
     facts = sc.model_facts(case.model)
-    from memopt.distributed import estimate as est
+    from memopt.distributed.engine_bytes import side_pool_growth
+    from memopt.distributed.estimate import LARGE_SEGMENT
 
     side = [p for p in row["reserved_by_stream"] if p["stream"] != "default"]
     assert len(side) == 1  # one GPU: no all-gather pool
-    grads = 4 * facts.num_params + est.side_pool_growth(sc.engine_run(case), facts).get("reduce_scatter", 0)
-    tol = 2 * est.LARGE_SEGMENT if case.expandable_segments else 0.01 * grads  # the default allocator: 29 segments
+    grads = 4 * facts.num_params + side_pool_growth(sc.engine_run(case), facts).get("reduce_scatter", 0)
+    tol = 2 * LARGE_SEGMENT if case.expandable_segments else 0.01 * grads  # the default allocator: 29 segments
     assert abs(side[0]["reserved_bytes"] - grads) <= tol
 
 
@@ -65,10 +66,11 @@ def test_zero_infinity_row_on_the_h200() -> None:
     pools = {p["stream"]: p["reserved_bytes"] for p in row["reserved_by_stream"]}
     assert len(pools) == 3  # default, all-gather, reduce
     # the reduce stream's pool: the largest gradient partition copied to the GPU and its float64 norm chunk
-    from memopt.distributed import estimate as est
+    from memopt.distributed.engine_bytes import side_pool_growth
+    from memopt.distributed.estimate import LARGE_SEGMENT
 
-    reduce = est.side_pool_growth(sc.engine_run(case), sc.model_facts(case.model))["reduce"]
-    assert abs(max(v for k, v in pools.items() if k != "default") - reduce) <= 2 * est.LARGE_SEGMENT
+    reduce = side_pool_growth(sc.engine_run(case), sc.model_facts(case.model))["reduce"]
+    assert abs(max(v for k, v in pools.items() if k != "default") - reduce) <= 2 * LARGE_SEGMENT
     # the step time with the disk's measured bandwidth (configs/hardware/h200.yaml: dd with O_DIRECT, queue depth 1,
     # 1.5 / 1.3 GB/s): 16.0 s predicted for 13.3 s measured (5.5 s with the 6 / 4 GB/s defaults). The run implies
     # ~1.8 GB/s (DeepSpeed's aio queues 8 requests): the prediction errs slow, which keeps NVMe the last resort
@@ -89,33 +91,35 @@ def test_zero3_offload_pools_from_the_allocator_history(name: str, plan_file: st
     sum with the default pool's against the uncapped reserved prediction (the runs themselves were capped), and the
     measured total inside the budget. The pool model was derived from the two Llama rows; Qwen2-1.5B (the planner's
     own plan at 12 GiB; a 233M-element embedding, under the 250M norm chunk) was run after it, unchanged."""
-    from memopt.distributed import estimate as est
+    from memopt.distributed import engine_bytes
+    from memopt.distributed.estimate import LARGE_SEGMENT
     from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan import sharded as sh
     from memopt.plan.schema import Plan
+    from memopt.profile.engine_facts import facts_of_profile
 
     row = json.loads((S9 / name / "rank0.json").read_text())
     plan = Plan.load(Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "plans" / plan_file)
     assert row["plan"] == plan.strategy.label() and row["measured_total_bytes"] <= plan.budget_bytes
     prof = sc._profile(plan.model["name"], plan.strategy.micro_batch_size, int(plan.model["sample"]["seq_len"]),
                        plan.hardware)
-    facts = est.facts_of_profile(prof)
+    facts = facts_of_profile(prof)
     setting = ShardingSetting.from_any(plan.strategy.extra("sharding"))
     got = sh._predict(sh._SharedWork(prof, facts, load_hardware(plan.hardware)), plan.strategy, setting)
     assert abs(got["peak_allocated_bytes"] / row["measured_peak_allocated_bytes"] - 1) <= 0.015  # +0.8, +1.1, +1.3%
     peaks = {p["stream"]: p for p in row["stream_peaks"]}
     default = peaks.pop("default")
-    run = est.EngineRun.of(setting, plan.strategy.grad_accum_steps)
-    growth = est.side_pool_growth(run, facts)
+    run = engine_bytes.EngineRun.of(setting, plan.strategy.grad_accum_steps)
+    growth = engine_bytes.side_pool_growth(run, facts)
     # the reduce pool's largest block is the float64 norm chunk of the largest gradient partition
-    chunk = min(facts.largest_param, est.DS_NORM_CHUNK) * 8
+    chunk = min(facts.largest_param, engine_bytes.DS_NORM_CHUNK) * 8
     reduce = next(p for p in peaks.values() if max(p["live_sizes"]) == chunk)
     gather = next(p for p in peaks.values() if p is not reduce)
-    assert abs(reduce["mapped_peak_bytes"] - growth["reduce"]) <= 2 * est.LARGE_SEGMENT  # 2.79, 2.54, 2.35 GB
+    assert abs(reduce["mapped_peak_bytes"] - growth["reduce"]) <= 2 * LARGE_SEGMENT  # 2.79, 2.54, 2.35 GB
     # the all-gather pool: predicted at or above what it allocated (+1.2%, 0%, +8.4%: Qwen's overshoot of the
     # live bound was smaller than the prefetch bucket the prediction adds)
-    want_gather = est._zero3_gathered(run, facts) + growth["all_gather"]
+    want_gather = engine_bytes._zero3_gathered(run, facts) + growth["all_gather"]
     assert 0.98 <= want_gather / gather["peak_allocated_bytes"] <= 1.10
     pools = default["mapped_peak_bytes"] + gather["mapped_peak_bytes"] + reduce["mapped_peak_bytes"]
     assert abs(got["peak_reserved_bytes"] / pools - 1) <= 0.03  # -1.1%, -0.6%, -1.6%

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from harness import sharded_cases as sc
-from memopt.distributed import estimate as est
-from memopt.distributed import memory as dmem
+from memopt.distributed.engine_buffers import DS_DEFAULT_MAX_LIVE
+from memopt.distributed.engine_bytes import MEMOPT_BUCKET_ELEMENTS
 from memopt.strategy import Checkpointing
 from memopt.units import GiB
 
@@ -70,7 +70,7 @@ def test_deepspeed_configs() -> None:
     z2 = sc.case_deepspeed_config(cases["memopt_zero2_offload_opt"].replace(micro_batch=2))
     zo = z2["zero_optimization"]
     assert zo["stage"] == 2 and zo["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    assert zo["reduce_bucket_size"] == est.MEMOPT_BUCKET_ELEMENTS and zo["overlap_comm"] is True
+    assert zo["reduce_bucket_size"] == MEMOPT_BUCKET_ELEMENTS and zo["overlap_comm"] is True
     assert z2["train_micro_batch_size_per_gpu"] == 2 and z2["gradient_accumulation_steps"] == 4
     assert z2["train_batch_size"] == 8 and z2["bf16"] == {"enabled": True}
     base = sc.case_deepspeed_config(cases["baseline_zero3_offload"].replace(micro_batch=2))
@@ -105,7 +105,7 @@ def test_engine_bytes_zero2_offload() -> None:
     bwd = sc.engine_bytes_at(case, f, _point("backward", 3))
     assert fwd["states"] == bwd["states"] == 2 * f.num_params  # bf16 weights only: grads and Adam on the host
     assert fwd["buffers"] == 2 * f.largest_param  # the gradient-offload staging buffer
-    assert bwd["buffers"] == 2 * f.largest_param + 2 * est.MEMOPT_BUCKET_ELEMENTS * 2  # + two reduce buckets
+    assert bwd["buffers"] == 2 * f.largest_param + 2 * MEMOPT_BUCKET_ELEMENTS * 2  # + two reduce buckets
 
 
 def test_engine_bytes_zero3_full_offload_leaves_gathered_params_only() -> None:
@@ -116,9 +116,9 @@ def test_engine_bytes_zero3_full_offload_leaves_gathered_params_only() -> None:
     step = sc.engine_bytes_at(case, f, None)
     # model states: nothing but DeepSpeed's persistent small parameters (norms) in bf16
     assert fwd["states"] == 2 * f.small_params < 1 * 2**20
-    live = dmem.DS_DEFAULT_MAX_LIVE + est.MEMOPT_BUCKET_ELEMENTS  # max live parameters + the prefetch bucket
+    live = DS_DEFAULT_MAX_LIVE + MEMOPT_BUCKET_ELEMENTS  # max live parameters + the prefetch bucket
     assert fwd["buffers"] == 2 * live
-    assert bwd["buffers"] == 2 * live + 2 * est.MEMOPT_BUCKET_ELEMENTS * 2  # + the reduce bucket, doubled (overlap)
+    assert bwd["buffers"] == 2 * live + 2 * MEMOPT_BUCKET_ELEMENTS * 2  # + the reduce bucket, doubled (overlap)
     assert step["buffers"] == 0  # the optimizer steps on the host
 
 
@@ -304,7 +304,7 @@ def test_script_run_with_fake_launch(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_deepspeed_reads_the_arch_list_without_arch_specific_suffixes():
-    from memopt.distributed.sharding import plain_arch_list, prepare_deepspeed_build_env
+    from memopt.distributed.deepspeed_engine import plain_arch_list, prepare_deepspeed_build_env
 
     assert plain_arch_list("9.0a") == "9.0"
     assert plain_arch_list("8.0 9.0a;10.0a+PTX") == "8.0;9.0;10.0+PTX"

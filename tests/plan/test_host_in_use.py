@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memopt
-from memopt.distributed import sharding
+from memopt.distributed import host_tier
 from memopt.distributed.sharding import ShardingSetting
 from memopt.hardware import load_hardware
 from memopt.plan import sharded
@@ -50,13 +50,13 @@ def test_taken_is_total_less_available_less_the_models_host_copy(monkeypatch, tm
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
         meminfo if path == "/proc/meminfo" else path, *a, **k))
-    monkeypatch.setattr(sharding, "machine_host_memory_bytes", lambda: 32 * GiB)
+    monkeypatch.setattr(host_tier, "machine_host_memory_bytes", lambda: 32 * GiB)
     monkeypatch.delenv("MEMOPT_HOST_MEMORY", raising=False)
-    assert sharding.machine_host_taken_bytes() == 12 * GiB
-    assert sharding.machine_host_taken_bytes(5 * GiB) == 7 * GiB  # the model's copy is freed by the engine
-    assert sharding.machine_host_taken_bytes(40 * GiB) == 0
+    assert host_tier.machine_host_taken_bytes() == 12 * GiB
+    assert host_tier.machine_host_taken_bytes(5 * GiB) == 7 * GiB  # the model's copy is freed by the engine
+    assert host_tier.machine_host_taken_bytes(40 * GiB) == 0
     monkeypatch.setenv("MEMOPT_HOST_MEMORY", "32GiB")  # a stated RAM size: nothing measured
-    assert sharding.machine_host_taken_bytes() == 0
+    assert host_tier.machine_host_taken_bytes() == 0
 
 
 def test_the_model_host_copy_counts_each_storage_once():

@@ -138,12 +138,12 @@ def deep_profile():
 
 def _fsdp2_totals(prof, hw, mb: int) -> dict[int, int]:
     """Every checkpointed-block count's predicted total (FSDP2 on 2 GPUs), by brute force."""
-    from memopt.distributed import estimate as dest
     from memopt.plan import sharded as sh
+    from memopt.profile.engine_facts import facts_of_profile
     from memopt.strategy import Checkpointing, Strategy
 
     setting = ShardingSetting(engine="fsdp2", world_size=2)
-    shared = sh._SharedWork(prof, dest.facts_of_profile(prof), hw)
+    shared = sh._SharedWork(prof, facts_of_profile(prof), hw)
     out = {}
     for k in range(11):
         ck = Checkpointing(mode="none") if k == 0 else Checkpointing(mode="full", num_blocks=None if k == 10 else k)
@@ -185,14 +185,15 @@ def test_under_cap_keeps_reserved_at_the_cap_and_charges_the_retries() -> None:
 def test_one_rank_engines_count_nccl_and_deepspeed_outside_the_allocator() -> None:
     """Measured on H200s: an FSDP2 process alone in its NCCL group holds 1316 MiB outside the allocator, a
     DeepSpeed one 1708 MiB; the runtime (context, cuBLAS) is 804 MB of it."""
-    from memopt.distributed import memory as dmem
+    from memopt.distributed.memory import sharded_memory
+    from memopt.distributed.model_states import state_bytes
 
-    sb = dmem.state_bytes("deepspeed", "bf16_autocast")
+    sb = state_bytes("deepspeed", "bf16_autocast")
     runtime = load_hardware("h200").runtime_overhead_bytes
-    ds = dmem.sharded_memory(10**8, engine="deepspeed", stage=2, world_size=1, sb=sb, offload_optimizer="cpu")
-    fsdp = dmem.sharded_memory(10**8, engine="fsdp2", stage=3, world_size=1, sb=dmem.state_bytes("fsdp2"),
-                               offload_optimizer="cpu", offload_params="cpu")
+    ds = sharded_memory(10**8, engine="deepspeed", stage=2, world_size=1, sb=sb, offload_optimizer="cpu")
+    fsdp = sharded_memory(10**8, engine="fsdp2", stage=3, world_size=1, sb=state_bytes("fsdp2"),
+                          offload_optimizer="cpu", offload_params="cpu")
     assert abs(runtime + fsdp.nccl - 1316 * MiB) < 8 * MiB
     assert abs(runtime + ds.nccl - 1708 * MiB) < 8 * MiB
-    two = dmem.sharded_memory(10**8, engine="fsdp2", stage=3, world_size=2, sb=dmem.state_bytes("fsdp2"))
+    two = sharded_memory(10**8, engine="fsdp2", stage=3, world_size=2, sb=state_bytes("fsdp2"))
     assert abs(runtime + two.nccl - 1600 * MiB) < 8 * MiB

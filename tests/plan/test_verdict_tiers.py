@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from memopt.cli_render import render_plan
-from memopt.distributed.sharding import machine_host_memory_bytes
+from memopt.distributed.host_tier import machine_host_memory_bytes
 from memopt.hardware import hardware_names, load_hardware
 from memopt.plan.planner import make_plan
 from memopt.units import GiB, format_bytes

@@ -32,7 +32,7 @@ def test_a_cached_spec_profile_is_loaded_without_building_the_model(monkeypatch)
 def test_a_sharded_plan_from_a_cached_profile_does_not_build_the_model(monkeypatch, tmp_path):
     """The sharding planner's parameter counts are recorded in the profile (a 70B model's rebuild and the
     transformers import took 7 s of every sharded plan): equal to the model's, and no build from the cache."""
-    from memopt.distributed.estimate import facts_of_module, facts_of_profile
+    from memopt.profile.engine_facts import facts_of_module, facts_of_profile
 
     monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
     tied = with_overrides(SPEC, {"tie_word_embeddings": True})
