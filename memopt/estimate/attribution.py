@@ -1,6 +1,6 @@
 """Where every predicted byte goes: what is live at the predicted peak, by module group, module and category.
 
-The composed run (``compose.event_stream``, two steps: the first creates the optimizer states) is replayed with
+The composed run (``compose_stream.event_stream``, two steps: the first creates the optimizer states) is replayed with
 each fresh allocation traced back to the segment instance and traced key it repeats; the trace's attribution
 (``VariantTrace.attribution``) names the module and op that made the key, and the instance's block position
 puts a repeated block's bytes at their place in the full-depth model. Parameters, buffers, fp32 master copies
@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from memopt.categories import MemoryCategory
-from memopt.estimate.compose import allocated_peak, event_stream, pass_layout, trace_index
+from memopt.estimate.compose import pass_layout, trace_index
+from memopt.estimate.compose_peak import allocated_peak
+from memopt.estimate.compose_stream import event_stream
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
 from memopt.profile.trace import VariantTrace, traced_unit
 from memopt.profile.tracker import ALLOC

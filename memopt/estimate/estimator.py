@@ -11,7 +11,9 @@ import torch
 from memopt.categories import MemoryCategory
 from memopt.estimate.allocator import simulate_allocator
 from memopt.estimate.allocator_config import AllocatorConfig
-from memopt.estimate.compose import allocated_peak, event_stream, pass_layout
+from memopt.estimate.compose import pass_layout
+from memopt.estimate.compose_peak import allocated_peak
+from memopt.estimate.compose_stream import event_stream
 from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, step_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile

@@ -5,9 +5,11 @@
 * ``memopt.guard.leaks``: ``LeakDetector`` (sustained growth at the same point of the step, with its cause);
 * ``memopt.guard.recovery``: ``OOMGuard`` (free, re-plan, re-apply, retry the same batch; atomic optimizer
   step; ranks retry together; an OOM that a leak explains stops with ``MemoptLeakError`` instead of
-  re-planning), built on ``memopt.guard.oom`` (detecting and measuring the error), ``memopt.guard.escalation``
-  (the escalations ``PlanEscalator``/``step_down``), ``memopt.guard.reapply`` (re-preparing the model) and
-  ``memopt.guard.transaction`` (the all-or-nothing optimizer step);
+  re-planning), built on ``memopt.guard.oom`` (detecting and measuring the error), ``memopt.guard.recovery_failure``
+  (measuring a failed attempt, freeing what it held), ``memopt.guard.recovery_ranks`` (the collectives that make
+  ranks retry together), ``memopt.guard.escalation`` (the escalations ``PlanEscalator``/``step_down``),
+  ``memopt.guard.reapply`` (re-preparing the model) and ``memopt.guard.transaction`` (the all-or-nothing
+  optimizer step);
 * ``memopt.guard.foreign``: memory the plan does not own, measured at an OOM, re-planned around (the budget
   less it) or named when nothing fits in what is left;
 * ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner, from

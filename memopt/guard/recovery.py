@@ -18,8 +18,10 @@ After ``max_escalations`` re-plans in a run (default 3), or when no smaller plan
 ``MemoptOOMError``, whose ``report`` lists every failure and re-plan.
 
 The parts live in their own modules: ``memopt.guard.oom`` (recognising and measuring the error, the errors
-raised), ``memopt.guard.escalation`` (the smaller plan), ``memopt.guard.reapply`` (applying it to a prepared
-model) and ``memopt.guard.transaction`` (the all-or-nothing optimizer step).
+raised), ``memopt.guard.recovery_failure`` (measuring a failed attempt, freeing what it held),
+``memopt.guard.escalation`` (the smaller plan), ``memopt.guard.reapply`` (applying it to a prepared model),
+``memopt.guard.transaction`` (the all-or-nothing optimizer step) and ``memopt.guard.recovery_ranks`` (the
+collectives that make ranks retry together).
 
 A leak is not a plan problem
 ----------------------------
@@ -35,15 +37,9 @@ retried. Under ``torch.distributed`` rank 0's diagnosis is broadcast, so every r
 
 Distributed
 -----------
-Under ``torch.distributed`` every attempt ends in the same collective sequence on every rank, so one rank's
-OOM never leaves the others waiting: A1, an ``all_gather`` of each rank's status, right before the
-optimizer step (a rank that failed earlier joins it from its error handler; the others learn of the failure
-and abort their step before updating anything), and, when A1 was clean, A2 after the step (an OOM inside
-the optimizer step on any rank makes every rank roll back its completed step, which needs the pre-step
-copy; ``auto`` takes it on every rank alike). Rank 0 escalates and broadcasts the new plan. Gradient
-collectives inside backward (DDP/FSDP) are outside this protocol: a rank that fails mid-backward leaves
-its peers in an NCCL collective until the NCCL timeout; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` turns that
-into an error.
+Under ``torch.distributed`` the ranks retry together: every attempt ends in the same collectives on every
+rank, so one rank's OOM never leaves the others waiting, and rank 0 escalates and broadcasts the new plan
+(``memopt.guard.recovery_ranks`` gives the protocol, and what it does not cover).
 
 Under a Hugging Face ``Trainer`` the same idea runs in ``memopt.integrations.trainer_recovery``: the Trainer gets
 one accumulation step over its process's global batch and memopt's ``training_step`` runs the plan's
@@ -58,7 +54,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +66,11 @@ from memopt.guard.escalation import (
     FunctionReplanner,
     Replanner,
     Steppable,
-    prediction_is_current,
     replan_prediction,
     step_down,
 )
 from memopt.guard.leaks import LeakReport
-from memopt.guard.memory import MemorySource, state_bytes
+from memopt.guard.memory import MemorySource
 from memopt.guard.oom import (
     MemoptLeakError,
     MemoptOOMError,
@@ -84,10 +78,18 @@ from memopt.guard.oom import (
     RecoveryReport,
     is_oom,
     leak_message,
-    parse_oom_message,
-    release_cache,
 )
 from memopt.guard.reapply import switch_micro_batch
+from memopt.guard.recovery_failure import FailedAttemptMixin
+from memopt.guard.recovery_ranks import (
+    LOCATIONS,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_OOM,
+    Attempt,
+    PeerFailure,
+    RankAgreementMixin,
+)
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.schema import Plan
 from memopt.units import format_bytes
@@ -95,23 +97,6 @@ from memopt.units import format_bytes
 __all__ = ["OOMGuard"]
 
 log = logging.getLogger(__name__)
-
-
-# -- the guard ---------------------------------------------------------------------------------------
-class _PeerFailure(Exception):
-    """Raised inside a rank's step when another rank failed (the step is abandoned before the update)."""
-
-
-_STATUS_OK, _STATUS_OOM, _STATUS_ERROR = 0, 1, 2
-_LOCATIONS = ("none", "before_optimizer", "optimizer_state_init", "optimizer", "after_optimizer", "completed",
-              "peer")
-
-
-@dataclass
-class _Attempt:
-    phase: str = ""
-    gathered: list[list[int]] | None = None  # A1's result
-    a1_done: bool = False
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -125,7 +110,8 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
-class OOMGuard:
+# -- the guard ---------------------------------------------------------------------------------------
+class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
     """Runs train steps and recovers from out-of-memory errors inside them (see the module docstring).
 
     ``step``: the train step (``TrainStep`` or a ``Steppable``); ``plan``: the plan it runs under;
@@ -177,7 +163,7 @@ class OOMGuard:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             self.world = torch.distributed.get_world_size(process_group)
             self.rank = torch.distributed.get_rank(process_group)
-        self._attempt = _Attempt()
+        self._attempt = Attempt()
         self.step: Steppable = step
         self._user_on_phase = getattr(step, "on_phase", None)
         self._hook(step)
@@ -198,39 +184,13 @@ class OOMGuard:
         if self._user_on_phase is not None:
             self._user_on_phase(name)
         if name == "optimizer" and self.distributed and not self._attempt.a1_done:
-            gathered = self._agree([_STATUS_OK, 0, 1, 0, 0, 0])
-            if any(row[0] != _STATUS_OK for row in gathered):
-                raise _PeerFailure()
+            gathered = self._agree([STATUS_OK, 0, 1, 0, 0, 0])
+            if any(row[0] != STATUS_OK for row in gathered):
+                raise PeerFailure()
 
     def _at_risk(self) -> bool:
         peak_at = str(self.plan.prediction.get("peak_at") or "")
         return self.optimizer_oom_seen or "optimizer" in peak_at
-
-    # -- collectives ---------------------------------------------------------------------------------
-    def _device(self) -> torch.device:
-        backend = torch.distributed.get_backend(self.pg)
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _agree(self, row: list[int]) -> list[list[int]]:
-        """All-gather one row of ints per rank: [status, location, can_restore, needed, peak_reserved, requested]."""
-        dist = torch.distributed
-        t = torch.tensor(row, dtype=torch.int64, device=self._device())
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t, group=self.pg)
-        gathered = [o.tolist() for o in out]
-        if not self._attempt.a1_done:
-            self._attempt.a1_done = True
-            self._attempt.gathered = gathered
-        return gathered
-
-    def _broadcast_plan(self, plan: Plan | None, error: str | None) -> tuple[Plan | None, str | None]:
-        payload = [{"plan": plan.to_dict() if plan is not None else None, "error": error}]
-        torch.distributed.broadcast_object_list(payload, src=0, group=self.pg,
-                                                device=self._device() if self._device().type == "cuda" else None)
-        data = payload[0]
-        return (Plan.from_dict(data["plan"]) if data["plan"] is not None else None), data["error"]
 
     # -- one step ------------------------------------------------------------------------------------
     def run(self, batch: Any) -> float:
@@ -239,28 +199,28 @@ class OOMGuard:
         attempt = 0
         while True:
             attempt += 1
-            self._attempt = _Attempt()
+            self._attempt = Attempt()
             self.transaction.begin(at_risk=self._at_risk())
             if self.memory is not None:
                 self.memory.reset_peak()
             failure: OOMMeasurement | None = None
-            status, location, loss = _STATUS_OK, "completed", float("nan")
+            status, location, loss = STATUS_OK, "completed", float("nan")
             try:
                 loss = self.step.step(batch)
-            except _PeerFailure:
+            except PeerFailure:
                 location = "peer"
             except Exception as exc:
                 if not self.is_oom(exc):
                     self._share_error()
                     raise
-                status = _STATUS_OOM
+                status = STATUS_OOM
                 location = self.transaction.classify(exc.__traceback__)
                 failure = self._measure(exc, attempt, location)
                 del exc
             can_restore = self.transaction.can_restore(location)
             rows = self._outcome(status, location, can_restore, failure)
-            failed = [r for r, row in enumerate(rows) if row[0] == _STATUS_OOM]
-            if any(row[0] == _STATUS_ERROR for row in rows):
+            failed = [r for r, row in enumerate(rows) if row[0] == STATUS_OOM]
+            if any(row[0] == STATUS_ERROR for row in rows):
                 self._cleanup()
                 raise RuntimeError("another rank failed with an error that is not an out-of-memory error; "
                                    "stopping this rank too")
@@ -273,7 +233,7 @@ class OOMGuard:
                 failure = self._peer_measurement(rows, attempt, location)
             failure.failed_ranks = failed
             self.report.failures.append(failure)
-            if any(_LOCATIONS[row[1]] in ("optimizer", "after_optimizer") for row in rows):
+            if any(LOCATIONS[row[1]] in ("optimizer", "after_optimizer") for row in rows):
                 self.optimizer_oom_seen = True
             self._cleanup()
             if can_restore:
@@ -309,20 +269,6 @@ class OOMGuard:
             if self.on_retry is not None:
                 self.on_retry(batch)
 
-    def _outcome(self, status: int, location: str, can_restore: bool,
-                 failure: OOMMeasurement | None) -> list[list[int]]:
-        row = [status, _LOCATIONS.index(location), int(can_restore), (failure.needed_bytes or 0) if failure else 0,
-               (failure.peak_reserved_bytes or 0) if failure else 0, (failure.requested_bytes or 0) if failure else 0]
-        if not self.distributed:
-            return [row]
-        if not self._attempt.a1_done:
-            return self._agree(row)  # A1 (this rank failed before the optimizer, or the step has no phases)
-        a1 = self._attempt.gathered
-        if any(r[0] != _STATUS_OK for r in a1):
-            # A1 already told everyone; only this rank's own row differs from what A1 carried
-            return [row if i == self.rank else r for i, r in enumerate(a1)]
-        return self._agree(row)  # A2: after the optimizer step
-
     def _stop_blocked(self, blocked: list[int], failure: OOMMeasurement, leak: dict[str, Any] | None) -> None:
         self.report.final = (
             f"the optimizer step may have been partly applied on rank(s) {blocked} when memory ran out "
@@ -357,14 +303,6 @@ class OOMGuard:
             self._event("leak", {**leak, "at_oom": True, "oom_step": failure.step, "oom_attempt": failure.attempt})
         return leak
 
-    def _share_error(self) -> None:
-        if not self.distributed:
-            return
-        try:
-            self._outcome(_STATUS_ERROR, "none", True, None)
-        except Exception:  # the original error matters more
-            log.exception("could not tell the other ranks about an error")
-
     def _escalate(self, failure: OOMMeasurement) -> Plan:
         plan, error = None, None
         if self.rank == 0:
@@ -383,33 +321,6 @@ class OOMGuard:
             raise MemoptOOMError(self.report.final, self.report)
         return plan
 
-    def _find_foreign(self, failure: OOMMeasurement, batch: Any) -> None:
-        """Measure memory the plan does not own (the failed step is freed by now); on every rank alike."""
-        if self.foreign_threshold_bytes is None or self.foreign_threshold_bytes <= 0:
-            return
-        from memopt.guard.foreign import measure_foreign
-
-        found = None
-        try:
-            found = measure_foreign(self.memory, self.step, self.plan, batch,
-                                    threshold_bytes=self.foreign_threshold_bytes)
-        except Exception:  # a measurement must never hide the OOM
-            log.exception("could not measure foreign memory at the OOM")
-        foreign = found.total_bytes if found is not None else 0
-        if self.distributed:  # the rank with the most foreign memory decides what every rank plans for
-            t = torch.tensor([foreign], dtype=torch.int64, device=self._device())
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.pg)
-            foreign = int(t.item())
-        if not foreign:
-            return
-        failure.foreign_bytes = foreign
-        failure.foreign = {**(found.to_dict() if found is not None else {}),
-                           "description": found.describe() if found is not None else
-                           f"{format_bytes(foreign)} of foreign memory (on another rank)"}
-        log.warning("out of memory with %s on the device; re-planning for what is left of the budget",
-                    failure.foreign["description"])
-        self._event("foreign_memory", {"step": failure.step, "attempt": failure.attempt, **failure.foreign})
-
     def _swap(self, step: Steppable) -> None:
         if step is not self.step:
             self.step.on_phase = self._user_on_phase
@@ -420,83 +331,6 @@ class OOMGuard:
                 self._user_on_phase = None
         self._hook(self.step)
 
-    # -- measurement and cleanup ----------------------------------------------------------------------
-    def _measure(self, exc: BaseException, attempt: int, location: str) -> OOMMeasurement:
-        message = str(exc)[:4000]
-        parsed = parse_oom_message(message)
-        m = OOMMeasurement(step=self.steps, attempt=attempt, phase=self._attempt.phase or "unknown",
-                           location=location, message=message, strategy=self.plan.strategy.label(), rank=self.rank,
-                           requested_bytes=parsed["requested_bytes"], predicted=_prediction(self.plan),
-                           budget_bytes=self.plan.budget_bytes)
-        if self.memory is not None:
-            s = self.memory.sample()
-            m.allocated_bytes, m.reserved_bytes = s.allocated_bytes, s.reserved_bytes
-            m.peak_allocated_bytes, m.peak_reserved_bytes = s.peak_allocated_bytes, s.peak_reserved_bytes
-            m.device_used_bytes, m.device_total_bytes = s.device_used_bytes, s.device_total_bytes
-            try:
-                m.categories_bytes = state_bytes(self.memory, getattr(self.step, "model", None),
-                                                 self.step.optimizer)
-            except Exception:  # a measurement must never hide the OOM
-                log.exception("could not measure the model state at the OOM")
-        m.snapshot_path = self._dump_snapshot(attempt)
-        log.warning("out of memory at step %d (attempt %d) in %s under [%s]", m.step, attempt, m.phase, m.strategy)
-        return m
-
-    def _worst(self, failure: OOMMeasurement, rows: list[list[int]], attempt: int,
-               location: str) -> OOMMeasurement:
-        """What escalation plans for: this rank's measurement, or the failing rank's that needed the most."""
-        if not self.distributed:
-            return failure
-        merged = self._peer_measurement(rows, attempt, location)
-        merged.failed_ranks = failure.failed_ranks
-        return merged if (merged.needed_bytes or 0) > (failure.needed_bytes or 0) else failure
-
-    def _peer_measurement(self, rows: list[list[int]], attempt: int, location: str) -> OOMMeasurement:
-        failed = [row for row in rows if row[0] == _STATUS_OOM]
-        return OOMMeasurement(step=self.steps, attempt=attempt, phase="peer", location=location,
-                              message="another rank ran out of memory", strategy=self.plan.strategy.label(),
-                              rank=self.rank, requested_bytes=max(r[5] for r in failed) or None,
-                              peak_reserved_bytes=max(r[4] for r in failed) or None,
-                              reserved_bytes=max(r[3] - r[5] for r in failed) or None,
-                              predicted=_prediction(self.plan), budget_bytes=self.plan.budget_bytes)
-
-    def _dump_snapshot(self, attempt: int) -> str | None:
-        if self.run_dir is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return None
-        try:
-            snap = torch.cuda.memory._snapshot()
-            if not any(snap.get("device_traces") or []):
-                return None  # history recording is off: a snapshot without traces says little
-            path = self.run_dir / "snapshots" / f"oom_step{self.steps}_attempt{attempt}_rank{self.rank}.pickle"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(path))
-            return str(path)
-        except Exception:
-            log.exception("could not dump a CUDA memory snapshot")
-            return None
-
-    def _cleanup(self) -> None:
-        """Free what the failed attempt held: gradients, offload copies, then collect and empty the cache."""
-        step = self.step
-        for group in step.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        model = getattr(step, "model", None)
-        if model is not None:
-            model.zero_grad(set_to_none=True)
-        master = getattr(step, "master", None)
-        if master is not None:
-            for m in master.masters:
-                m.grad = None
-        offload = getattr(step, "offload", None)
-        if offload is not None:
-            offload.flush()
-        if hasattr(step, "last_micro_losses"):
-            step.last_micro_losses = []
-        release_cache(empty_cache=self.empty_cache)
-        if self.memory is not None:
-            self.memory.empty_cache()
-
     def _event(self, kind: str, data: dict[str, Any]) -> None:
         if self.on_event is not None:
             self.on_event(kind, data)
@@ -504,15 +338,3 @@ class OOMGuard:
     def close(self) -> None:
         self.transaction.unbind()
         self.step.on_phase = self._user_on_phase
-
-
-def _prediction(plan: Plan) -> dict[str, Any]:
-    """The failing plan's prediction for an OOM record; empty when it was not made for the running strategy
-    (after ``step_down``): a stale figure would make the measured/predicted ratio meaningless."""
-    if not prediction_is_current(plan):
-        return {"not_recomputed_for": plan.strategy.label(), "estimated_for": plan.prediction.get("estimated_for")}
-    p = plan.prediction
-    return {"peak_allocated_bytes": p.get("peak_allocated_bytes"), "peak_reserved_bytes": p.get("peak_reserved_bytes"),
-            "runtime_bytes": p.get("runtime_bytes"), "total_bytes": p.get("total_bytes"),
-            "breakdown": dict(p.get("breakdown") or {}), "peak_at": p.get("peak_at")}
-

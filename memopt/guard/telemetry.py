@@ -36,8 +36,6 @@ and each re-plan to ``RUN_DIR/plans/plan_<n>.json``. ``progress()`` is a short s
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import time
 from collections.abc import Callable
@@ -47,9 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.guard.census import GraphCensus, live_tensor_census
-from memopt.guard.escalation import prediction_is_current, replan_prediction
-from memopt.guard.leaks import LeakDetector, LeakReport
+from memopt.guard.census import GraphCensus
+from memopt.guard.escalation import replan_prediction
+from memopt.guard.leaks import LeakDetector
 from memopt.guard.memory import (
     CudaMemorySource,
     MemorySample,
@@ -58,8 +56,10 @@ from memopt.guard.memory import (
     TrackedMemorySource,
     default_memory_source,
     gradient_bytes,
-    state_bytes,
 )
+from memopt.guard.telemetry_fields import RecordFieldsMixin
+from memopt.guard.telemetry_files import RunFilesMixin
+from memopt.guard.telemetry_hooks import ForwardHooksMixin
 from memopt.plan.schema import Plan
 from memopt.units import GiB, MiB
 
@@ -71,7 +71,6 @@ __all__ = [
     "Telemetry",
     "TrackedMemorySource",
     "format_progress",
-    "top_modules",
 ]
 
 
@@ -89,30 +88,9 @@ def format_progress(measured_bytes: int | None, limit_bytes: int | None = None,
     return text
 
 
-def top_modules(model: nn.Module, max_depth: int = 2) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks (``memopt.blocks``) and the deepest modules with parameters of depth <= ``max_depth``
-    outside them (embeddings, final norm, head), in the model's order."""
-    from memopt.blocks import find_block_stacks
-
-    stacks = find_block_stacks(model)
-    blocks = {id(b): f"{s.path}.{i}" for s in stacks for i, b in enumerate(s.blocks)}
-    containers = [s.path for s in stacks]
-
-    def related(name: str) -> bool:  # a block list, inside one, or an ancestor of one
-        return any(name == c or name.startswith(c + ".") or c.startswith(name + ".") for c in containers)
-
-    others = [(n, m) for n, m in model.named_modules()
-              if n and n.count(".") < max_depth and not related(n) and any(True for _ in m.parameters())]
-    names = [n for n, _ in others]
-    keep = {n for n in names if not any(o.startswith(n + ".") for o in names)}
-    out = []
-    for n, m in model.named_modules():
-        if (id(m) in blocks and n == blocks[id(m)]) or n in keep:
-            out.append((n, m))
-    return out
 
 
-class Telemetry:
+class Telemetry(ForwardHooksMixin, RecordFieldsMixin, RunFilesMixin):
     """Records one line per training step (see the module docstring).
 
     Typical use, with a ``TrainStep`` (``memopt.guard.RuntimeGuard`` does all of this)::
@@ -206,35 +184,6 @@ class Telemetry:
             self.model = model
         self.optimizer = getattr(step, "optimizer", self.optimizer)
         self._install_hooks()
-
-    def _install_hooks(self) -> None:
-        if self._hooks or self.model is None or self.memory is None:
-            return
-        if self.record_outputs:
-            self._hooks.append(self.model.register_forward_hook(self._output_hook))
-        if self.record_modules:
-            for name, module in top_modules(self.model):
-                self._hooks.append(module.register_forward_pre_hook(self._module_pre))
-                self._hooks.append(module.register_forward_hook(self._module_post(name)))
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def _output_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._output_bytes += self.memory.tensor_bytes(output)
-
-    def _module_pre(self, module: nn.Module, args: Any) -> None:
-        self._module_stack.append(self.memory.allocated_bytes())
-
-    def _module_post(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            before = self._module_stack.pop() if self._module_stack else None
-            if before is None or not (self._phase.startswith("forward") or not self._phase):
-                return  # recomputation inside backward (checkpointing) is not the forward's memory
-            self._module_bytes[name] = self._module_bytes.get(name, 0) + self.memory.allocated_bytes() - before
-        return hook
 
     def start(self) -> None:
         if self._started:
@@ -348,82 +297,7 @@ class Telemetry:
         self._t0 = None
         return rec
 
-    # -- pieces of a record ------------------------------------------------------------------------
-    @staticmethod
-    def _memory_fields(s: MemorySample) -> dict[str, Any]:
-        outside = s.outside_allocator_bytes
-        return {"allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes,
-                "fragmentation_bytes": s.fragmentation_bytes, "peak_allocated_bytes": s.peak_allocated_bytes,
-                "peak_reserved_bytes": s.peak_reserved_bytes,
-                "peak_fragmentation_bytes": s.peak_reserved_bytes - s.peak_allocated_bytes,
-                "device_used_bytes": s.device_used_bytes, "device_total_bytes": s.device_total_bytes,
-                "process_used_bytes": s.process_used_bytes, "outside_allocator_bytes": outside,
-                "measured_total_bytes": s.peak_reserved_bytes + (outside or 0)}
-
-    def _prediction_fields(self) -> dict[str, Any]:
-        p = self.plan
-        if p is None:
-            return {"predicted_peak_allocated_bytes": None, "predicted_peak_reserved_bytes": None,
-                    "predicted_total_bytes": None, "budget_bytes": None}
-        if not prediction_is_current(p):  # made for another strategy: nothing to compare with
-            return {"predicted_peak_allocated_bytes": None, "predicted_peak_reserved_bytes": None,
-                    "predicted_total_bytes": None, "predicted_step_time_s": None, "budget_bytes": p.budget_bytes,
-                    "prediction_recomputed": False}
-        return {"predicted_peak_allocated_bytes": p.peak_allocated_bytes,
-                "predicted_peak_reserved_bytes": p.peak_reserved_bytes, "predicted_total_bytes": p.total_bytes,
-                "predicted_step_time_s": p.step_time_s, "budget_bytes": p.budget_bytes}
-
-    def _categories(self, *, end: bool = False) -> dict[str, int]:
-        """Parameters, gradients and optimizer states in bytes. Counting them walks every tensor (about 10 ms a
-        step on bert-large when done at each point), so they are counted at a step's end only while they may
-        have changed -- the first steps, while the census is on, or when the step's end moved by 1 MiB or
-        more -- and the last count is reused otherwise (and at the step's start)."""
-        if self.memory is None or self.model is None:
-            return {}
-        now = self._points.get("step_end")
-        stale = (self._cats is None or self.step_index < 2 or (self.census is not None and self.census.active)
-                 or now is None or self._cats_at is None or abs(now - self._cats_at) >= MiB)
-        if self._cats is None or (end and stale):
-            self._cats, self._cats_at = state_bytes(self.memory, self.model, self.optimizer), now
-        return dict(self._cats)
-
-    def _evidence(self, *, end: bool) -> dict[str, Any]:
-        ev: dict[str, Any] = {}
-        if self.census is not None and self.census.active:
-            ev.update(self.census.snapshot(reset_packed=end).to_dict())
-            ev["census"] = True
-        if self.record_categories:
-            cats = self._categories(end=end)
-            for k, v in cats.items():
-                ev[f"{k}_bytes"] = v
-            if end and self._grads_bytes is not None:
-                ev["gradients_bytes"] = self._grads_bytes
-        if end and self.record_outputs:
-            ev["output_bytes"] = self._output_bytes
-        return ev
-
-    def _toggle_census(self) -> None:
-        """``census="auto"``: on after a step (not the first: optimizer states and gradients appear then) whose
-        end grew by the leak threshold, off again after two steps without such growth. (Waiting for two growing
-        steps would leave a leak fast enough to fill the budget within 4 steps without evidence of its cause.)"""
-        if not self._census_auto or self.census is None or self.leaks is None:
-            return
-        series = self.leaks.series.get("step_end", [])
-        # the first delta (into step 0's end) is the optimizer states and gradients appearing: not counted
-        ends = [v for _, v, _ in series[max(1, len(series) - 3):]]
-        deltas = [b - a for a, b in itertools.pairwise(ends)]
-        if not deltas:
-            return
-        threshold = self.leaks.threshold_bytes
-        if deltas[-1] >= threshold and not self.census.active:
-            self.census.install()
-        elif self.census.active and len(deltas) >= 2 and max(deltas[-2:]) < threshold:
-            self.census.remove()
-
-    def _live_tensors(self) -> list[dict[str, Any]]:
-        exclude = [x for x in (self.model, self.optimizer) if x is not None]
-        return live_tensor_census(self.memory.device_type, exclude=exclude)
-
+    # -- calibration -------------------------------------------------------------------------------
     def block_calibration(self, reason: str) -> None:
         """Learn nothing more from this run (calibration takes clean steps only: no OOM, no retry, no memory the
         plan does not own); what clean steps measured before stays."""
@@ -443,34 +317,7 @@ class Telemetry:
         for k in ("peak_allocated_bytes", "peak_reserved_bytes", "measured_total_bytes"):
             m[k] = max(m[k], int(rec[k]))
 
-    # -- events, files, progress -------------------------------------------------------------------
-    def event(self, kind: str, **data: Any) -> dict[str, Any]:
-        rec = {"kind": kind, "step": self.step_index, "time": time.time(), **data}
-        self.events.append(rec)
-        self._write(self._file_name(self.EVENTS), rec)
-        return rec
-
-    def _on_leak(self, report: LeakReport, user_cb: Callable[[LeakReport], None] | None) -> None:
-        self.event("leak", **report.to_dict())
-        if user_cb is not None:
-            user_cb(report)
-
-    def _file_name(self, name: str) -> str:
-        if self.rank == 0:
-            return name
-        stem, ext = name.rsplit(".", 1)
-        return f"{stem}.rank{self.rank}.{ext}"
-
-    def _write(self, name: str, rec: dict[str, Any]) -> None:
-        if self.run_dir is None:
-            return
-        f = self._files.get(name)
-        if f is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            f = self._files[name] = open(self.run_dir / name, "a", encoding="utf-8")  # noqa: SIM115
-        f.write(json.dumps(rec, default=_json_default) + "\n")
-        f.flush()
-
+    # -- progress ----------------------------------------------------------------------------------
     def progress(self) -> str:
         """``mem 31.2/40.0 GiB (pred 30.9)`` for the last step (measured total vs budget and prediction)."""
         rec = self.last
@@ -507,12 +354,3 @@ def _finite(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if v == v and abs(v) != float("inf") else None
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
-

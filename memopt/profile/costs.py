@@ -25,7 +25,7 @@ ATTENTION_OPS = {
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
 }
 # One of these per pass of a bitsandbytes 4-bit linear: ``dequantize_4bit`` in the unfused forward (more than 1536
-# rows, ``memopt.profile.quant_stand_ins``), in every backward (``MatMul4Bit.backward``) and in a recomputed
+# rows, ``memopt.profile.quant_gemm_4bit``), in every backward (``MatMul4Bit.backward``) and in a recomputed
 # forward; ``gemm_4bit`` where the stand-in shows the GEMM as one op (under selective checkpointing). The fused
 # forward kernel (a few rows only) is traced as a plain ``linear`` and not counted. DoRA's per-forward
 # ``dequantize()`` counts as one more.

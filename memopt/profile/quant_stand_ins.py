@@ -20,11 +20,12 @@ same lifetimes. Mirrored code (bitsandbytes 0.50.2):
   ``MatMul4Bit.forward``, which keeps only ``ctx.tensors = (None, B)`` — the packed weight, already
   stored: **no activation is saved** (0.50.2 no longer saves the input). The GEMM is
   ``backends/cuda/ops.py`` ``bitsandbytes::gemm_4bit``: for more than 1536 rows, a K not divisible by
-  the block size, or when ``_gemm_4bit_use_custom_cuda`` says so (ported below as
-  :func:`gemm_4bit_uses_fused_kernel`; on an H200 it picks the fused kernel only up to 64 rows for
-  large weights), ``_dequant_linear_fallback``: fp32 absmax dequantized (``empty_like``), ``+ offset``
-  (both alive until the GEMM returns), the weight dequantized into ``torch.empty(shapeB, A.dtype)``,
-  ``F.linear``; else the fused ``cgemm_4bit`` kernel (output only). Output cast back to the input dtype.
+  the block size, or when ``_gemm_4bit_use_custom_cuda`` says so (ported as
+  ``memopt.techniques.gemm_4bit_dispatch.gemm_4bit_uses_fused_kernel``; on an H200 it picks the fused
+  kernel only up to 64 rows for large weights), ``_dequant_linear_fallback``: fp32 absmax dequantized
+  (``empty_like``), ``+ offset`` (both alive until the GEMM returns), the weight dequantized into
+  ``torch.empty(shapeB, A.dtype)``, ``F.linear``; else the fused ``cgemm_4bit`` kernel (output only).
+  Output cast back to the input dtype.
   backward, ``MatMul4Bit.backward`` (inherited unchanged): ``F.dequantize_4bit(B, state)`` (nested absmax
   fp32 temporary, weight dequantized into ``quant_state.dtype``), ``.to(grad_output.dtype)``, matmul.
 ``FakeLinear8bitLt`` (LLM.int8, ``bnb.nn.Linear8bitLt`` with ``has_fp16_weights=False``, threshold 0)
@@ -44,7 +45,8 @@ moving exactly its inputs and outputs (the int8 GEMM's FLOPs are not counted as 
 
 The stand-in classes subclass bitsandbytes' modules, so they are created on first access
 (``from memopt.profile.quant_stand_ins import FakeLinear4bit``), and only bitsandbytes' presence is needed.
-Which GPU the 4-bit GEMM dispatch assumes is :func:`target_gpu` (default: an H200).
+The 4-bit GEMM itself is ``memopt.profile.quant_gemm_4bit``; which GPU its dispatch assumes is
+``memopt.profile.quant_gemm_4bit.target_gpu`` (default: an H200).
 
 For peft, the stand-ins are ``bnb.nn.Linear4bit`` / ``Linear8bitLt`` subclasses (so peft wraps them in its
 bitsandbytes LoRA layers, the code a real QLoRA run executes) and expose ``W_q`` and ``dequantize()`` (the
@@ -58,223 +60,17 @@ stand-in is registered as (non-persistent) buffers.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from math import prod
 from typing import Any
 
 import torch
 from torch import nn
 
-from memopt.profile.tracker import report_scratch
-from memopt.units import allocator_size
+from memopt.profile.quant_gemm_4bit import BNB_NESTED_BLOCKSIZE, gemm_4bit_cuda
 
-__all__ = [
-    "BNB_NESTED_BLOCKSIZE",
-    "TargetGPU",
-    "gemm_4bit_uses_fused_kernel",
-    "quant_state_tensors",
-    "target_gpu",
-    "visible_bnb_kernels",
-]
-
-BNB_NESTED_BLOCKSIZE = 256  # double quantization: the block absmax values are quantized in blocks of 256
-GEMM_4BIT_CUSTOM_MAX_M = 1536  # backends/cuda/ops.py: past this many rows, dequantize + F.linear
-_GEMM_4BIT_CUSTOM_FLOOR_M = 4
-
-
-@dataclass(frozen=True)
-class TargetGPU:
-    """What bitsandbytes' 4-bit GEMM dispatch looks at: compute capability and SM count."""
-
-    major: int = 9
-    minor: int = 0
-    num_sms: int = 132  # H200 / H100 SXM
-
-
-_TARGET: contextvars.ContextVar[TargetGPU | None] = contextvars.ContextVar("memopt_bnb_target", default=None)
-
-
-def _target() -> TargetGPU:
-    return _TARGET.get() or TargetGPU()
-
-
-@contextlib.contextmanager
-def target_gpu(major: int, minor: int, num_sms: int) -> Iterator[TargetGPU]:
-    """Trace for this GPU (default: an H200, sm90 with 132 SMs) while the context is active."""
-    token = _TARGET.set(TargetGPU(major, minor, num_sms))
-    try:
-        yield _target()
-    finally:
-        _TARGET.reset(token)
-
-
-@functools.cache
-def gemm_4bit_uses_fused_kernel(M: int, N: int, K: int, dtype: torch.dtype, blocksize: int = 64, *,
-                                major: int = 9, minor: int = 0, num_sms: int = 132) -> bool:
-    """Whether bitsandbytes' CUDA ``gemm_4bit`` takes the fused kernel (no dequantized weight temporary).
-
-    A port of the dispatch in ``bitsandbytes/backends/cuda/ops.py`` (0.50.2): the ``gemm_4bit`` kernel's
-    ``M > 1536`` and ``K % blocksize`` checks and ``_gemm_4bit_use_custom_cuda`` (CUDA, not ROCm)."""
-    if M > GEMM_4BIT_CUSTOM_MAX_M or K % blocksize != 0:
-        return False
-    if M <= _GEMM_4BIT_CUSTOM_FLOOR_M:
-        return True
-    n_blocks = (N + 63) // 64
-    if dtype == torch.float32 or major < 7:
-        return M < 8
-    if major == 7 and (minor < 5 or dtype != torch.float16):
-        return M < 8
-    if (major == 8 and minor == 7) or major == 11:
-        return False
-    if major == 10:
-        if n_blocks >= num_sms * 3:
-            return M <= 32
-        if n_blocks >= num_sms:
-            return False if K >= N else M <= 8
-        return False
-    is_sm75 = major == 7 and minor == 5
-    is_sm80 = major == 8 and minor == 0
-    is_sm86 = major == 8 and minor == 6
-    is_sm90 = major == 9
-    is_sm120 = major == 12 and minor == 0
-    is_sm121 = major == 12 and minor == 1
-    is_hbm = is_sm80 or is_sm90
-    tall_k_2xn = K > N * 2
-    if N * K < 4 * 1024 * 1024:
-        if K * 2 < N:
-            if is_hbm:
-                low_wave = n_blocks * 3 < num_sms
-                if is_sm80:
-                    cap = 1536 if low_wave else 512
-                    return cap >= M
-                cap = 512 if low_wave else 320
-                return cap >= M
-            if is_sm75:
-                if n_blocks >= num_sms * 3:
-                    return M <= 320
-                if K >= 1024:
-                    return M <= 64
-                if K >= 704:
-                    return M <= 96
-                return M <= 320
-            if n_blocks >= num_sms:
-                return M <= 320
-            return M <= 192 if n_blocks * K > num_sms * 320 else M <= 320
-        quarter_wave = n_blocks * 4 <= num_sms
-        if is_sm80 and quarter_wave:
-            if K >= N:
-                cap = 32 if n_blocks * 8 <= num_sms else 128
-                return cap >= M
-            return M <= 384
-        if is_sm75 and n_blocks < num_sms and M > 8:
-            return M <= 64
-        if quarter_wave:
-            cap = 32 if (K < N or is_hbm) else 23
-            return cap >= M
-        if n_blocks * 2 <= num_sms:
-            return M <= 16
-        return False
-    if M > 512:
-        return False
-    if M < 8:
-        hbm_m67_thresh = 36 if is_sm90 else 48
-        if is_hbm and M >= 6 and n_blocks >= hbm_m67_thresh:
-            lt_75pct_wave = n_blocks * 4 < num_sms * 3
-            lt_60pct_wave = n_blocks * 5 < num_sms * 3
-            if K > N and lt_75pct_wave:
-                return False
-            if K == N:
-                if is_sm80 and lt_60pct_wave:
-                    return False
-                if is_sm90 and lt_75pct_wave and not lt_60pct_wave:
-                    return False
-        return True
-    if is_sm75:
-        if n_blocks >= num_sms * 3:
-            cap = 128 if K < N else 64
-            return cap >= M
-        if n_blocks >= num_sms // 2:
-            return M <= 64
-        return M <= 32
-    if is_sm80:
-        if n_blocks >= num_sms * 3:
-            return M <= 128
-        if n_blocks >= num_sms:
-            cap = 64 if K < N else 32
-            return cap >= M
-        if K >= N * 3 and n_blocks * 4 > num_sms:
-            return False
-        if K == N and n_blocks >= 48 and n_blocks * 5 < num_sms * 3:
-            return False
-        if n_blocks * 2 < num_sms:
-            if K <= N:
-                return M <= 128
-            if n_blocks * 3 >= num_sms:
-                return False
-        if n_blocks >= num_sms // 2 and K < N:
-            return M <= 128
-        return M <= 16
-    if is_sm86:
-        if n_blocks >= num_sms:
-            return M <= 128
-        if n_blocks >= num_sms // 2:
-            return M <= 64
-        return M <= 16
-    if is_sm90:
-        if n_blocks >= num_sms * 3:
-            return M <= 64
-        if n_blocks >= num_sms * 2:
-            return M <= 48
-        if n_blocks >= num_sms:
-            return M <= 32
-        if n_blocks >= num_sms // 2:
-            if K >= N and n_blocks * 4 < num_sms * 3:
-                return False
-            return M <= 16
-        return False
-    if is_sm121 and n_blocks >= num_sms:
-        return M <= 256
-    if is_sm120:
-        if n_blocks >= num_sms * 3:
-            return M <= 256
-        if n_blocks >= num_sms * 2:
-            return M <= 128
-        if n_blocks * 5 >= num_sms * 4:
-            cap = 96 if K >= N else 64
-            return cap >= M
-        if n_blocks >= num_sms:
-            return M <= 64
-        if n_blocks >= num_sms // 2:
-            cap = 64 if (K * 2 >= N and n_blocks >= 128) else 8
-            return cap >= M
-        if tall_k_2xn and n_blocks > 64:
-            return M <= 16
-        return M <= 8
-    if n_blocks >= num_sms * 3:
-        return M <= 256
-    if n_blocks >= num_sms * 2:
-        return M <= 128
-    if n_blocks * 5 >= num_sms * 4:
-        if tall_k_2xn or n_blocks >= 200:
-            return M <= 128
-        if K >= N:
-            cap = 128 if num_sms >= 60 else 32
-            return cap >= M
-        return M <= 64
-    if n_blocks >= num_sms // 2:
-        if tall_k_2xn:
-            return M <= 64
-        if n_blocks >= 64:
-            return M <= 8
-        return M <= 32
-    if K > N and n_blocks <= 48:
-        cap = 12 if K >= N * 3 else 10
-        return cap >= M
-    cap = 16 if (tall_k_2xn or n_blocks < 48) else 8
-    return cap >= M
+__all__ = ["quant_state_tensors", "visible_bnb_kernels"]
 
 
 def _bnb() -> Any:
@@ -297,67 +93,6 @@ def _outside_fake_mode() -> Iterator[None]:
 # 4-bit
 # --------------------------------------------------------------------------------------------------------
 
-def _under_selective_checkpointing() -> bool:
-    from torch.utils import checkpoint
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    kinds = tuple(getattr(checkpoint, n) for n in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
-                  if hasattr(checkpoint, n))
-    return bool(kinds) and any(isinstance(m, kinds) for m in _get_current_dispatch_mode_stack())
-
-
-def _gemm_4bit_cuda(A: torch.Tensor, B: torch.Tensor, quant_state: Any, bias: torch.Tensor | None) -> torch.Tensor:
-    """``bitsandbytes::gemm_4bit`` as its CUDA kernel allocates (``backends/cuda/ops.py``).
-
-    Written out op by op (dequantize, then F.linear), so the trace sees the temporaries and counts the GEMM's
-    FLOPs; under selective activation checkpointing, as one op (see below)."""
-    shape_b = list(quant_state.shape)
-    K = A.shape[-1]
-    M = A.numel() // K if K else 0
-    N = shape_b[0]
-    target = _target()
-    fused = gemm_4bit_uses_fused_kernel(M, N, K, A.dtype, quant_state.blocksize, major=target.major,
-                                        minor=target.minor, num_sms=target.num_sms)
-    if _under_selective_checkpointing():
-        # Selective checkpointing decides per op: the real run shows it one op, bitsandbytes::gemm_4bit (whose
-        # output it recomputes), never the matmul inside. So the stand-in calls that op (bitsandbytes' fake kernel:
-        # the output) and reports the kernel's temporaries to the tracker while the output is alive.
-        if fused:
-            A = A.contiguous()
-        out = torch.ops.bitsandbytes.gemm_4bit.default(
-            A, B, shape_b, quant_state.state2.absmax if quant_state.nested else quant_state.absmax,
-            quant_state.blocksize, quant_state.quant_type, bias=bias,
-            absmax_8bit=quant_state.absmax if quant_state.nested else None,
-            absmax_code=quant_state.state2.code if quant_state.nested else None,
-            absmax_offset=quant_state.offset if quant_state.nested else None)
-        if not fused:
-            blocks = quant_state.absmax.numel()
-            scratch = allocator_size(N * K * A.element_size())
-            if quant_state.nested:
-                scratch += 2 * allocator_size(blocks * 4)
-            report_scratch(scratch, "gemm_4bit.dequantized_weight")
-        return out
-    if fused:
-        # _gemm_4bit_kernel_impl: A.contiguous(), one output tensor. The GEMM is written as F.linear over a
-        # zero-stride view (2 bytes of the packed weight, no allocation) so the trace counts its FLOPs.
-        A = A.contiguous()
-        w = B.reshape(-1)[: A.element_size()].view(A.dtype).reshape(()).expand(N, K)
-        return torch.nn.functional.linear(A, w, bias)
-    # _dequant_linear_fallback
-    absmax = quant_state.absmax
-    absmax_dq = None
-    if quant_state.nested:
-        absmax_dq = torch.ops.bitsandbytes.dequantize_blockwise.default(
-            quant_state.absmax, quant_state.state2.absmax, quant_state.state2.code, BNB_NESTED_BLOCKSIZE,
-            torch.float32)
-        absmax = absmax_dq + quant_state.offset
-    b_dq = torch.ops.bitsandbytes.dequantize_4bit.default(B, absmax, quant_state.blocksize, quant_state.quant_type,
-                                                          shape_b, A.dtype)
-    out = torch.nn.functional.linear(A, b_dq, bias)
-    del absmax_dq, absmax, b_dq  # alive until the kernel function returns, as in bitsandbytes
-    return out
-
-
 def _matmul_4bit_class() -> type:
     bnb = _bnb()
     from bitsandbytes.autograd._functions import MatMul4Bit
@@ -373,7 +108,7 @@ def _matmul_4bit_class() -> type:
                 ctx.A, ctx.B, ctx.bias = A, B, bias
                 return torch.empty((*A.shape[:-1], quant_state.shape[0]), dtype=A.dtype, device=A.device)
             B = B.view(-1, 1)
-            output = _gemm_4bit_cuda(A, B, quant_state, bias)
+            output = gemm_4bit_cuda(A, B, quant_state, bias)
             if out is not None:
                 out.copy_(output)
                 output = out
@@ -469,7 +204,7 @@ def _linear4bit_class() -> type:
             # autograd/_functions.py matmul_4bit
             needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
             if not needs_grad:
-                out = _gemm_4bit_cuda(x, self.weight.view(-1, 1), quant_state, bias)
+                out = gemm_4bit_cuda(x, self.weight.view(-1, 1), quant_state, bias)
             else:
                 out = _cuda_matmul_4bit().apply(x, self.weight, None, bias, quant_state)
             return out.to(inp_dtype)

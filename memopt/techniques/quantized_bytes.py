@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memopt.techniques.gemm_4bit_dispatch import gemm_4bit_uses_fused_kernel
 from memopt.techniques.quantization import QuantSetting
 from memopt.units import allocator_size
 
@@ -87,8 +88,6 @@ def dequant_temporaries(out_features: int, in_features: int, setting: QuantSetti
     8-bit forward: the larger of (fp16 input copy + int8 input + fp32 row scales) and (int8 input + row scales
     + int32 and fp16 results); 8-bit backward: the weight in the input dtype + the fp32 row-scale factor.
     Input casts to the compute dtype and output casts back are the layer's activations, not counted here."""
-    from memopt.profile.quant_stand_ins import gemm_4bit_uses_fused_kernel
-
     r = allocator_size
     n = out_features * in_features
     if setting.bits == 4:

@@ -45,7 +45,6 @@ UPWARD_LOCAL = {
     ("memopt/techniques/chunked_ce.py", "memopt.profile.hf_compat"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.tracker"),
     ("memopt/techniques/quantization_apply.py", "memopt.profile"),
-    ("memopt/techniques/quantized_bytes.py", "memopt.profile.quant_stand_ins"),
     ("memopt/techniques/quantized_load.py", "memopt.profile.fake_model"),
 }
 

@@ -182,7 +182,7 @@ def test_dequant_temporaries_and_time_hand_computed():
 
 
 def test_gemm_dispatch_port():
-    from memopt.profile.quant_stand_ins import gemm_4bit_uses_fused_kernel as fused
+    from memopt.techniques.gemm_4bit_dispatch import gemm_4bit_uses_fused_kernel as fused
 
     assert fused(4, 4096, 4096, torch.bfloat16)  # tiny M: always the fused kernel
     assert not fused(2048, 4096, 4096, torch.bfloat16)  # > 1536 rows: dequantize + F.linear
@@ -399,9 +399,9 @@ def test_fake_qlora_step_matches_real_cpu_run(tiny, variant):
     the kernel (512 bytes here, not at the peak). fp32, eager attention and no cuBLAS workspace keep everything
     else identical between the CPU run and the emulated GPU trace."""
     from memopt.profile.cuda_semantics import KernelPolicy
-    from memopt.profile.quant_stand_ins import gemm_4bit_uses_fused_kernel
     from memopt.profile.simulate import simulate_step
     from memopt.strategy import Checkpointing
+    from memopt.techniques.gemm_4bit_dispatch import gemm_4bit_uses_fused_kernel
 
     model, batch = tiny
     sample = SampleSpec.parse({"batch_size": 2, "seq_len": 32}, SPEC)
