@@ -297,6 +297,35 @@ def _process_gpu_bytes() -> int | None:
     return None
 
 
+def _host_kib(field: str) -> int:
+    """This process's host memory from /proc/self/status (VmRSS now, VmHWM its peak), in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _log_host_memory(row_id: str, where: dict[str, str]) -> None:
+    """Every 2 s, the row's host RSS and stage to $MEMOPT_ZOO_HOST_LOG: a row the kernel kills for host memory
+    leaves no JSON line, and this log says how far it got."""
+    import threading
+
+    path = os.environ.get("MEMOPT_ZOO_HOST_LOG")
+    if not path:
+        return
+    start = time.perf_counter()
+
+    def loop() -> None:
+        while True:
+            with open(path, "a") as f:
+                f.write(json.dumps({"id": row_id, "t_s": round(time.perf_counter() - start, 1),
+                                    "stage": where["stage"], "rss_gib": round(_host_kib("VmRSS") / 2**20, 2),
+                                    "hwm_gib": round(_host_kib("VmHWM") / 2**20, 2)}) + "\n")
+            time.sleep(2)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
     import torch
 
@@ -310,6 +339,8 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
     out["budget_bytes"] = parse_budget(row.budget, device_total_bytes=total) if "%" in row.budget \
         else parse_budget(row.budget)
     stage = "build"
+    where = {"stage": stage}
+    _log_host_memory(row.id, where)
     try:
         t0 = time.perf_counter()
         model = build(row)
@@ -324,7 +355,7 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
             model, batch, calls = _as_tuple_loop(row, model, batch)
         elif row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
             calls = {"training_step": lambda m, b: m(**b)["loss"]}
-        stage = "wrap"
+        stage = where["stage"] = "wrap"
         t_wrap = time.perf_counter()
         wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4, **calls)
         out["wrap_s"] = time.perf_counter() - t_wrap
@@ -335,7 +366,7 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
         out["predicted_total_bytes"] = int(plan.total_bytes)
         out["predicted_step_s"] = float(plan.step_time_s)
         losses, times, totals = [], [], []
-        stage = "train"
+        stage = where["stage"] = "train"
         for i in range(steps):
             if i == 2:
                 torch.cuda.synchronize()
@@ -364,6 +395,8 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
         out["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         out["measured_total_bytes"] = max(totals) if totals else None
+        out["predicted_host_bytes"] = wrapped.plan.prediction.get("host_bytes_per_node")
+        out["measured_host_peak_bytes"] = _host_kib("VmHWM") * 1024
         out["autotune_trials"] = getattr(wrapped, "autotune_trials", None)
         wrapped.close()
     except Exception as exc:
