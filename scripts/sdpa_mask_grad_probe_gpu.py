@@ -41,11 +41,11 @@ CASES: list[tuple[str, int, int, int, int, str, float]] = [
 ]
 
 
-def _inputs(b: int, h: int, length: int, d: int, kind: str, device: str) -> tuple[Any, ...]:
+def _inputs(b: int, h: int, length: int, d: int, device: str) -> tuple[Any, ...]:
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device) if device != "meta" else torch.empty(*shape)
+        return torch.randn(*shape, generator=g).to(device)
 
     q, k, v = (rnd(b, length, h, d).transpose(1, 2).requires_grad_() for _ in range(3))
     table = rnd(1, h, length, length).requires_grad_()
@@ -76,7 +76,7 @@ def _choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def run_gpu() -> list[dict[str, Any]]:
     rows = []
     for name, b, h, length, d, kind, p in CASES:
-        q, k, v, table = _inputs(b, h, length, d, kind, "cuda")
+        q, k, v, table = _inputs(b, h, length, d, "cuda")
         row: dict[str, Any] = {"case": name, "shape": [b, h, length, d], "mask": kind, "dropout": p}
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -122,7 +122,7 @@ def run_emulated() -> list[dict[str, Any]]:
         row: dict[str, Any] = {"case": name, "shape": [b, h, length, d], "mask": kind, "dropout": p}
         log: list[str] = []
         with FakeTensorMode(), contextlib.ExitStack() as stack:
-            q, k, v, table = _inputs(b, h, length, d, kind, "cpu")
+            q, k, v, table = _inputs(b, h, length, d, "cpu")
             stack.enter_context(cuda_semantics(policy, None, log))
             t = stack.enter_context(MemoryTracker("cpu"))
             for x in (q, k, v, table):
