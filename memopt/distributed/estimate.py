@@ -119,7 +119,7 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
     sb = state_bytes(s.engine if s.engine != "ddp" else "fsdp2", "bf16_autocast")
     sm = sharded_memory(facts.num_params, engine=s.engine, stage=s.stage, world_size=s.world_size, sb=sb,
                         nodes=s.nodes, replicate_size=s.replicate_size, offload_optimizer=s.offload_optimizer,
-                        offload_params=s.offload_params)
+                        offload_params=s.offload_params, largest_module_params=facts.largest_module_params)
     host = sm.host_bytes // max(1, s.gpus_per_node)  # per rank
     if s.engine == "deepspeed" and s.stage in (1, 2) and s.offload_optimizer != "none" and run.grad_accum > 1:
         host += facts.num_params * 2  # accumulated_grads_in_cpu: a 16-bit copy of every gradient (pinned)

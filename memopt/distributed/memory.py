@@ -77,6 +77,25 @@ class ShardedMemory:
                 "nvme_bytes": self.nvme_bytes, **self.detail}
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What one ``tensor.pin_memory()`` of ``nbytes`` takes: torch's caching host allocator rounds every
+    page-locked block up to a power of two (an 11.2 GB fp32 partition pins 17.2 GB)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def zero2_cpu_offload_host_bytes(p_shard: int, sb: StateBytes, largest_param: int = 0) -> tuple[int, int]:
+    """(host, pinned) bytes of one rank's ZeRO-1/2 CPU optimizer offload, as DeepSpeed's stage_1_and_2 builds them:
+    pinned flat tensors for the fp32 master partition, its fp32 gradient and a 16-bit staging copy of the
+    partition, plus a 16-bit gradient staging buffer of the largest parameter, each a power of two
+    (``pinned_block_bytes``); the optimizer's moments pageable. Gradient accumulation's pinned 16-bit buffer per
+    parameter depends on the run, not the setting: ``memopt.distributed.estimate`` adds it."""
+    master, grad, staging = p_shard * 4, p_shard * 4, p_shard * 2
+    pinned = (pinned_block_bytes(master) + pinned_block_bytes(grad) + pinned_block_bytes(staging)
+              + pinned_block_bytes(largest_param * 2))
+    moments = p_shard * sb.optimizer_side - master
+    return pinned + moments, pinned
+
+
 def sharded_memory(num_params: int, *, engine: str, stage: int, world_size: int, sb: StateBytes,
                    unit_params: Sequence[int] = (), root_params: int = 0, largest_module_params: int = 0,
                    nodes: int = 1, replicate_size: int = 1, offload_optimizer: str = "none",
@@ -153,7 +172,11 @@ def sharded_memory(num_params: int, *, engine: str, stage: int, world_size: int,
             optim = 0
             if stage >= 2:
                 grads = 0  # gradients are reduced straight into the host fp32 buffer
-            if offload_optimizer == "cpu":
+            if offload_optimizer == "cpu" and stage <= 2:
+                rank_host, rank_pinned = zero2_cpu_offload_host_bytes(p_shard, sb, largest_module_params)
+                host += rank_host * per_node
+                pinned += rank_pinned * per_node
+            elif offload_optimizer == "cpu":
                 host += (opt_rank + grad_rank) * per_node
                 pinned += (opt_rank + grad_rank) * per_node
             else:  # nvme: states swapped; fp32 grads and the swap buffers stay in pinned host memory, and the

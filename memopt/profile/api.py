@@ -98,6 +98,7 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
                               config=config)
 
+        factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
     if isinstance(sample, dict) and sample and _is_shapes(sample):
@@ -173,6 +174,7 @@ def _spec_batch_factory(spec: Any, sample: Any, config: Callable[[], Any]
     def factory(b: int, device: str) -> dict[str, Any]:
         return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device, config=config())
 
+    factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
     return factory, parsed.to_dict(), parsed.seq_len if spec.is_token_model else None
 
 

@@ -53,7 +53,8 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 6: every allocation records the module and op that made it (memopt.profile.attribution)
 # 7: the memory-efficient kernel takes a mask that needs a gradient; no fused kernel takes a mask whose last dim
 #    is strided
-TRACE_REVISION = 7
+# 8: the batch's integer and boolean tensors carry their real values (memopt.profile.scalar_values)
+TRACE_REVISION = 8
 
 
 def cache_dir() -> Path:

@@ -7,8 +7,12 @@ layer of a model with LayerDrop, and its trace counted none of their activations
 
 So tiny tensors carry a real shadow: a uniform random draw reads as the largest value it can take (a sampled skip
 ``rand < p`` never fires, and the trace is of the step where every layer runs, the largest), a constant reads
-as itself, and an op whose inputs all have shadows computes its output's shadow on the CPU. A read of a tensor
-without a shadow (a value that comes from the batch) keeps the tracker's default.
+as itself, and an op whose inputs all have shadows computes its output's shadow on the CPU. The batch's integer
+and boolean tensors (token ids, masks, labels) get the values of a real batch made by the same factory
+(:meth:`ScalarShadows.adopt`), so the lengths and flags a model reads from them (XLM's ``lengths.max().item()``,
+Longformer's count of global tokens) are the real batch's. A shadow computed from shadows may be as large as a batch
+(a mask made float); random draws get one only when tiny. A read of a tensor without a shadow keeps the tracker's
+default.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 
-MAX_ELEMENTS = 16  # larger tensors are data, not control values
+MAX_ELEMENTS = 16  # larger random draws are data (dropout noise, masking), not control values
+MAX_INDEX_ELEMENTS = 1 << 22  # a batch's ids and masks and what is computed from them alone (masks made float)
 
 _UNIFORM = {aten.rand.default, aten.rand_like.default, aten.uniform_.default, aten.uniform.default}
+# factories whose values follow from their arguments alone (a model's default mask: torch.ones(batch, length))
+_DETERMINISTIC_FACTORIES = {aten.ones.default, aten.zeros.default, aten.full.default, aten.arange.default,
+                            aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default, aten.eye.default}
 
 
 def _upper(dtype: torch.dtype, high: float = 1.0) -> float:
@@ -33,6 +41,14 @@ def _upper(dtype: torch.dtype, high: float = 1.0) -> float:
     if not dtype.is_floating_point:
         return high
     return float(torch.nextafter(torch.tensor(high, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)))
+
+
+def _writes_first_argument(func: Any) -> bool:
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 class ScalarShadows:
@@ -56,20 +72,31 @@ class ScalarShadows:
         with unset_fake_temporarily():
             return func(shadow)
 
+    def adopt(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """``real`` (a CPU tensor of the same shape and dtype) holds the values of the integer or boolean batch
+        tensor ``fake``."""
+        if (fake.shape == real.shape and fake.dtype == real.dtype and not fake.dtype.is_floating_point
+                and not fake.dtype.is_complex and fake.numel() <= MAX_INDEX_ELEMENTS):
+            self._shadow[fake] = real
+
     def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if not isinstance(out, torch.Tensor) or out.numel() > MAX_ELEMENTS:
+        if not isinstance(out, torch.Tensor) or out.numel() > MAX_INDEX_ELEMENTS:
             return
         with unset_fake_temporarily():
             if func in _UNIFORM:
+                if out.numel() > MAX_ELEMENTS:
+                    return
                 high = kwargs.get("to", args[2] if func in (aten.uniform_.default, aten.uniform.default)
                                   and len(args) > 2 else 1.0)
                 self._shadow[out] = torch.full(tuple(out.shape), _upper(out.dtype, float(high)), dtype=out.dtype)
                 return
             tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            if not tensors:
+            if not tensors and func not in _DETERMINISTIC_FACTORIES:
                 return
             shadows = [self.value(a) for a in tensors]
             if any(s is None for s in shadows):
+                if _writes_first_argument(func) and args and isinstance(args[0], torch.Tensor):
+                    self._shadow.pop(args[0], None)  # written with values it cannot know: its shadow is stale
                 return
             by_id = {id(a): s for a, s in zip(tensors, shadows)}
 

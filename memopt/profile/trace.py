@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
@@ -327,6 +327,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
                 for b in clone.buffers():
                     tracker.track(b, MemoryCategory.PARAMETERS, "buffer")
                 batch = batch_factory(micro_batch, device)
+                _shadow_batch_values(tracker, batch_factory, micro_batch, batch)
                 inputs = [v.untyped_storage().nbytes() for v in batch_tensors(batch)]
                 for v in batch_tensors(batch):
                     tracker.track(v, MemoryCategory.ACTIVATIONS, "input")
@@ -361,6 +362,20 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
                      micro_batch=micro_batch, model_state=model_state,
                      attribution=attribution_with_ops(record, tracker, op_of),
                      bounded_ops=sorted(tracker.run.bounded_ops))
+
+
+def _shadow_batch_values(tracker: MemoryTracker, batch_factory: BatchFactory, micro_batch: int, batch: Any) -> None:
+    """The integer and boolean tensors of a batch whose factory makes real values (``values_are_real``: the token
+    ids, masks and labels of ``memopt.models.make_batch``) get those values as shadows, so that what the model reads
+    from them is what the real batch holds."""
+    if not getattr(batch_factory, "values_are_real", False):
+        return
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
+        real = batch_factory(micro_batch, "cpu")
+    fakes, reals = batch_tensors(batch), batch_tensors(real)
+    if len(fakes) == len(reals):
+        for fake, value in zip(fakes, reals):
+            tracker.shadows.adopt(fake, value)
 
 
 def _segments(raw: _RawTrace) -> list[tuple[str, int, list[tuple[int, int, int, str]]]]:

@@ -241,3 +241,35 @@ def test_nvme_traffic_counts_every_swap_by_hand():
     assert one.nvme_s == pytest.approx(nvme_time(16 * total + 2 * total * 2, 16 * total + 2 * total, hw))
     # each micro-batch gathers the parameters twice (forward, and backward after resharding): read again
     assert four.nvme_s - one.nvme_s == pytest.approx(nvme_time(2 * total * 2 * 3, 0, hw))
+
+
+def test_pinned_host_blocks_round_up_to_a_power_of_two():
+    from memopt.distributed.memory import pinned_block_bytes
+
+    assert pinned_block_bytes(0) == 0
+    assert pinned_block_bytes(1) == 1
+    assert pinned_block_bytes(2**30) == 2**30
+    assert pinned_block_bytes(2**30 + 1) == 2**31
+    assert pinned_block_bytes(11_181_772_800) == 2**34  # StableLM-3B's fp32 partition
+
+
+def test_zero2_cpu_offload_host_bytes_as_deepspeed_allocates_them():
+    """StableLM-3B (2,795,443,200 parameters), ZeRO-2 with the optimizer on the CPU, one H200: the process's host
+    peak measured 68.81 GB (VmHWM, benchmarks/any_model/raw/zoo_s16_host.jsonl) of which 2.96 GB is the process
+    itself (RSS with the model on the GPU and nothing offloaded yet). DeepSpeed pins the fp32 master, its fp32
+    gradient and a bf16 staging copy, each rounded to a power of two, plus a bf16 buffer of the largest parameter;
+    Adam's moments are pageable. The flat sum (16 B a parameter, 44.7 GB) was 35% under and a 7B model planned on
+    it was killed by the host's out-of-memory killer."""
+    p, largest = 2_795_443_200, 50304 * 2560
+    sb = state_bytes("deepspeed", "bf16_autocast")
+    m = sharded_memory(p, engine="deepspeed", stage=2, world_size=1, sb=sb, offload_optimizer="cpu",
+                       largest_module_params=largest)
+    pinned = 2**34 + 2**34 + 2**33 + 2**28
+    assert m.host_pinned_bytes == pinned
+    assert m.host_bytes == pinned + 8 * p
+    assert m.host_bytes + 2.96e9 == pytest.approx(68.81e9, rel=0.01)
+    two = sharded_memory(p, engine="deepspeed", stage=2, world_size=2, sb=sb, offload_optimizer="cpu",
+                         largest_module_params=largest)
+    half = -(-p // 2)
+    assert two.host_pinned_bytes == 2 * (2 * 2**33 + 2**32 + 2**28)  # each rank pins its own half
+    assert two.host_bytes == two.host_pinned_bytes + 2 * 8 * half

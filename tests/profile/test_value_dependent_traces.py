@@ -97,3 +97,45 @@ def test_the_profile_says_which_ops_it_bounded() -> None:
     torch.manual_seed(0)
     plan = memopt.plan(LabelledRows("nonzero"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
     assert any("nonzero" in note and "largest" in note for note in plan.notes), plan.notes
+
+
+def test_the_batch_ids_and_masks_carry_their_real_values_into_the_trace() -> None:
+    """XLM reads ``lengths.max().item()`` from its token ids, Longformer counts the global tokens of a float mask
+    made from the attention mask: the trace reads the values of the real batch the factory makes, through integer,
+    boolean and float ops computed from them alone and through a model's default mask (``torch.ones``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memopt.profile.scalar_values import MAX_ELEMENTS
+    from memopt.profile.tracker import MemoryTracker
+
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    ids[0, :2], ids[1, :3], ids[2, :1] = 7, 5, 3  # rows of 2, 3, 1 and 0 tokens, padded with 0
+    with FakeTensorMode() as mode, MemoryTracker("cpu") as tracker:
+        fake = mode.from_tensor(ids)
+        tracker.shadows.adopt(fake, ids)
+        assert (fake != 0).sum(dim=1).max().item() == 3  # the longest row, not a guess
+        mask = (fake != 0).long()
+        extended = (1.0 - mask.float()) * -10000.0  # B x L floats: larger than a control value, still shadowed
+        assert extended.numel() > MAX_ELEMENTS
+        assert bool((extended < 0).any()) is True
+        assert (extended > 0).sum().item() == 0  # Longformer's global-token count
+        default = torch.ones(2, 4, dtype=torch.long)
+        assert (default * 2).sum().item() == 16  # 2 x 4 twos
+        noise = torch.rand(4, 8)  # a large random draw stays data: its reads keep the tracker's default
+        assert tracker.shadows.value(noise) is None and tracker.shadows.value(noise < 0.5) is None
+        written = fake.clone()
+        assert tracker.shadows.value(written) is not None
+        written.masked_fill_(noise[:, :1] < 0.5, 9)  # written with values the trace cannot know
+        assert tracker.shadows.value(written) is None
+
+
+def test_a_hugging_face_model_reading_its_batch_lengths_is_planned() -> None:
+    """XLM's forward asserts ``lengths.max().item() <= slen`` on the lengths it derives from the token ids: the
+    trace stopped there before the batch's values reached it."""
+    import transformers
+
+    config = transformers.XLMConfig(vocab_size=128, emb_dim=32, n_layers=2, n_heads=2, max_position_embeddings=64)
+    model = transformers.XLMWithLMHeadModel(config).train()
+    plan = memopt.plan(model, sample={"batch_size": 2, "seq_len": 16}, budget="4GB", hardware="h200",
+                       use_cache=False, pins={"precision": "fp32", "checkpointing": "none"})
+    assert plan.fits and plan.peak_allocated_bytes > 0
