@@ -16,6 +16,19 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "memopt-cache"))
 
 
+@pytest.fixture(autouse=True)
+def _no_mode_left_entered():
+    """A dispatch mode a test leaves entered (a tracker whose ``__exit__`` an injected failure skipped) changes what
+    every later test in the process computes: it is popped here, and the test that left it fails."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    yield
+    left = [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
+    while _get_current_dispatch_mode_stack():
+        _pop_mode()
+    assert not left, f"the test left dispatch modes entered: {left}"
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

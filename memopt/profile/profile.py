@@ -54,7 +54,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 7: the memory-efficient kernel takes a mask that needs a gradient; no fused kernel takes a mask whose last dim
 #    is strided
 # 8: the batch's integer and boolean tensors carry their real values (memopt.profile.scalar_values)
-TRACE_REVISION = 8
+# 9: selections by batch values are sized from their shadows; router choices on unknown values are balanced
+#    and readable (memopt.profile.data_dependent, memopt.profile.scalar_values)
+TRACE_REVISION = 9
 
 
 def cache_dir() -> Path:

@@ -13,6 +13,13 @@ and boolean tensors (token ids, masks, labels) get the values of a real batch ma
 Longformer's count of global tokens) are the real batch's. A shadow computed from shadows may be as large as a batch
 (a mask made float); random draws get one only when tiny. A read of a tensor without a shadow keeps the tracker's
 default.
+
+A router's choice (``topk``, ``argmax`` or ``max`` over logits the trace has no values of) gets a balanced shadow:
+row ``r`` picks experts ``r*k .. r*k+k-1`` modulo their number, distinct within a row, every expert as often as any
+other. Routing is the one value a memory plan cannot know ahead; balanced is its expectation, and what an eager
+expert loop then saves for backward sums to the same bytes under any routing (each routed token once), which is
+what transformers' grouped GEMM traces without reading values. The loop's own reads (which experts were hit, how
+many tokens each got) then follow from the shadow instead of stopping the trace.
 """
 
 from __future__ import annotations
@@ -21,11 +28,19 @@ import math
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
+
+def real_values() -> Any:
+    """A context where shadow maths runs on plain CPU tensors: outside the fake mode and outside every other
+    dispatch mode on the stack (a tracker a caller left entered would count these ops, and answer their reads, as
+    its own)."""
+    return _disable_current_modes()
+
 
 MAX_ELEMENTS = 16  # larger random draws are data (dropout noise, masking), not control values
 MAX_INDEX_ELEMENTS = 1 << 22  # a batch's ids and masks and what is computed from them alone (masks made float)
@@ -69,7 +84,7 @@ class ScalarShadows:
     @staticmethod
     def read(func: Any, shadow: torch.Tensor) -> Any:
         """``func`` (a scalar read: ``.item()``, ``bool()``) applied to a shadow, outside the fake mode."""
-        with unset_fake_temporarily():
+        with real_values():
             return func(shadow)
 
     def adopt(self, fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -80,9 +95,15 @@ class ScalarShadows:
             self._shadow[fake] = real
 
     def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            self._observe_many(func, args, kwargs, out)
+            return
         if not isinstance(out, torch.Tensor) or out.numel() > MAX_INDEX_ELEMENTS:
             return
-        with unset_fake_temporarily():
+        with real_values():
+            if func in _CHOICES and self.value(args[0]) is None:
+                self._shadow[out] = _balanced_choice(func, args, kwargs, out)
+                return
             if func in _UNIFORM:
                 if out.numel() > MAX_ELEMENTS:
                     return
@@ -98,19 +119,92 @@ class ScalarShadows:
                 if _writes_first_argument(func) and args and isinstance(args[0], torch.Tensor):
                     self._shadow.pop(args[0], None)  # written with values it cannot know: its shadow is stale
                 return
-            by_id = {id(a): s for a, s in zip(tensors, shadows)}
-
-            def real(a: Any) -> Any:
-                if isinstance(a, torch.Tensor):
-                    return by_id[id(a)]
-                if isinstance(a, torch.device):
-                    return torch.device("cpu")
-                return a
-
-            real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            try:
-                result = func(*tree_map(real, args), **tree_map(real, real_kwargs))
-            except Exception:  # an op the CPU cannot run on these values: the read keeps its default
-                return
+            result = self._run_real(func, args, kwargs)
             if isinstance(result, torch.Tensor):
                 self._shadow[out] = result.clone()
+
+    def _run_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func`` on the shadows of its tensor arguments (the caller checked they all have one), on the CPU;
+        None where the CPU cannot run it on these values (a read then keeps its default)."""
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        by_id = {id(a): self.value(a) for a in tensors}
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return by_id[id(a)]
+            if isinstance(a, torch.device):
+                return torch.device("cpu")
+            return a
+
+        real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        try:
+            return func(*tree_map(real, args), **tree_map(real, real_kwargs))
+        except Exception:
+            return None
+
+    def _observe_many(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> None:
+        """Shadows for an op with several outputs: ``unbind`` and ``split`` of a shadowed tensor (iterating over
+        the hit experts), ``sort`` of routed indices; a router's ``topk``/``max`` gets balanced indices."""
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if not tensors or any(o.numel() > MAX_INDEX_ELEMENTS for o in outs if isinstance(o, torch.Tensor)):
+            return
+        with real_values():
+            if func in _CHOICES and self.value(args[0]) is None:
+                self._shadow[outs[1]] = _balanced_choice(func, args, kwargs, outs[1])
+                return
+            if any(self.value(a) is None for a in tensors):
+                return
+            results = self._run_real(func, args, kwargs)
+            if not isinstance(results, (tuple, list)) or len(results) != len(outs):
+                return
+            for o, r in zip(outs, results):
+                if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
+                    self._shadow[o] = r.clone()
+
+
+# a router's choice over logits: the indices output is balanced (module docstring)
+_CHOICES = {aten.topk.default, aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim}
+
+
+def _balanced_choice(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], indices: torch.Tensor) -> torch.Tensor:
+    """Indices for ``func`` over values nobody knows: row ``r`` of the chosen dim picks ``r*k + j`` modulo its size."""
+    x = args[0]
+    if func is aten.topk.default:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+    elif func in (aten.max.dim, aten.min.dim):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    else:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if dim is None or x.dim() == 0:  # argmax over every element: one flat index
+        return torch.zeros(tuple(indices.shape), dtype=torch.long)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    moved = list(indices.shape)
+    keepdim = indices.dim() == x.dim()
+    k = indices.shape[dim] if keepdim else 1
+    if keepdim:
+        moved.append(moved.pop(dim))
+    else:
+        moved.append(1)
+    rows = max(1, indices.numel() // k)
+    flat = (torch.arange(rows).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % n
+    out = flat.reshape(moved)
+    out = out.movedim(-1, dim) if keepdim else out.squeeze(-1)
+    return out.contiguous()
+
+
+class ShadowFormatting(TorchFunctionMode):
+    """Formats a 0-dim tensor with a shadow as its value, as a real tensor formats: a model that names a submodule
+    from a tensor (``self[f"expert_{idx}"]``) finds it. Other calls pass through untouched."""
+
+    def __init__(self, shadows: ScalarShadows) -> None:
+        super().__init__()
+        self.shadows = shadows
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__format__ and args and args[0].dim() == 0:
+            known = self.shadows.value(args[0])
+            if known is not None:
+                with real_values():
+                    return known.item().__format__(*args[1:])
+        return func(*args, **(kwargs or {}))

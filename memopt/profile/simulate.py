@@ -26,6 +26,7 @@ from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
+from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.tracker import MemoryTracker, TrackedRun
 from memopt.step.batch import check_batch
 from memopt.step.batch import tensors as batch_tensors
@@ -103,7 +104,7 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
         remove_markers = install_markers(prepared.stacks, tracker.set_phase) if markers else None
         prepared.step.on_phase = tracker.set_phase
         try:
-            with tracker:
+            with tracker, ShadowFormatting(tracker.shadows):
                 for p in clone.parameters():
                     tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
                 for b in clone.buffers():

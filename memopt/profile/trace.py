@@ -37,6 +37,7 @@ from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
+from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.simulate import trace_device
 from memopt.profile.trace_alignment import alignment_opcodes
 from memopt.profile.tracker import ALLOC, MemoryTracker
@@ -321,7 +322,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
 
             off.pack = counting_pack
         try:
-            with tracker:
+            with tracker, ShadowFormatting(tracker.shadows):
                 for p in clone.parameters():
                     tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
                 for b in clone.buffers():

@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
-from memopt.profile.data_dependent import BOUNDED_OPS, largest_output
-from memopt.profile.scalar_values import ScalarShadows
+from memopt.profile.data_dependent import BOUNDED_OPS, sized_output
+from memopt.profile.scalar_values import MAX_INDEX_ELEMENTS, ScalarShadows
 from memopt.units import allocator_size
 
 __all__ = ["MemoryTracker", "TrackedRun", "current_tracker", "report_scratch"]
@@ -253,11 +253,16 @@ class MemoryTracker(TorchDispatchMode):
                 return True
         # an op whose output size depends on values it cannot see is given its largest output before the fake
         # mode raises (or, under a symbolic shape environment, returns sizes no byte count can use)
-        out = largest_output(func, args, kwargs or {}) if func in BOUNDED_OPS and _valueless(args) else NotImplemented
+        out = NotImplemented
+        if func in BOUNDED_OPS and _valueless(args):
+            out, exact, known = sized_output(func, args, kwargs or {}, self.shadows.value, MAX_INDEX_ELEMENTS)
+            if out is not NotImplemented:
+                if not exact:
+                    self.run.bounded_ops.add(func.__name__)
+                if known is not None:
+                    self.shadows.adopt(out, known)
         if out is NotImplemented:
             out = func(*args, **(kwargs or {}))
-        else:
-            self.run.bounded_ops.add(func.__name__)
         self.shadows.observe(func, args, kwargs or {}, out)
         label = None
         for t in tree_flatten(out)[0]:

@@ -66,8 +66,10 @@ class LabelledRows(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(self.body(x))
-        if self.select == "nonzero":
-            rows = (labels >= 0).nonzero()
+        if self.select in ("nonzero", "finite"):
+            # the labelled rows (values of the batch, which the trace has), or the rows whose logits are finite
+            # (values it cannot know)
+            rows = (labels >= 0).nonzero() if self.select == "nonzero" else logits.detach()[:, 0].isfinite().nonzero()
             logits = logits.gather(0, rows.expand(rows.size(0), logits.size(1)))
             labels = labels.gather(0, rows.view(-1))
         elif self.select == "mask":
@@ -95,8 +97,31 @@ def test_selections_by_value_are_traced_at_their_largest() -> None:
 
 def test_the_profile_says_which_ops_it_bounded() -> None:
     torch.manual_seed(0)
-    plan = memopt.plan(LabelledRows("nonzero"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
+    plan = memopt.plan(LabelledRows("finite"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
     assert any("nonzero" in note and "largest" in note for note in plan.notes), plan.notes
+    # selected by the batch's labels, whose values the trace has: sized exactly, nothing to say
+    plan = memopt.plan(LabelledRows("nonzero"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
+    assert not any("largest" in note for note in plan.notes), plan.notes
+
+
+def test_a_selection_by_the_batch_values_has_its_real_size() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memopt.profile.tracker import MemoryTracker
+
+    labels = torch.tensor([3, -100, 0, -100, -100, 1, 2, -100])  # 4 of 8 rows labelled
+    with FakeTensorMode() as mode, MemoryTracker("cpu") as tracker:
+        fake = mode.from_tensor(labels)
+        tracker.shadows.adopt(fake, labels)
+        hidden = torch.empty(BATCH, WIDTH)
+        keep = fake >= 0
+        shapes = [keep.nonzero().shape, hidden[keep].shape, hidden.masked_select(keep.unsqueeze(1)).shape,
+                  torch.where(keep)[0].shape]
+        unknown = hidden[:, 0] > 0  # values the trace cannot know: every row
+        largest = [unknown.nonzero().shape, hidden[unknown].shape]
+    assert shapes == [(4, 1), (4, WIDTH), (4 * WIDTH,), (4,)]
+    assert largest == [(BATCH, 1), (BATCH, WIDTH)]
+    assert tracker.run.bounded_ops == {"nonzero.default", "index.Tensor"}
 
 
 def test_the_batch_ids_and_masks_carry_their_real_values_into_the_trace() -> None:
@@ -139,3 +164,87 @@ def test_a_hugging_face_model_reading_its_batch_lengths_is_planned() -> None:
     plan = memopt.plan(model, sample={"batch_size": 2, "seq_len": 16}, budget="4GB", hardware="h200",
                        use_cache=False, pins={"precision": "fp32", "checkpointing": "none"})
     assert plan.fits and plan.peak_allocated_bytes > 0
+
+
+EXPERTS, TOP_K, TOKENS = 4, 2, BATCH * 6
+
+
+class EagerExperts(nn.Module):
+    """A mixture of experts looped over in Python, as transformers' eager experts and JetMoE, LongCat-Flash and
+    Switch write it: which experts were hit, each one's number (``.item()``, or formatted into a submodule name)
+    and its tokens are read from the router's choice. ``read_values=False`` runs the same ops on the balanced
+    routing written out as constants, reading nothing."""
+
+    def __init__(self, read_values: bool) -> None:
+        super().__init__()
+        self.read_values = read_values
+        self.router = nn.Linear(WIDTH, EXPERTS)
+        self.experts = nn.ModuleDict({f"expert_{i}": nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(),
+                                                                   nn.Linear(4 * WIDTH, WIDTH))
+                                      for i in range(EXPERTS)})
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def _routes(self, chosen: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+        if self.read_values:
+            mask = nn.functional.one_hot(chosen, EXPERTS).permute(2, 1, 0)  # expert x slot x token
+            routes = []
+            for hit in (mask.sum(dim=(-1, -2)) > 0).nonzero():
+                slot, token = torch.where(mask[int(hit.item())])
+                routes.append((self.experts[f"expert_{hit[0]}"], slot, token))
+            return routes
+        tokens = chosen.size(0)
+        balanced = [[(j, t) for j in range(TOP_K) for t in range(tokens) if (t * TOP_K + j) % EXPERTS == e]
+                    for e in range(EXPERTS)]
+        return [(self.experts[f"expert_{e}"], torch.tensor([j for j, _ in pairs]), torch.tensor([t for _, t in pairs]))
+                for e, pairs in enumerate(balanced)]
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        weights, chosen = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        out = torch.zeros_like(x)
+        for expert, slot, token in self._routes(chosen):
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return {"loss": nn.functional.cross_entropy(self.head(out), labels)}
+
+
+def _tokens() -> dict[str, torch.Tensor]:
+    return {"x": torch.randn(TOKENS, WIDTH), "labels": torch.randint(0, CLASSES, (TOKENS,))}
+
+
+def test_a_router_choice_nobody_knows_is_balanced_and_readable() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memopt.profile.scalar_values import ShadowFormatting
+    from memopt.profile.tracker import MemoryTracker
+
+    with FakeTensorMode() as mode, MemoryTracker("cpu") as tracker, ShadowFormatting(tracker.shadows):
+        logits = mode.from_tensor(torch.randn(TOKENS, EXPERTS))
+        chosen = logits.topk(TOP_K, dim=-1).indices
+        top1 = logits.argmax(dim=-1)
+        kept = logits.max(dim=0, keepdim=True).indices
+        hit = (nn.functional.one_hot(chosen, EXPERTS).sum(dim=(0, 1)) > 0).nonzero()
+        names = [f"expert_{h[0]}" for h in hit]
+        numbers = [int(h.item()) for h in hit]
+        every = (logits > 0).nonzero()  # no values: every position, whose indices are known
+        last_row = int(every[-1, 0].item())
+        shadows = [tracker.shadows.value(t) for t in (chosen, top1, kept)]
+    real, real_top1, real_kept = shadows
+    assert real.shape == (TOKENS, TOP_K)
+    assert all(len(set(row.tolist())) == TOP_K for row in real)  # distinct experts per token
+    assert torch.bincount(real.flatten(), minlength=EXPERTS).tolist() == [TOKENS * TOP_K // EXPERTS] * EXPERTS
+    assert torch.bincount(real_top1, minlength=EXPERTS).tolist() == [TOKENS // EXPERTS] * EXPERTS
+    assert real_kept.shape == (1, EXPERTS)
+    assert hit.shape == (EXPERTS, 1) and names == [f"expert_{e}" for e in range(EXPERTS)]
+    assert numbers == list(range(EXPERTS))
+    assert every.shape == (TOKENS * EXPERTS, 2) and last_row == TOKENS - 1
+
+
+def test_an_eager_expert_loop_is_traced_on_balanced_routing() -> None:
+    """The loop read the router's choice and stopped the trace; now it is traced on the balanced routing: equal to
+    the same ops on that routing written as constants, within the loop's own small routing tensors."""
+    torch.manual_seed(0)
+    balanced = _peak(EagerExperts(read_values=False), _tokens())
+    torch.manual_seed(0)
+    read = _peak(EagerExperts(read_values=True), _tokens())
+    routing_tensors = 4 * EXPERTS * TOP_K * TOKENS * 8
+    assert abs(read - balanced) <= routing_tensors, (read, balanced)
+    assert read < balanced + 4 * TOKENS * TOP_K * 4 * WIDTH * 4  # not every expert given every token
