@@ -93,17 +93,20 @@ class TrainerStepAttribution:
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._close()
+        self.close()
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._close()
+        self.close()
         return control
 
-    def _close(self) -> None:
+    def close(self, exc: BaseException | None = None) -> None:
+        """End the recording (``exc``: the step raised it, so nothing is tabulated). The Trainer calls no callback
+        when its loop raises, so whoever runs the loop calls this: a recorder left entered is a dispatch mode that
+        every later op of the process would pass through."""
         if self.rec is not None:
             rec, self.rec, self.done = self.rec, None, True
-            rec.__exit__(None, None, None)
+            rec.__exit__(type(exc) if exc is not None else None, exc, None)
 
     def __getattr__(self, name: str) -> Any:  # every other TrainerCallback event: nothing to do
         if name.startswith("on_"):

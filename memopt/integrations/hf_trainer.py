@@ -17,6 +17,7 @@ configured it; memopt keeps it and chooses how to split it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -268,7 +269,9 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     trainer.add_callback(callback)
     from memopt.guard.attribution_hooks import TrainerStepAttribution
 
-    trainer.add_callback(TrainerStepAttribution(plan))  # the first step by module: <output_dir>/memopt
+    attribution = TrainerStepAttribution(plan)  # the first step by module: <output_dir>/memopt
+    trainer.add_callback(attribution)
+    _close_when_train_raises(trainer, attribution)
     trainer.memopt_plan = plan
     trainer.memopt_callback = callback
     trainer.memopt_recovery = None
@@ -278,3 +281,20 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
         trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile),
                                                            transaction=transaction).install()
     return trainer
+
+
+def _close_when_train_raises(trainer: Any, attribution: Any) -> None:
+    """``trainer.train`` that ends the step's recording when the loop raises (an out-of-memory error the recovery
+    gave up on, a user's error): the Trainer runs no callback then, and the recorder would stay entered."""
+    train = trainer.train
+
+    @functools.wraps(train)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            attribution.close(exc)
+            raise
+
+    trainer.train = guarded
+
