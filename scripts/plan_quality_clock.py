@@ -44,8 +44,15 @@ def _model_key(m: dict[str, Any]) -> str:
                                                             if m.get("overrides") else "")
 
 
+# models whose measured rows no longer describe what memopt traces, with the reason: kept, not fitted
+SUPERSEDED = {"t5_base": "measured under transformers 5.17, whose strided position bias sent SDPA to its math "
+                         "kernel; under the pinned 5.24 T5 runs the memory-efficient kernel "
+                         "(benchmarks/validation/t5_replay_by_transformers_version.json)"}
+
+
 def configurations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows grouped by what ran: model, sample, strategy, measurement kind and whether it ran alone."""
+    """Rows grouped by what ran: model, sample, strategy, measurement kind and whether it ran alone (a
+    superseded model's rows count as not alone: reported, not fitted)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("strategy") is None:
@@ -60,7 +67,9 @@ def configurations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"key": key, "terms_key": _terms_key(key), "model_key": _model_key(first["model"]),
                     "model": first["model"],
                     "sample": first["sample"], "hardware": first["hardware"], "strategy": first["strategy"],
-                    "measured_kind": first["measured_kind"], "timing_valid": first["timing_valid"],
+                    "measured_kind": first["measured_kind"],
+                    "timing_valid": first["timing_valid"] and _model_key(first["model"]) not in SUPERSEDED,
+                    "superseded": SUPERSEDED.get(_model_key(first["model"])),
                     "measured_step_s": statistics.median(r["measured_step_s"] for r in rs),
                     "old_recorded_step_s": statistics.median(olds) if olds else None,
                     "n_rows": len(rs), "sources": [r["source"] for r in rs]})
@@ -154,21 +163,24 @@ def _score(errs: list[float]) -> float:
 # the constants fitted, each with the range it may take and a start; the others stay as DEFAULT_TIMING has them
 FITTED = {"matmul_efficiency": (0.4, 1.0, 0.8), "attention_efficiency": (0.3, 1.0, 0.7),
           "memory_efficiency": (0.2, 1.5, 0.7), "launch_s": (0.0, 10e-6, 2e-6), "dispatch_s": (0.0, 60e-6, 8e-6),
-          "sac_dispatch_s": (0.0, 200e-6, 20e-6), "micro_batch_s": (0.0, 20e-3, 1e-3),
+          "sac_dispatch_s": (0.0, 200e-6, 20e-6), "ckpt_dispatch_s": (0.0, 200e-6, 20e-6),
+          "micro_batch_s": (0.0, 20e-3, 1e-3),
           "offload_efficiency": (0.1, 1.0, 0.5), "overlap_loss": (0.0, 1.0, 0.3)}
 STEPS = (0.5, 0.7, 0.85, 0.95, 1.05, 1.15, 1.4, 2.0)
 
 
-def fit(data: list[tuple[dict, float]], start: Any = None, rounds: int = 6) -> Any:
+def fit(data: list[tuple[dict, float]], start: Any = None, rounds: int = 6, only: set[str] | None = None) -> Any:
     """Coordinate search: each constant in turn multiplied by STEPS (or set to 0), kept where the score improves,
-    within its range; rounds until nothing improves."""
+    within its range; rounds until nothing improves. ``only``: fit these constants, from DEFAULT_TIMING's values
+    for the others (a new term added to a calibrated clock)."""
     from memopt.estimate.timing import DEFAULT_TIMING
 
-    tm = start or replace(DEFAULT_TIMING, **{k: v[2] for k, v in FITTED.items()})
+    names = {k: v for k, v in FITTED.items() if only is None or k in only}
+    tm = start or replace(DEFAULT_TIMING, **{k: v[2] for k, v in names.items()})
     best = _score(_errors(data, tm))
     for _ in range(rounds):
         improved = False
-        for name, (lo, hi, _) in FITTED.items():
+        for name, (lo, hi, _) in names.items():
             cur = getattr(tm, name)
             for v in [cur * f for f in STEPS] + ([0.0] if lo == 0.0 else []):
                 if not lo <= v <= hi or v == cur:
@@ -211,18 +223,25 @@ def ranking(configs: list[dict[str, Any]], field: str, min_gap: float = 0.05) ->
     return {"pairs": total, "agree": agree, "fraction": agree / total if total else None, "per_model": per_model}
 
 
-def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str, Any],
+            extra: list[dict[str, Any]] | None = None, extra_fit_cases: set[str] | None = None,
+            only: set[str] | None = None) -> dict[str, Any]:
+    """``extra``: rows of ``scripts/speed_grid_predict.py`` (one GPU session's hand grid); those of
+    ``extra_fit_cases`` join the fit, the others are predicted by the fitted constants only (held out)."""
     from memopt.estimate.timing import step_time
 
+    extra = extra or []
+    extra_fit_cases = extra_fit_cases or set()
     usable = [c for c in configs if "time_terms" in terms.get(c["terms_key"], {})]
     valid = [(terms[c["terms_key"]]["time_terms"], c["measured_step_s"]) for c in usable if c["timing_valid"]]
-    tm = fit(valid)
+    fitted_extra = [(r["time_terms"], r["measured_step_s"]) for r in extra if r["case"] in extra_fit_cases]
+    tm = fit(valid + fitted_extra, only=only)
     # leave one model out: constants fitted without the model's rows predict them
     held: dict[str, float] = {}
     for model in sorted({c["model_key"] for c in usable if c["timing_valid"]}):
         train = [(terms[c["terms_key"]]["time_terms"], c["measured_step_s"]) for c in usable
                  if c["timing_valid"] and c["model_key"] != model]
-        tm_cv = fit(train, start=tm, rounds=2)
+        tm_cv = fit(train, start=tm, rounds=2, only=only)
         for c in usable:
             if c["timing_valid"] and c["model_key"] == model:
                 held[c["key"]] = predict(terms[c["terms_key"]]["time_terms"], tm_cv)
@@ -240,12 +259,22 @@ def run_fit(configs: list[dict[str, Any]], terms: dict[str, Any], old: dict[str,
     fields = ("old_recorded_step_s", "old_code_step_s", "new_step_s", "held_out_step_s")
     summary = {f"{name}/{field}": _stats(errs(field, v)) for name, v in (("alone", True), ("shared_gpu", False))
                for field in fields}
+    for r in extra:
+        r["new_step_s"] = predict(r["time_terms"], tm)
+    for name, group in (("speed_cases_fitted", [r for r in extra if r["case"] in extra_fit_cases]),
+                        ("speed_cases_held_out", [r for r in extra if r["case"] not in extra_fit_cases])):
+        summary[f"{name}/new_step_s"] = _stats([(r["new_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+                                                for r in group])
+        summary[f"{name}/recorded_code_step_s"] = _stats([(r["predicted_step_s"] - r["measured_step_s"])
+                                                          / r["measured_step_s"] for r in group])
     rank = {field: ranking(usable, field) for field in fields[1:]}
     failed = [{"model": c["model_key"], "strategy": _label(c["strategy"]),
                "error": terms.get(c["terms_key"], {}).get("error")} for c in configs if c not in usable]
     return {"timing_model": asdict(tm), "errors": summary, "ranking": rank,
             "configurations": [{k: v for k, v in c.items() if k not in ("key", "terms_key")} for c in usable],
             "not_estimated": failed,
+            "speed_cases": [{k: v for k, v in r.items() if k != "time_terms"} for r in extra],
+            "speed_cases_fitted": sorted(extra_fit_cases),
             "command": "python scripts/plan_quality_rows.py && python scripts/plan_quality_clock.py terms && "
                        f"mkdir -p /tmp/old && git archive {OLD_COMMIT} | tar -x -C /tmp/old && "
                        "MEMOPT_OLD_CODE=1 PYTHONPATH=/tmp/old MEMOPT_CACHE_DIR=/tmp/old_cache "
@@ -282,6 +311,17 @@ def write_md(result: dict[str, Any], path: Path) -> None:
                      f"{'yes' if c['timing_valid'] else 'no'} | {f(c['measured_step_s'])} | "
                      f"{f(c['old_recorded_step_s'])} | {f(c['old_code_step_s'])} | {f(c['new_step_s'])} | "
                      f"{f(c['held_out_step_s'])} | {err:+.0f} | {'yes' if c['host_bound'] else ''} |")
+    if result.get("speed_cases"):
+        fitted = set(result.get("speed_cases_fitted", []))
+        lines += ["", "Speed-case hand grid (`scripts/speed_grid_gpu.py`, `scripts/speed_grid_predict.py`): cases "
+                  f"in the fit: {', '.join(sorted(fitted)) or 'none'}; the others held out.", "",
+                  "| case | config | in fit | measured s | code before s | new s | new err % |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["speed_cases"]:
+            err = 100 * (r["new_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+            lines.append(f"| {r['case']} | {r['config']} | {'yes' if r['case'] in fitted else 'no'} | "
+                         f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | {r['new_step_s']:.3f} | "
+                         f"{err:+.0f} |")
     if result["not_estimated"]:
         lines += ["", "Not estimated on this CPU:", ""] + [f"- {x['model']} {x['strategy']}: {x['error']}"
                                                           for x in result["not_estimated"]]
@@ -295,6 +335,9 @@ def main() -> int:
     ap.add_argument("--terms", default=str(OUT / "clock_terms.json"))
     ap.add_argument("--old", default=str(OUT / "clock_old_code.json"))
     ap.add_argument("--out", default=str(OUT / "clock_fit"))
+    ap.add_argument("--extra", nargs="*", default=[], help="scripts/speed_grid_predict.py outputs (.json)")
+    ap.add_argument("--extra-fit-cases", default="", help="their cases that join the fit; the rest are held out")
+    ap.add_argument("--only", default="", help="constants to fit (comma-separated); the others keep DEFAULT_TIMING's")
     args = ap.parse_args()
     configs = configurations(json.loads(Path(args.rows).read_text())["rows"])
     if args.what == "terms":
@@ -303,7 +346,10 @@ def main() -> int:
     if args.what == "old-code":
         compute_terms(configs, Path(args.old), keep_terms=False)
         return 0
-    result = run_fit(configs, _load_terms(Path(args.terms)), _load_terms(Path(args.old)))
+    extra = [r for p in args.extra for r in json.loads(Path(p).read_text())["rows"]]
+    only = set(filter(None, args.only.split(","))) or None
+    result = run_fit(configs, _load_terms(Path(args.terms)), _load_terms(Path(args.old)), extra,
+                     set(filter(None, args.extra_fit_cases.split(","))), only)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     write_md(result, Path(args.out + ".md"))
     for key, s in result["errors"].items():

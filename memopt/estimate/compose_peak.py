@@ -31,6 +31,7 @@ class Summary:
     net_by_cat: dict[MemoryCategory, int]
     at_peak_by_cat: dict[MemoryCategory, int]
     grads: int  # gradient bytes this segment leaves allocated (first micro-batch)
+    grad_tensors: int = 0  # how many gradients it makes (each later micro-batch adds one into each)
 
 
 def _summarize(trace: VariantTrace, events: list[tuple[int, int, int, int]], b: int, accumulate: bool,
@@ -38,7 +39,7 @@ def _summarize(trace: VariantTrace, events: list[tuple[int, int, int, int]], b: 
     """Fold events (sizes at micro-batch ``b``); ``inserted`` frees (position, bytes, category) go before the
     event at that position."""
     idx = trace_index(trace)
-    cur = peak = grads = 0
+    cur = peak = grads = grad_tensors = 0
     by_cat: dict[MemoryCategory, int] = defaultdict(int)
     at_peak: dict[MemoryCategory, int] = {}
     ins = inserted or []
@@ -58,6 +59,7 @@ def _summarize(trace: VariantTrace, events: list[tuple[int, int, int, int]], b: 
             is_grad = key in trace.grad_keys
             if is_grad:
                 grads += size
+                grad_tensors += 1
             if cur > peak:
                 peak, at_peak = cur, dict(by_cat)
             if accumulate and is_grad:  # accumulated into the existing gradient, then freed
@@ -70,7 +72,8 @@ def _summarize(trace: VariantTrace, events: list[tuple[int, int, int, int]], b: 
     for _, size, cat in ins[j:]:
         cur -= size
         by_cat[cat] -= size
-    return Summary(net=cur, peak=peak, net_by_cat=dict(by_cat), at_peak_by_cat=at_peak, grads=grads)
+    return Summary(net=cur, peak=peak, net_by_cat=dict(by_cat), at_peak_by_cat=at_peak, grads=grads,
+                   grad_tensors=grad_tensors)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class PeakResult:
     breakdown: dict[MemoryCategory, int]
     where: str
     grad_bytes: int
+    grad_tensors: int = 0
     step_peaks: list[int] = field(default_factory=list)
 
 
@@ -134,7 +138,7 @@ def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b
     running: dict[MemoryCategory, int] = defaultdict(int, static)
     best, best_where, best_cats = level, "start", dict(running)
     step_peaks: list[int] = []
-    grad_total = 0
+    grad_total = grad_tensors = 0
     opt_first = _opt_summary(optimizer.first, optimizer.state_keys)
     opt_steady = _opt_summary(optimizer.steady, optimizer.state_keys)
 
@@ -162,6 +166,7 @@ def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b
                         s = cache[key] = _instance_summary(traces, layout, inst, b, acc)
                     if step == 0 and mb == 0:
                         grad_total += s.grads
+                        grad_tensors += s.grad_tensors
                     if level + s.peak > best:
                         name = traces[inst.variant].segments[inst.segment].name
                         where = f"step {step + 1}, micro-batch {mb + 1}, {part}: {name}"
@@ -176,6 +181,7 @@ def allocated_peak(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b
         step_peaks.append(best if best > start_best else start_best)
     breakdown = {c: v for c, v in best_cats.items() if v}
     return PeakResult(peak_bytes=best, breakdown=breakdown, where=best_where, grad_bytes=grad_total,
+                      grad_tensors=grad_tensors,
                       step_peaks=step_peaks)
 
 

@@ -224,7 +224,7 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     breakdown = dict(peak.breakdown)
     breakdown[Cat.ALLOCATOR_OVERHEAD] = reserved - peak.peak_bytes
     breakdown[Cat.RUNTIME] = runtime
-    step_s, detail = _step_time(profile, traces, layout, b, m, opt, hw, timing, strategy)
+    step_s, detail = _step_time(profile, traces, layout, b, m, opt, hw, timing, strategy, peak)
     if exact_reserved and cap_bytes is not None:
         retries = -(-result.num_alloc_retries // num_steps)  # per step (the first step's included)
         step_s += retries * timing.alloc_retry_s
@@ -248,10 +248,11 @@ def _approx_reserved(allocated: int) -> int:
 
 
 def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt: Any, hw: HardwareSpec,
-               tm: TimingModel, strategy: Strategy) -> tuple[float, dict[str, Any]]:
+               tm: TimingModel, strategy: Strategy, peak: Any) -> tuple[float, dict[str, Any]]:
     fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches", "bnb4_calls"), 0.0)
     bwd = dict(fwd)
     fwd["sac_ops"] = 0.0
+    fwd["ckpt_ops"] = 0.0
     for insts, acc in ((layout.forward, fwd), (layout.backward, bwd)):
         for i in insts:
             t = traces[i.variant]
@@ -263,8 +264,16 @@ def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt:
                 # selective checkpointing's dispatch mode sees every op of the block twice: in the forward, and
                 # again in the recompute (saved outputs are returned from its cache, the others run again)
                 fwd["sac_ops"] += 2 * seg_terms["launches"]
+            if acc is fwd and _full_block_forward(i, seg.name):
+                # non-reentrant checkpointing packs every tensor the block saves through Python hooks, and the
+                # recompute unpacks them under another hook context: host time per op of the block's forward
+                fwd["ckpt_ops"] += seg_terms["launches"]
     opt_terms = segment_terms(opt.cost, opt.cost, 1, hw)
-    terms: dict[str, Any] = {"forward": fwd, "backward": bwd, "optimizer": opt_terms, "micro_batches": m}
+    # each micro-batch after the first adds its gradients into the ones kept: one op per gradient, reading both
+    # and writing one
+    accumulate = {"launches": float(peak.grad_tensors), "memory": 3.0 * peak.grad_bytes / hw.hbm_bandwidth}
+    terms: dict[str, Any] = {"forward": fwd, "backward": bwd, "optimizer": opt_terms, "micro_batches": m,
+                             "accumulate": accumulate}
     detail: dict[str, Any] = {}
     if strategy.activation_offload:
         # device-to-host copies overlap the forward pass; host-to-device copies happen as backward unpacks
@@ -275,6 +284,11 @@ def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt:
     detail.update(parts)
     detail["time_terms"] = terms
     return step_s, detail
+
+
+def _full_block_forward(inst: Any, name: str) -> bool:
+    """A block's own forward segment under full checkpointing."""
+    return inst.block is not None and inst.variant.checkpointing == "full" and not name.endswith(".x")
 
 
 def _selective_block_forward(inst: Any, name: str) -> bool:

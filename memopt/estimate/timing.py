@@ -14,7 +14,8 @@ once 256 MiB are in flight, and the copies back run on the compute stream as bac
 The host issues the kernels while the GPU runs the ones already queued: a pass of one micro-batch takes the longer
 of its GPU time and its host time (:func:`host_time`), plus ``overlap_loss`` of the shorter (:func:`step_time`)::
 
-    num_ops * dispatch_s + sac_ops * sac_dispatch_s + bnb4_calls * bnb4_call_s + micro_batch_s
+    num_ops * dispatch_s + sac_ops * sac_dispatch_s + ckpt_ops * ckpt_dispatch_s + bnb4_calls * bnb4_call_s
+      + micro_batch_s
 
 ``sac_ops`` counts the ops that selective checkpointing's Python dispatch mode intercepts: every op of a selective
 block's forward, twice (forward and recompute). That is why selective checkpointing at micro-batch 1 of a 1.1B
@@ -55,6 +56,13 @@ class TimingModel:
     # More host seconds per op intercepted by selective checkpointing's TorchDispatchMode (a Python
     # __torch_dispatch__ with the policy call and the cache of saved outputs), in the forward and the recompute
     sac_dispatch_s: float = 84e-6
+    # More host seconds per op of a fully checkpointed block's forward: non-reentrant torch.utils.checkpoint packs
+    # each tensor the block saves through a Python hook, and its recompute runs the block's Python again under
+    # another hook context that unpacks them. Fitted alone (the other constants kept) on the rows above plus the
+    # hand grids of Pythia-410m and ViT-632M (benchmarks/plan_quality/speed_cases); RoBERTa-large and a tied MLP
+    # held out: at micro-batch 1 full checkpointing took 2x the step of no checkpointing, where the recompute's
+    # ops alone make 1.4x
+    ckpt_dispatch_s: float = 35.7e-6
     micro_batch_s: float = 0.0  # host seconds per micro-batch outside the ops (the train step's Python)
     # The host and the GPU overlap imperfectly: stretches of small kernels drain the queue even in a GPU-bound pass,
     # and large kernels leave the host idle in a host-bound one. This fraction of the shorter of the two shows.
@@ -112,7 +120,7 @@ def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> floa
     4-bit linear at ``bnb4_call_s``, every op that selective checkpointing's dispatch mode intercepts at
     ``sac_dispatch_s`` more. A pass of one micro-batch takes ``max(GPU time, host time)``."""
     return (terms["launches"] * tm.dispatch_s + terms.get("bnb4_calls", 0.0) * tm.bnb4_call_s
-            + terms.get("sac_ops", 0.0) * tm.sac_dispatch_s)
+            + terms.get("sac_ops", 0.0) * tm.sac_dispatch_s + terms.get("ckpt_ops", 0.0) * tm.ckpt_dispatch_s)
 
 
 def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dict[str, float]]:
@@ -122,14 +130,22 @@ def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dic
     way over the host link, per micro-batch). Returns the step and its parts::
 
         pass   = max(GPU, host) + overlap_loss * min(GPU, host)
-                 GPU = forward + backward, host = ops * dispatch_s + sac_ops * sac_dispatch_s + micro_batch_s
+                 GPU = forward + backward (+ the share of accumulating the gradients: micro-batches 2..m add
+                 each into the kept one)
+                 host = ops * dispatch_s + sac_ops * sac_dispatch_s + ckpt_ops * ckpt_dispatch_s + micro_batch_s
         offload: max(max(GPU forward, copy) + GPU backward + copy, host)   (copies back serialised with backward)
         step   = pass * micro_batches + max(GPU optimizer, optimizer ops * dispatch_s)
     """
     fwd, bwd, opt = terms["forward"], terms["backward"], terms["optimizer"]
     m = terms["micro_batches"]
     fwd_s, bwd_s = terms_time(fwd, tm), terms_time(bwd, tm)
+    # the gradient accumulation of micro-batches 2..m, spread over the passes: its ops are issued in backward
+    accumulate = terms.get("accumulate", {})
+    share = (m - 1) / m if m > 1 else 0.0
+    acc_ops = accumulate.get("launches", 0.0) * share
+    bwd_s += share * accumulate.get("memory", 0.0) / tm.memory_efficiency + acc_ops * tm.launch_s
     summed = {k: fwd.get(k, 0.0) + bwd.get(k, 0.0) for k in set(fwd) | set(bwd)}
+    summed["launches"] += acc_ops
     host_s = host_time(summed, tm) + tm.micro_batch_s
     gpu_s = fwd_s + bwd_s
     copy_s = terms.get("offload_s", 0.0) / tm.offload_efficiency

@@ -1,6 +1,7 @@
 """The step-time clock's terms against hand-computed truths: kernel counts of a model of identical blocks, the host
-floor (ops x dispatch_s), selective checkpointing's dispatch-mode ops, the recompute of checkpointed blocks, the
-offload copies and the optimizer's host floor."""
+floor (ops x dispatch_s), selective checkpointing's dispatch-mode ops, full checkpointing's hooked ops, the recompute
+of checkpointed blocks, the gradient accumulation of micro-batches, the offload copies and the optimizer's host
+floor."""
 
 from dataclasses import replace
 
@@ -90,6 +91,36 @@ def test_full_checkpointing_of_k_blocks_adds_exactly_their_forward(plain, k):
     # the recompute of one block: one D x D matmul over the micro-batch's tokens, and its relu
     assert extra["matmul"] - base["matmul"] == pytest.approx(k * 2 * TOKENS * D * D / fp32_peak, rel=1e-9)
     assert extra["launches"] - base["launches"] == 2 * k
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_full_checkpointing_hooks_the_forward_ops_of_its_blocks(plain, k):
+    # 2 forward ops per block (mm, relu) pass through the checkpoint's saved-tensor hooks; no block, no hooked op
+    est = _estimate(8, FP32.replace(checkpointing=Checkpointing(mode="full", num_blocks=k)))
+    assert est.detail["time_terms"]["forward"]["ckpt_ops"] == 2 * k
+    assert plain[8].detail["time_terms"]["forward"]["ckpt_ops"] == 0
+    hooks_only = replace(DEFAULT_TIMING, dispatch_s=0.0, micro_batch_s=0.0, sac_dispatch_s=0.0, overlap_loss=0.0,
+                         ckpt_dispatch_s=1.0)
+    # 1 s a hooked op dwarfs the tiny model's GPU time
+    assert _estimate(8, FP32.replace(checkpointing=Checkpointing(mode="full", num_blocks=k)),
+                     timing=hooks_only).detail["host_s"] == pytest.approx(2.0 * k, rel=1e-12)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_each_micro_batch_after_the_first_adds_into_every_gradient(m):
+    # 8 blocks of one weight each: 8 gradients of D x D fp32, each later micro-batch one add per gradient that
+    # reads both and writes one
+    est = _estimate(8, Strategy(precision="fp32", micro_batch_size=16 // m, grad_accum_steps=m))
+    acc = est.detail["time_terms"]["accumulate"]
+    assert acc["launches"] == 8
+    assert acc["memory"] == pytest.approx(3 * 8 * D * D * 4 / memopt.load_hardware("h200").hbm_bandwidth, rel=1e-12)
+    host_bound = replace(DEFAULT_TIMING, dispatch_s=1.0, micro_batch_s=0.0, sac_dispatch_s=0.0, overlap_loss=0.0)
+    slow = _estimate(8, Strategy(precision="fp32", micro_batch_size=16 // m, grad_accum_steps=m), timing=host_bound)
+    # m passes of the traced ops, plus (m - 1) x 8 adds, at 1 s each
+    assert slow.detail["host_s"] == pytest.approx(m * _launches(est) + (m - 1) * 8, rel=1e-12)
+    # one micro-batch accumulates nothing
+    one = _estimate(8, FP32, timing=host_bound)
+    assert one.detail["host_s"] == pytest.approx(_launches(one), rel=1e-12)
 
 
 def _terms(fwd_s: float, bwd_s: float, *, ops: float = 0, m: int = 1, offload_s: float = 0.0,
