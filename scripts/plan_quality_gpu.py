@@ -70,7 +70,7 @@ def _model_and_batch() -> tuple[Any, dict[str, Any]]:
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
-def _timed(step: Any, steps: int) -> tuple[list[float], list[float]]:
+def timed(step: Any, steps: int) -> tuple[list[float], list[float]]:
     import torch
 
     times, losses = [], []
@@ -96,14 +96,14 @@ def run_memopt(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict
     first = float(wrapped.step(batch))
     torch.cuda.synchronize()
     to_first = time.perf_counter() - t0
-    times, losses = _timed(lambda: wrapped.step(batch), steps - 1)
+    times, losses = timed(lambda: wrapped.step(batch), steps - 1)
     plan = wrapped.plan
     return {"plan": plan.strategy.label(), "predicted_step_s": float(plan.step_time_s),
             "time_to_first_step_s": to_first, "step_times_s": times, "losses": [first, *losses],
             "autotune": [n for n in plan.notes if n.startswith("autotune")]}
 
 
-def _outside_allocator_bytes() -> int:
+def outside_allocator_bytes() -> int:
     """What this process holds on the GPU outside PyTorch's allocator (CUDA context, cuBLAS handle), measured once
     a GEMM has run."""
     import torch
@@ -119,7 +119,7 @@ def run_hand(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict[s
 
     model, batch = _model_and_batch()
     # the hard cap of the brief: the budget less what the process holds outside the allocator, as memopt's own
-    outside = _outside_allocator_bytes()
+    outside = outside_allocator_bytes()
     partial["outside_allocator_bytes"] = outside
     torch.cuda.set_per_process_memory_fraction((BUDGET_BYTES - outside)
                                                / torch.cuda.get_device_properties(0).total_memory)
@@ -147,7 +147,7 @@ def run_hand(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict[s
         opt.zero_grad(set_to_none=True)
         return total
 
-    times, losses = _timed(step, steps)
+    times, losses = timed(step, steps)
     return {"step_times_s": times, "losses": losses}
 
 

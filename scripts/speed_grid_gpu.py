@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import zoo_matrix_gpu as zoo  # noqa: E402 - the zoo's row builders, one definition of each model
+from plan_quality_gpu import outside_allocator_bytes, timed  # noqa: E402 - the same timing and outside-memory probe
 
 
 @dataclass(frozen=True)
@@ -140,19 +141,6 @@ def _loss(model: Any, row: zoo.ZooRow, mb: dict[str, Any]) -> Any:
     return out["loss"]
 
 
-def _time_steps(step: Any, steps: int) -> tuple[list[float], list[float]]:
-    import torch
-
-    times, losses = [], []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        losses.append(float(step()))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return times, losses
-
-
 def _free(*objs: Any) -> None:
     import gc
 
@@ -168,7 +156,7 @@ def run_hand_grid(case: Case, expandable: bool, steps: int, deadline_s: float, o
 
     row = case.row
     unit, per_step = _unit(row)
-    outside = _outside_allocator_bytes()
+    outside = outside_allocator_bytes()
     from memopt.units import parse_budget
 
     budget = parse_budget(row.budget)
@@ -211,7 +199,7 @@ def run_hand_grid(case: Case, expandable: bool, steps: int, deadline_s: float, o
             return total
 
         try:
-            times, losses = _time_steps(step, steps)
+            times, losses = timed(step, steps)
             rec.update(ok=True, step_times_s=times, losses=losses, measured_step_s=statistics.median(times[1:]))
             rec["throughput"] = per_step / rec["measured_step_s"]
             if best is None or rec["measured_step_s"] < best[0]:
@@ -241,15 +229,6 @@ def run_hand_grid(case: Case, expandable: bool, steps: int, deadline_s: float, o
         one(best[1], best[2], "adamw_foreach")
 
 
-def _outside_allocator_bytes() -> int:
-    import torch
-
-    x = torch.ones(256, 256, device="cuda")
-    (x @ x).sum().item()
-    free, total = torch.cuda.mem_get_info()
-    return total - free - torch.cuda.memory_reserved()
-
-
 def run_memopt(case: Case, steps: int, out: Path) -> None:
     import torch
 
@@ -271,7 +250,7 @@ def run_memopt(case: Case, steps: int, out: Path) -> None:
         first = float(wrapped.step(batch))
         torch.cuda.synchronize()
         rec["time_to_first_step_s"] = time.perf_counter() - t0
-        times, losses = _time_steps(lambda: wrapped.step(batch), steps)
+        times, losses = timed(lambda: wrapped.step(batch), steps)
         plan = wrapped.plan
         rec.update(ok=True, plan=plan.strategy.label(), predicted_step_s=float(plan.step_time_s),
                    predicted_peak_allocated_bytes=int(plan.peak_allocated_bytes), step_times_s=times,
