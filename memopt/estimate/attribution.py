@@ -15,7 +15,7 @@ Rows sum to the predicted total (peak reserved + outside the allocator) exactly.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,16 +24,16 @@ from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
 from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
+from memopt.estimate.event_levels import downsample, first_step_length, level_at, levels, live_at, step_timeline
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
 from memopt.profile.trace import VariantTrace, traced_unit
 from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
 from memopt.units import allocator_size
 
-__all__ = ["predict_attribution", "split_exact"]
+__all__ = ["AttributionTable", "attach_to_plan", "predict_attribution", "split_exact"]
 
 Cat = MemoryCategory
-TIMELINE_POINTS = 400
 
 
 def _itemsize(dtype: str) -> int:
@@ -221,13 +221,13 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     peak = allocated_peak(traces, layout, b, m, opt, static)
     origins: dict[int, Any] = {}
     events, _ = event_stream(traces, layout, b, m, opt, [], num_steps=2, origins=origins)
-    n1 = _first_step_length(events, origins, layout)
+    n1 = first_step_length(events, origins, layout)
     if n1 is None:  # an optimizer step that allocates nothing: the first step's stream alone tells
         n1 = len(event_stream(traces, layout, b, m, opt, [], num_steps=1)[0])
     static_total = sum(static.values())
     # the highest point of the whole run and of each step (first reached, as allocated_peak reports it)
     best = [(static_total, -1)] * 3
-    for i, level in enumerate(_levels(events, static_total)):
+    for i, level in enumerate(levels(events, static_total)):
         for slot in (0, 1 if i < n1 else 2):
             if level > best[slot][0]:
                 best[slot] = (level, i)
@@ -238,7 +238,7 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
         params = _static_entries(profile, base, static, opt.master_bytes, table)
         if states_weights is None:
             states_weights = _states_by_group(profile, strategy, params)
-        live = _live(events, at)
+        live = live_at(events, at)
         states_live = _add_live(table, live, origins, traces, layout, opt)
         for g, v in split_exact(states_live, _weights(states_weights, opt.state_bytes)).items():
             table.add(g, f"({g} optimizer states)" if g != OPTIMIZER else "(optimizer)", Cat.OPTIMIZER_STATES, v,
@@ -258,8 +258,8 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     out["residual_bytes"] = peak.peak_bytes - best[0][0]
     out.update({"where": peak.where,
                 "peak_allocated_bytes": peak.peak_bytes, "steps": [tables["step1"], tables["step2"]],
-                "timeline": _timeline(events[n1:], origins, layout, _level_at(events, n1, static_total)),
-                "timeline_first_step": _timeline(events[:n1], origins, layout, static_total)})
+                "timeline": step_timeline(events[n1:], origins, layout, level_at(events, n1, static_total)),
+                "timeline_first_step": step_timeline(events[:n1], origins, layout, static_total)})
     return out
 
 
@@ -279,40 +279,6 @@ def _add_residual(table: AttributionTable, breakdown: dict[MemoryCategory, int])
             table.cells[(UNPLACED, "(bytes the event stream does not place)", str(cat))] += diff
 
 
-def _levels(events: list[tuple[int, int, int]], start: int) -> Iterator[int]:
-    """Allocated bytes after each event. A free takes away what its key allocated: the stream resolves a traced
-    free to a fresh key, whose size (at this micro-batch) can differ from the traced free's own."""
-    live: dict[int, int] = {}
-    level = start
-    for kind, key, size in events:
-        if kind == ALLOC:
-            live[key] = allocator_size(size)
-            level += live[key]
-        else:
-            level -= live.pop(key, 0)
-        yield level
-
-
-def _level_at(events: list[tuple[int, int, int]], n: int, start: int) -> int:
-    *_, last = _levels(events[:n], start) if n else iter([start])
-    return last
-
-
-def _first_step_length(events: list[tuple[int, int, int]], origins: dict[int, Any], layout: Any) -> int | None:
-    """Where the second step begins: the first forward allocation after the first step's optimizer events."""
-    forward = set(layout.forward)
-    seen_optimizer = False
-    for i, (kind, key, _) in enumerate(events):
-        if kind != ALLOC:
-            continue
-        inst = origins[key][0]
-        if inst is None:
-            seen_optimizer = True
-        elif seen_optimizer and inst in forward:
-            return i
-    return None
-
-
 def _weights(by_group: dict[str, int], state_bytes: int) -> dict[str, int]:
     """Per-group state bytes, plus what no group's own trace makes (shared states) as the optimizer's."""
     weights = dict(by_group)
@@ -320,16 +286,6 @@ def _weights(by_group: dict[str, int], state_bytes: int) -> dict[str, int]:
     if rest > 0:
         weights[OPTIMIZER] = weights.get(OPTIMIZER, 0) + rest
     return weights
-
-
-def _live(events: list[tuple[int, int, int]], at: int) -> dict[int, int]:
-    live: dict[int, int] = {}
-    for kind, key, size in events[:at + 1]:
-        if kind == ALLOC:
-            live[key] = allocator_size(size)
-        else:
-            live.pop(key, None)
-    return live
 
 
 def _add_live(table: AttributionTable, live: dict[int, int], origins: dict[int, Any], traces: dict, layout: Any,
@@ -362,44 +318,6 @@ def _add_live(table: AttributionTable, live: dict[int, int], origins: dict[int, 
         table.add(group, pattern or "(root)", cat, size, op=op, phase=f"{direction}: {phase}",
                   tensor_path=path or "(root)")
     return states
-
-
-def _timeline(events: list[tuple[int, int, int]], origins: dict[int, Any], layout: Any, start: int
-              ) -> dict[str, Any]:
-    """Allocated bytes over one step (the second), at most ``TIMELINE_POINTS`` points (each the highest of its
-    stretch of events), and where the forward, backward and optimizer phases begin (fractions of the step)."""
-    forward = set(layout.forward)
-    phase = "forward"
-    levels: list[int] = []
-    phases: list[tuple[str, int]] = []
-    for i, ((kind, key, _size), level) in enumerate(zip(events, _levels(events, start))):
-        if kind == ALLOC:
-            inst = origins[key][0]
-            now = "optimizer" if inst is None else "forward" if inst in forward else "backward"
-            if now != phase or not phases:
-                phase = now
-                phases.append((now, i))
-        levels.append(level)
-    return downsample(levels, phases)
-
-
-def downsample(levels: list[int], phases: list[tuple[str, int]], points: int = TIMELINE_POINTS) -> dict[str, Any]:
-    """``{"x": fractions of the step, "bytes": levels, "phases": [[name, start fraction], ...]}``."""
-    n = len(levels)
-    if n == 0:
-        return {"x": [], "bytes": [], "phases": []}
-    width = max(1, -(-n // points))
-    xs, ys = [], []
-    for lo in range(0, n, width):
-        chunk = levels[lo:lo + width]
-        xs.append(lo / n)
-        ys.append(max(chunk))
-    merged: list[list[Any]] = []
-    for name, i in phases:
-        if merged and merged[-1][0] == name:
-            continue
-        merged.append([name, i / n])
-    return {"x": xs, "bytes": ys, "phases": merged}
 
 
 def attach_to_plan(plan: Any, profile: Any, hardware: Any) -> None:

@@ -31,7 +31,8 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
-from memopt.estimate.attribution import AttributionTable, downsample
+from memopt.estimate.attribution import AttributionTable
+from memopt.estimate.event_levels import downsample
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, ModuleAttribution, block_pattern, group_of
 from memopt.profile.markers import install_markers
 from memopt.profile.tracker import ALLOC, MemoryTracker

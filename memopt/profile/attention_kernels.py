@@ -1,180 +1,25 @@
 """What CUDA's attention kernels allocate, reproduced on CPU (fake) tensors.
 
 ``scaled_dot_product_attention`` on CUDA picks a fused kernel (flash, memory-efficient, cuDNN) by the
-rules of ``sdp_utils.cpp``; on a CPU it runs a different path that saves different tensors. Here each
-CUDA backend is an ``autograd.Function`` whose forward and backward allocate exactly the outputs,
-saved tensors and scratch buffers of the CUDA kernel (shapes, dtypes and layouts), so a tracker sees
-the GPU's bytes. On real CPU tensors they also compute the right values (through the math path), so
-tests can check them numerically.
-
-Backend selection (``choose_backend``) follows ``select_sdp_backend`` for dense inputs: the priority
-order, the user's enable flags (``torch.nn.attention.sdpa_kernel``), dtype, head-dim, mask, causal,
-GQA and hardware constraints.
+rules of ``sdp_utils.cpp`` (``memopt.profile.attention_select``); on a CPU it runs a different path that saves
+different tensors. Here each CUDA backend is a custom op whose forward and backward allocate exactly the outputs,
+saved tensors and scratch buffers of the CUDA kernel (shapes, dtypes and layouts), so a tracker sees the GPU's
+bytes. On real CPU tensors they also compute the right values (``memopt.profile.attention_reference``), so tests
+can check them numerically.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from memopt.profile.attention_reference import math_reference, reference_grads
+from memopt.profile.attention_select import AttentionPolicy, choose_backend, round_up
 from memopt.profile.tracker import report_scratch
 from memopt.units import allocator_size
 
-__all__ = ["BACKENDS", "AttentionPolicy", "UnsupportedAttention", "choose_backend",
-           "emulated_sdpa"]
-
-BACKENDS = ("flash", "efficient", "cudnn", "math")
-_ENUM_TO_NAME = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class AttentionPolicy:
-    """The facts of the target CUDA stack that decide attention kernels and their scratch memory."""
-
-    sm: int = 90
-    prefer_cudnn: bool = False  # recent torch + cuDNN >= 9.15 on sm90/100 put cuDNN attention first
-    has_flash: bool = True
-    has_efficient: bool = True
-    has_cudnn: bool = True
-    # flash-attention backward scratch: dq accumulator in fp32 over rounded shapes, softmax_d in fp32
-    flash_bwd_dq_accum: bool = True
-    flash_round_q: int = 128
-    flash_round_d: int = 32
-    efficient_lse_pad: int = 32
-
-
-def _round(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _enabled(name: str) -> bool:
-    return {
-        "flash": torch.backends.cuda.flash_sdp_enabled,
-        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
-        "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
-        "math": torch.backends.cuda.math_sdp_enabled,
-    }[name]()
-
-
-def _priority(policy: AttentionPolicy) -> list[str]:
-    order = [_ENUM_TO_NAME[i] for i in torch._C._get_sdp_priority_order() if i in _ENUM_TO_NAME]
-    if policy.prefer_cudnn and order[:3] == ["flash", "efficient", "math"]:
-        order = ["cudnn", "flash", "efficient", "math"]
-    return order
-
-
-def _can_use(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             dropout_p: float, is_causal: bool, enable_gqa: bool, policy: AttentionPolicy) -> bool:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return name == "math"
-    dtype = q.dtype
-    half = dtype in (torch.float16, torch.bfloat16)
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    lq, lk = q.shape[-2], k.shape[-2]
-    hq, hk = q.shape[1], k.shape[1]
-    if lq == 0 or lk == 0:
-        return name == "math"
-    heads_ok = hq == hk or (hq % hk == 0 and enable_gqa)
-    if name == "math":
-        return True
-    if mask is not None and mask.shape[-1] != 1 and mask.stride(-1) != 1:
-        return False  # fused kernels need the mask's last dim dense (T5's permuted position bias runs math)
-    if mask is not None and mask.requires_grad and name != "efficient":
-        # only the memory-efficient kernel differentiates its bias (Swin's and T5's learned position biases);
-        # flash takes no mask and cuDNN refuses one that needs a gradient (H200, torch 2.11, measured)
-        return False
-    if name == "flash":
-        if not policy.has_flash or policy.sm < 80 or not half or mask is not None:
-            return False
-        if not (d_qk == k.shape[-1] == d_v and d_qk <= 256):
-            return False
-        if is_causal and lq != lk:
-            return False
-        if policy.sm in (86, 89, 120) and d_qk > 192 and q.requires_grad:
-            return False
-        return heads_ok and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    if name == "efficient":
-        if not policy.has_efficient:
-            return False
-        if dtype == torch.bfloat16 and policy.sm < 80:
-            return False
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            return False
-        align = 8 if half else 4 if policy.sm >= 80 else 1
-        if d_qk != k.shape[-1] or d_qk % align or d_v % align:
-            return False
-        if hq != hk:  # torch 2.11's memory-efficient kernel takes no grouped-query attention (measured)
-            return False
-        return q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    if name == "cudnn":
-        if not policy.has_cudnn or policy.sm < 80 or policy.sm > 121 or not half:
-            return False
-        if torch.are_deterministic_algorithms_enabled():
-            return False
-        if d_qk > 128 and not (d_qk == 256 and policy.sm >= 90):
-            return False
-        if d_qk % 8 or d_v % 8:
-            return False
-        return heads_ok
-    return False
-
-
-class UnsupportedAttention(ValueError):
-    """The attention backends allowed cannot run these inputs (as CUDA would refuse them)."""
-
-
-def choose_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   dropout_p: float, is_causal: bool, enable_gqa: bool, policy: AttentionPolicy) -> str:
-    """The backend CUDA's ``select_sdp_backend`` would pick for these inputs on ``policy.sm``."""
-    for name in _priority(policy):
-        if _enabled(name) and _can_use(name, q, k, v, mask, dropout_p, is_causal, enable_gqa, policy):
-            return name
-    raise UnsupportedAttention("no enabled scaled_dot_product_attention backend takes these inputs on "
-                               f"sm{policy.sm} (dtype {q.dtype}, head dim {q.shape[-1]}, "
-                               f"{'mask, ' if mask is not None else ''}{q.shape[1]}/{k.shape[1]} heads)")
-
-
-def _math_reference(q, k, v, mask, is_causal, scale):
-    """Real values for real tensors (no dropout: values are only checked in tests without it)."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = (q.float() @ k.float().transpose(-2, -1)) * s
-    if is_causal:
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ v.float()
-    return out.to(q.dtype), lse
-
-
-def _reference_grads(q, k, v, mask, is_causal, scale, grad_out):
-    """Attention gradients by the closed form (autograd is off inside a custom op's kernel). With grouped
-    query heads the key/value gradients are per query head; callers sum them into the kv heads."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    qf, kf, vf, go = q.float(), k.float(), v.float(), grad_out.float()
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = (qf @ kf.transpose(-2, -1)) * s
-    if is_causal:
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    p = torch.softmax(scores, dim=-1)
-    dv = p.transpose(-2, -1) @ go
-    dp = go @ vf.transpose(-2, -1)
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    return (ds @ kf) * s, (ds.transpose(-2, -1) @ qf) * s, dv, ds
+__all__ = ["emulated_sdpa"]
 
 
 def _blhd(b: int, length: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -191,7 +36,7 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, seed, offset = _flash_fwd_fake(q, k, v, dropout_p, is_causal, scale)
-    ref_out, ref_lse = _math_reference(q, k, v, None, is_causal, scale)
+    ref_out, ref_lse = math_reference(q, k, v, None, is_causal, scale)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse, seed, offset
@@ -216,7 +61,7 @@ def _flash_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                lse: torch.Tensor, is_causal: bool, scale: float | None, round_q: int, round_d: int,
                dq_accum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, round_d, dq_accum)
-    gq, gk, gv, _ = _reference_grads(q, k, v, None, is_causal, scale, grad_out)
+    gq, gk, gv, _ = reference_grads(q, k, v, None, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -234,9 +79,9 @@ def _flash_bwd_fake(grad_out, q, k, v, out, lse, is_causal, scale, round_q, roun
     dq = _blhd(b, lq, h, d, q.dtype, q.device)
     dk = _blhd(b, lk, hk, d, k.dtype, k.device)
     dv = _blhd(b, lk, hk, dv_, v.dtype, v.device)
-    scratch = 4 * b * h * _round(lq, round_q)  # softmax_d, fp32
+    scratch = 4 * b * h * round_up(lq, round_q)  # softmax_d, fp32
     if dq_accum:
-        scratch += 4 * b * _round(lq, round_q) * h * _round(d, round_d)
+        scratch += 4 * b * round_up(lq, round_q) * h * round_up(d, round_d)
     if hk != h:  # GQA: gradients of every query head, reduced into the kv heads afterwards
         scratch += q.element_size() * b * lk * h * (d + dv_)
     if grad_out.stride(-1) != 1:
@@ -270,7 +115,7 @@ _flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
 def _eff_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float,
              is_causal: bool, scale: float | None, lse_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad)
-    ref_out, _ = _math_reference(q, k, v, bias, is_causal, scale)
+    ref_out, _ = math_reference(q, k, v, bias, is_causal, scale)
     out.copy_(ref_out)
     lse.zero_()
     return out, lse
@@ -280,7 +125,7 @@ def _eff_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
 def _eff_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale, lse_pad):
     b, h, lq, _ = q.shape
     out = _blhd(b, lq, h, v.shape[-1], q.dtype, q.device)
-    lse = torch.empty(b, h, _round(lq, lse_pad), dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, round_up(lq, lse_pad), dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -289,7 +134,7 @@ def _eff_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              out: torch.Tensor, lse: torch.Tensor, is_causal: bool, scale: float | None,
              bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias = _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale, bias_grad)
-    gq, gk, gv, ds = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    gq, gk, gv, ds = reference_grads(q, k, v, bias, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -310,12 +155,12 @@ def _eff_bwd_fake(grad_out, q, k, v, bias, out, lse, is_causal, scale, bias_grad
     dk = _blhd(b, lk, hk, d, k.dtype, k.device)
     dv = _blhd(b, lk, hk, v.shape[-1], v.dtype, v.device)
     # the bias gradient is one full (B, H, Lq, Lk) tensor, its last dim padded to 16 as the kernel writes it
-    dbias = (torch.empty(b, h, lq, _round(lk, 16), dtype=bias.dtype, device=q.device)[..., :lk] if bias_grad
+    dbias = (torch.empty(b, h, lq, round_up(lk, 16), dtype=bias.dtype, device=q.device)[..., :lk] if bias_grad
              else q.new_empty(0))
     # delta (fp32, B x H x Lq), an fp32 dq accumulator over 64 x 64 tiles (Lq and D each rounded up to 64: a
     # 49-token window of head dim 32 takes 64 x 64) and 256 B per (batch, head); measured on an H200 with torch
     # 2.11 (scripts/sdpa_mask_grad_probe_gpu.py and the probe's sdpa backends)
-    scratch = 4 * b * h * lq + 4 * b * h * _round(lq, 64) * _round(d, 64) + 256 * b * h
+    scratch = 4 * b * h * lq + 4 * b * h * round_up(lq, 64) * round_up(d, 64) + 256 * b * h
     report_scratch(_nbytes(dq, dk, dv, dbias) + scratch, "efficient_attention_backward.scratch")
     return dq, dk, dv, dbias
 
@@ -344,7 +189,7 @@ _eff_fwd.register_autograd(_eff_backward, setup_context=_eff_setup)
 def _cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float,
                is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, stats, seed, offset = _cudnn_fwd_fake(q, k, v, bias, dropout_p, is_causal, scale)
-    ref_out, ref_lse = _math_reference(q, k, v, bias, is_causal, scale)
+    ref_out, ref_lse = math_reference(q, k, v, bias, is_causal, scale)
     out.copy_(ref_out)
     stats.copy_(ref_lse.unsqueeze(-1))
     return out, stats, seed, offset
@@ -364,7 +209,7 @@ def _cudnn_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                out: torch.Tensor, stats: torch.Tensor, is_causal: bool,
                scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _cudnn_bwd_fake(grad_out, q, k, v, bias, out, stats, is_causal, scale)
-    gq, gk, gv, _ = _reference_grads(q, k, v, bias, is_causal, scale, grad_out)
+    gq, gk, gv, _ = reference_grads(q, k, v, bias, is_causal, scale, grad_out)
     if k.shape[1] != q.shape[1]:
         g = q.shape[1] // k.shape[1]
         gk = gk.unflatten(1, (k.shape[1], g)).sum(2)
@@ -421,7 +266,7 @@ def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
         bias = mask.to(q.dtype) if mask.dtype != q.dtype else mask
     lk = k.shape[-2]
     if lk % 16:
-        padded = torch.empty(*bias.shape[:-1], _round(lk, 16), dtype=bias.dtype, device=bias.device)
+        padded = torch.empty(*bias.shape[:-1], round_up(lk, 16), dtype=bias.dtype, device=bias.device)
         padded[..., :lk].copy_(bias.expand(*bias.shape[:-1], lk))
         bias = padded[..., :lk]
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], lk)

@@ -37,7 +37,8 @@ from torch.library import Library
 
 from memopt.categories import MemoryCategory
 from memopt.hardware import HardwareSpec
-from memopt.profile.attention_kernels import AttentionPolicy, emulated_sdpa
+from memopt.profile.attention_kernels import emulated_sdpa
+from memopt.profile.attention_select import AttentionPolicy
 from memopt.profile.autocast_policy import cuda_autocast_policy
 from memopt.profile.hf_compat import grouped_mm_in_any_float
 from memopt.profile.tracker import MemoryTracker

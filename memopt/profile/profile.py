@@ -26,7 +26,7 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.hardware import HardwareSpec
-from memopt.profile.attention_kernels import UnsupportedAttention
+from memopt.profile.attention_select import UnsupportedAttention
 from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer

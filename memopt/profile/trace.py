@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
-from memopt.profile.attention_kernels import UnsupportedAttention as UnsupportedAttentionError
+from memopt.profile.attention_select import UnsupportedAttention as UnsupportedAttentionError
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics

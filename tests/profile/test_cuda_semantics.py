@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memopt.profile.attention_kernels import AttentionPolicy, UnsupportedAttention, choose_backend
+from memopt.profile.attention_select import AttentionPolicy, UnsupportedAttention, choose_backend
 from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
 from memopt.profile.tracker import MemoryTracker
 
