@@ -1,1 +1,1 @@
-"""``python -m memopt.calibration list | clear``: the planner's stored calibrations (``memopt.guard.calibration``)."""
+"""``python -m memopt.calibration list | clear``: the stored calibrations (``memopt.estimate.calibration``)."""

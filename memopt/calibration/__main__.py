@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from memopt.guard.calibration import calibration_path, clear_calibration
+from memopt.estimate.calibration import calibration_path, clear_calibration
 
 
 def main(argv: list[str] | None = None) -> int:

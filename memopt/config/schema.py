@@ -167,4 +167,4 @@ class PlanConfig:
     output: str = "table"  # table | json
     save_plan: str | None = None  # write the plan as JSON here (a multirun job saves into its own folder)
     use_cache: bool = True  # reuse profiles under $MEMOPT_CACHE_DIR (default ~/.cache/memopt)
-    calibration: str = "use"  # use | ignore | clear: earlier runs' measured/predicted ratios (memopt.guard.calibration)
+    calibration: str = "use"  # use | ignore | clear: measured/predicted ratios of earlier runs (estimate.calibration)

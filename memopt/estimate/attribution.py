@@ -24,7 +24,7 @@ from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
 from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
-from memopt.estimate.event_levels import downsample, first_step_length, level_at, levels, live_at, step_timeline
+from memopt.estimate.event_levels import first_step_length, level_at, levels, live_at, step_timeline
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
 from memopt.profile.trace import VariantTrace, traced_unit
 from memopt.profile.tracker import ALLOC

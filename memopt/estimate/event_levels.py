@@ -78,7 +78,7 @@ def step_timeline(events: list[tuple[int, int, int]], origins: dict[int, Any], l
 
 
 def downsample(values: list[int], phases: list[tuple[str, int]], points: int = TIMELINE_POINTS) -> dict[str, Any]:
-    """``{"x": fractions of the step, "bytes": the highest of each stretch, "phases": [[name, start fraction], ...]}``."""
+    """``{"x": fractions of the step, "bytes": each stretch's highest level, "phases": [[name, start], ...]}``."""
     n = len(values)
     if n == 0:
         return {"x": [], "bytes": [], "phases": []}

@@ -12,13 +12,13 @@
   optimizer step);
 * ``memopt.guard.foreign``: memory the plan does not own, measured at an OOM, re-planned around (the budget
   less it) or named when nothing fits in what is left;
-* ``memopt.guard.calibration``: measured/predicted ratios per model, GPU and strategy for the planner, from
+* ``memopt.estimate.calibration``: measured/predicted ratios per model, GPU and strategy for the planner, from
   clean steps only (bounded, keyed to the estimator; ``python -m memopt.calibration clear``);
 * ``memopt.guard.runtime``: ``RuntimeGuard``, all of the above around a train step (for ``memopt.wrap``);
 * ``memopt.guard.report``: ``python -m memopt.report RUN_DIR``.
 """
 
-from memopt.guard.calibration import Calibration, CalibrationEntry, calibration_for, record_calibration
+from memopt.estimate.calibration import Calibration, CalibrationEntry, calibration_for, record_calibration
 from memopt.guard.escalation import EscalationFailed, PlanEscalator, Replanner, step_down
 from memopt.guard.leaks import LeakDetector, LeakReport, MemoryLeakWarning
 from memopt.guard.memory import (

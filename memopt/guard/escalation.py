@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from memopt.estimate.calibration import calibration_for
 from memopt.guard.oom import OOMMeasurement
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
@@ -152,7 +153,6 @@ class PlanEscalator:
     extra_allowances: tuple[str, ...] = ()
 
     def __call__(self, plan: Plan, measured: OOMMeasurement | None, attempt: int) -> Plan:
-        from memopt.guard.calibration import calibration_for
         from memopt.plan.planner import make_plan
 
         ratio = self.calibration_ratio

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memopt.guard.calibration import record_from_telemetry
+from memopt.estimate.calibration import record_from_telemetry
 from memopt.guard.escalation import ApplyFn, EscalateFn, Replanner, Steppable
 from memopt.guard.leaks import LeakDetector, LeakReport
 from memopt.guard.memory import MemorySource, default_memory_source
@@ -128,7 +128,7 @@ class RuntimeGuard:
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "oom":
             self.telemetry.event("oom", **data)
-            # an OOM's figures are never learnt (memopt.guard.calibration learns from clean steps only), and the
+            # an OOM's figures are never learnt (memopt.estimate.calibration learns from clean steps only), and the
             # run's later steps neither: memory the step did not plan for may still be there
             self.telemetry.block_calibration("out-of-memory error")
         elif kind == "foreign_memory":

@@ -1,9 +1,10 @@
-"""The plan's margin widened by what earlier runs of the model measured (``memopt.guard.calibration``)."""
+"""The plan's margin widened by what earlier runs of the model measured (``memopt.estimate.calibration``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from memopt.estimate.calibration import calibration_for, calibration_path, clear_calibration
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile
@@ -19,8 +20,6 @@ def calibrated(pol: Policy, prof: Profile, hw: HardwareSpec, budget_bytes: int, 
                mode: str = "use") -> Policy:
     """The policy with its margin widened by this model's measured / predicted ratio on this GPU kind, if any
     (``mode`` "ignore": unchanged; "clear": the stored calibration is deleted first)."""
-    from memopt.guard.calibration import calibration_for, calibration_path, clear_calibration
-
     if mode == "clear":
         removed = clear_calibration(prof.key, hw.name)
         notes.append(f"calibration cleared ({removed} file(s) removed); planned without it")

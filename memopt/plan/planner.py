@@ -39,7 +39,7 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     ``optimizer`` is a callable taking the parameters when the user brings their own optimizer. ``loss_fn`` /
     ``training_step``: how the loss is made (``memopt.step.batch``), as in ``memopt.wrap``.
     ``calibration``: "use" (default): where earlier clean runs of this model on this GPU kind measured more than was
-    predicted (``memopt.guard.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio
+    predicted (``memopt.estimate.calibration``, written by ``memopt.wrap``'s guard), widen the margin by that ratio
     and say so in the plan's notes; "ignore": plan without it; "clear": delete this model's stored calibration on
     this GPU kind first (``use_calibration=False`` is "ignore"). ``hardware``: a shipped name, a dict or a
     ``HardwareSpec``; "auto" the local GPU; not given: the local GPU, else ``memopt.hardware.DEFAULT_HARDWARE``

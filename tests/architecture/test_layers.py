@@ -36,7 +36,6 @@ UPWARD_LOCAL = {
     ("memopt/distributed/wrapped.py", "memopt.apply.budget"),
     ("memopt/plan/planner.py", "memopt.config.checks"),
     ("memopt/plan/planner.py", "memopt.config"),
-    ("memopt/plan/calibrate.py", "memopt.guard.calibration"),
     ("memopt/plan/schema.py", "memopt.config.checks"),
     ("memopt/step/prepare.py", "memopt.profile.stand_ins"),
     ("memopt/strategy.py", "memopt.techniques.quantization"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memopt.guard.calibration import (
+from memopt.estimate.calibration import (
     CALIBRATION_VERSION,
     calibration_for,
     calibration_path,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from memopt.calibration.__main__ import main as calibration_cli
-from memopt.guard.calibration import MAX_RATIO, calibration_for, calibration_path, record_calibration
+from memopt.estimate.calibration import MAX_RATIO, calibration_for, calibration_path, record_calibration
 from memopt.guard.memory import SimulatedMemorySource
 from memopt.guard.runtime import RuntimeGuard
 from memopt.models import with_overrides

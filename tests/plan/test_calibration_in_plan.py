@@ -1,7 +1,7 @@
 """memopt.plan reads the calibration memopt.wrap's guard records: a model that measured above its prediction
 on a GPU kind is planned with a margin widened by that ratio, and the plan says so."""
 
-from memopt.guard.calibration import calibration_for, record_calibration
+from memopt.estimate.calibration import calibration_for, record_calibration
 from memopt.models import with_overrides
 from memopt.plan.planner import make_plan
 

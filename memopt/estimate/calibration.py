@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memopt.estimate.store import code_digest
+from memopt.profile.profile import cache_dir
+
 __all__ = [
     "CALIBRATION_VERSION",
     "Calibration",
@@ -54,8 +57,6 @@ MAX_ENTRIES = 64
 
 
 def estimator_version() -> str:
-    from memopt.estimate.store import code_digest
-
     return code_digest()
 
 
@@ -169,8 +170,6 @@ def _safe(name: str) -> str:
 
 def calibration_path(profile_key: str, hardware: str, *, directory: str | os.PathLike[str] | None = None) -> Path:
     if directory is None:
-        from memopt.profile.profile import cache_dir
-
         directory = cache_dir() / "calibration"
     return Path(directory) / f"{_safe(hardware)}__{_safe(profile_key)}.json"
 
