@@ -13,7 +13,7 @@ import traceback
 from typing import Any
 
 from harness.rows import Row
-from memopt.apply.budget import process_device_bytes
+from memopt.step.hard_cap import process_device_bytes
 
 __all__ = ["measure_row", "set_allocator_env"]
 
@@ -172,10 +172,10 @@ def measure_autotune(row: Row, plan_paths: list[str]) -> dict[str, Any]:
     import torch
 
     from memopt.apply.autotune import autotune
-    from memopt.apply.budget import cap_allocator, outside_allocator_bytes
     from memopt.apply.wrap import wrap
     from memopt.models import SampleSpec, build_model, make_batch, with_overrides
     from memopt.plan.schema import Plan
+    from memopt.step.hard_cap import cap_allocator, outside_allocator_bytes
 
     plans = [Plan.load(p) for p in plan_paths]
     chosen = plans[0]

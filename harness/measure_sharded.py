@@ -210,7 +210,7 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
         steady = statistics.median(times[1:]) if len(times) > 1 else times[0]
         free, _ = torch.cuda.mem_get_info()
         reserved = torch.cuda.max_memory_reserved()
-        from memopt.apply.budget import process_device_bytes
+        from memopt.step.hard_cap import process_device_bytes
 
         own = process_device_bytes(local)
         result.update({

@@ -192,8 +192,8 @@ def main() -> int:
         (out / f"optimizer_compare_{'_'.join(args.runs)}.json").write_text(json.dumps(result, indent=1))
         print(result)
         return 0
-    from memopt.apply.budget import set_expandable_segments
     from memopt.plan.schema import Plan
+    from memopt.step.hard_cap import set_expandable_segments
 
     # both plans chose expandable segments: set before CUDA starts (the Trainer moves the model at its init)
     set_expandable_segments(Plan.load(Path(args.plans) / "forward_40GiB.json").strategy.expandable_segments)

@@ -41,8 +41,8 @@ def main() -> int:
         print("no CUDA device: this script measures on a GPU", file=sys.stderr)
         return 2
     import memopt
-    from memopt.apply.budget import process_device_bytes
     from memopt.models import build_model, load_model_spec, make_batch
+    from memopt.step.hard_cap import process_device_bytes
 
     spec = load_model_spec(args.model)
     sample = {"batch_size": args.batch, "seq_len": args.seq_len}

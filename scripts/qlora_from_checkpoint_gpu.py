@@ -69,9 +69,9 @@ def make_checkpoint(spec: str, out_dir: Path, shard_bytes: int = 2 * 10**9) -> l
 
 def run(plan_path: Path, ckpt_dir: Path, steps: int, cap: bool = True) -> dict:
     import memopt
-    from memopt.apply.budget import outside_allocator_bytes
     from memopt.models import SampleSpec, make_batch
     from memopt.plan import Plan
+    from memopt.step.hard_cap import outside_allocator_bytes
     from memopt.techniques.precision import weight_dtype
     from memopt.techniques.quantized_load import load_peak_bytes, model_skeleton
 

@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
 
-    from memopt.apply.budget import set_expandable_segments
     from memopt.plan import Plan
+    from memopt.step.hard_cap import set_expandable_segments
 
     plan = Plan.load(args.plan)
     set_expandable_segments(plan.strategy.expandable_segments)

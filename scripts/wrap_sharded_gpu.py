@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     losses, times = timed_steps(wrapped.step, batch, args.steps)
     alloc, res = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     from harness.measure_sharded import pools_by_stream
-    from memopt.apply.budget import process_device_bytes
+    from memopt.step.hard_cap import process_device_bytes
 
     own = process_device_bytes(local)
     free, _ = torch.cuda.mem_get_info(local)

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memopt.apply.budget import (
-    allocator_mode_in_force,
-    cap_to_plan,
-    room_taken_on_device,
-    set_expandable_segments,
-    warn_allocator_mode_fixed,
-)
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, is_trainer, optimizer_choice
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss, check_batch
+from memopt.step.hard_cap import (
+    allocator_mode_in_force,
+    cap_to_plan,
+    room_taken_on_device,
+    set_expandable_segments,
+    warn_allocator_mode_fixed,
+)
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items
 from memopt.techniques.precision import forward_context
@@ -143,7 +143,7 @@ class Wrapped:
 
     def _plan_for_room_left(self, plan: Plan, pins: dict[str, Any], taken: int) -> Plan:
         """Re-plan for what is left when ``taken`` bytes of the budget are already in use on the device by memory
-        the plan cannot own (``memopt.apply.budget.room_taken_bytes``); the cap still takes the user's budget, so
+        the plan cannot own (``memopt.step.hard_cap.room_taken_bytes``); the cap still takes the user's budget, so
         nothing is subtracted twice."""
         self._cap_budget_bytes = plan.budget_bytes
         self._plan_budget = max(plan.budget_bytes - taken, 0)

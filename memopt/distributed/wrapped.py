@@ -32,6 +32,7 @@ from memopt.distributed.deepspeed_engine import build_deepspeed
 from memopt.distributed.sharding import ShardingSetting, sharding_of
 from memopt.distributed.torch_engines import apply_ddp, apply_fsdp2, mp_policy_for
 from memopt.distributed.train_step import DistributedTrainStep, shard_batch
+from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
 
 __all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
 
@@ -105,8 +106,6 @@ class ShardedWrapped:
         self.started_group = setting.world_size == 1 and single_process_group(self.device)
         self.cap_fraction: float | None = None
         if self.device.type == "cuda":  # the budget holds here as in memopt.wrap: allocator mode, then the hard cap
-            from memopt.apply.budget import cap_to_plan, set_expandable_segments
-
             set_expandable_segments(strategy.expandable_segments)
             self.cap_fraction = cap_to_plan(cap_budget_bytes or plan.budget_bytes,
                                             int(plan.prediction.get("runtime_bytes", 0)), self.device)

@@ -144,7 +144,7 @@ class CudaMemorySource:
         allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
         # this process's own share: beside other jobs on the device, their memory is not this plan's runtime
         # (a calibration from the device-wide figure was refused as "more than 50% off", or learnt it)
-        from memopt.apply.budget import process_device_bytes
+        from memopt.step.hard_cap import process_device_bytes
 
         return MemorySample(allocated_bytes=int(allocated["current"]), reserved_bytes=int(reserved["current"]),
                             peak_allocated_bytes=int(allocated["peak"]), peak_reserved_bytes=int(reserved["peak"]),

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from memopt.apply.budget import allocator_mode_in_force, warn_allocator_mode_fixed
 from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
+from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
 
 __all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
 
@@ -77,7 +77,7 @@ class MemoptCallback:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_available() and self.enforce_budget:
-            from memopt.apply.budget import cap_allocator, outside_allocator_bytes
+            from memopt.step.hard_cap import cap_allocator, outside_allocator_bytes
 
             outside = max(outside_allocator_bytes(), int(self.plan.prediction.get("runtime_bytes", 0)))
             self.cap_fraction = cap_allocator(self.plan.budget_bytes, outside)
@@ -248,7 +248,7 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     if not plan.fits:
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
-    from memopt.apply.budget import set_expandable_segments
+    from memopt.step.hard_cap import set_expandable_segments
 
     set_expandable_segments(plan.strategy.expandable_segments)
     world = max(1, getattr(trainer.args, "world_size", 1))

@@ -120,7 +120,7 @@ class Probe:
             self.record["strategy"] = plan.strategy.to_dict()
             self.record["memopt_checkpointing"] = t.memopt_checkpointing.setting.label()
         if torch.cuda.is_available():
-            from memopt.apply.budget import allocator_mode_in_force
+            from memopt.step.hard_cap import allocator_mode_in_force
 
             torch.cuda.reset_peak_memory_stats()
             self.record["expandable_segments_in_force"] = allocator_mode_in_force()

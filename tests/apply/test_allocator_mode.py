@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from memopt.apply import budget
+from memopt.step import hard_cap as budget
 
 
 @pytest.fixture

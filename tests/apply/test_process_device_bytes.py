@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from memopt.apply.budget import process_device_bytes
+from memopt.step.hard_cap import process_device_bytes
 
 GiB = 2**30
 

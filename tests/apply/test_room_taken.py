@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from memopt.apply.budget import ROOM_TAKEN_THRESHOLD, room_taken_bytes
+from memopt.step.hard_cap import ROOM_TAKEN_THRESHOLD, room_taken_bytes
 
 GiB = 2**30
 RUNTIME = 804_044_800  # the H200's predicted CUDA runtime outside the allocator
