@@ -13,7 +13,7 @@ say so); ``hardware="auto"`` insists on the local GPU.
 from memopt import estimate, plan, profile
 from memopt.apply.wrap import Wrapped, wrap
 from memopt.categories import MemoryCategory
-from memopt.config.checks import InputError
+from memopt.errors import InputError
 from memopt.estimate import Estimate
 from memopt.guard.oom import MemoptLeakError, MemoptOOMError
 from memopt.hardware import HardwareSpec, load_hardware

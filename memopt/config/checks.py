@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from memopt.errors import InputError, raise_problems
+
 __all__ = [
     "OPTIMIZER_NAMES",
     "InputError",
@@ -43,22 +45,6 @@ __all__ = [
 #: optimizer names a user may give (``adamw``/``adam``: memopt picks the AdamW variant; ``auto`` likewise)
 OPTIMIZER_NAMES: tuple[str, ...] = ("auto", "adamw", "adam", "adamw_fused", "adamw_foreach", "sgd", "adamw8bit",
                                     "paged_adamw8bit")
-
-
-class InputError(ValueError):
-    """Bad input: ``problems`` lists one line per problem; the message is that line, or all of them."""
-
-    def __init__(self, problems: list[str], what: str = "input") -> None:
-        self.problems = list(problems)
-        if len(self.problems) == 1:
-            super().__init__(self.problems[0])
-        else:
-            super().__init__(f"invalid {what}:\n  - " + "\n  - ".join(self.problems))
-
-
-def raise_problems(problems: list[str], what: str = "input") -> None:
-    if problems:
-        raise InputError(problems, what)
 
 
 def closest(name: Any, choices: Iterable[str]) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memopt.errors import InputError
 from memopt.strategy import Strategy
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "plan_problems"]
@@ -99,8 +100,6 @@ class Plan:
             raise ValueError(f"not a memopt plan: missing {', '.join(missing)}")
         problems = plan_problems(data)
         if problems:
-            from memopt.config.checks import InputError
-
             raise InputError([f"plan: {p}" for p in problems], "plan")
         return cls(fits=data["fits"], strategy=Strategy.from_dict(data["techniques"]),
                    budget_bytes=data["budget_bytes"], margin_bytes=data.get("margin_bytes", 0),

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("memopt.units", "memopt.categories", "memopt.strategy", "memopt.hardware", "memopt.blocks",
-                    "memopt.resources", "memopt._callable_module")),
+                    "memopt.resources", "memopt._callable_module", "memopt.errors")),
     ("models", ("memopt.models",)),
     ("techniques", ("memopt.techniques",)),
     ("step", ("memopt.step",)),
@@ -35,7 +35,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 UPWARD_LOCAL = {
     ("memopt/plan/planner.py", "memopt.config.checks"),
     ("memopt/plan/planner.py", "memopt.config"),
-    ("memopt/plan/schema.py", "memopt.config.checks"),
     ("memopt/step/prepare.py", "memopt.profile.stand_ins"),
     ("memopt/strategy.py", "memopt.techniques.quantization"),
     ("memopt/strategy.py", "memopt.distributed.sharding"),

@@ -8,7 +8,8 @@ import json
 import pytest
 
 import memopt
-from memopt.config.checks import InputError, check_pins_honoured, model_fingerprint
+from memopt.config.checks import check_pins_honoured, model_fingerprint
+from memopt.errors import InputError
 from memopt.models import build_model
 from memopt.plan import Plan
 from memopt.plan.__main__ import EXIT_BAD_INPUT, EXIT_OK, main

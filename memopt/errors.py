@@ -1,0 +1,22 @@
+"""The error every entry point raises for bad input: a ``ValueError`` whose message is one line per problem, so a
+caller (the CLI, ``memopt.plan``, a saved plan's loader) reports all of them at once and names the fix."""
+
+from __future__ import annotations
+
+__all__ = ["InputError", "raise_problems"]
+
+
+class InputError(ValueError):
+    """Bad input: ``problems`` lists one line per problem; the message is that line, or all of them."""
+
+    def __init__(self, problems: list[str], what: str = "input") -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            super().__init__(f"invalid {what}:\n  - " + "\n  - ".join(self.problems))
+
+
+def raise_problems(problems: list[str], what: str = "input") -> None:
+    if problems:
+        raise InputError(problems, what)
