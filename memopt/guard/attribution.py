@@ -33,6 +33,7 @@ from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.estimate.attribution import AttributionTable
 from memopt.estimate.event_levels import downsample
+from memopt.guard.allocator_history import AllocatorHistory, cuda_allocated_bytes
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, ModuleAttribution, block_pattern, group_of
 from memopt.profile.markers import install_markers
 from memopt.profile.tracker import ALLOC, MemoryTracker
@@ -57,7 +58,7 @@ class _Recorder(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if not self.record:
             return func(*args, **(kwargs or {}))
-        before = _cuda_allocated() if self.cuda else 0
+        before = cuda_allocated_bytes() if self.cuda else 0
         tracked = self.current_bytes
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -65,64 +66,10 @@ class _Recorder(MemoryTracker):
             self.owner._failed(func.__name__, exc)
             raise
         if self.cuda:
-            extra = (_cuda_allocated() - before) - (self.current_bytes - tracked)
+            extra = (cuda_allocated_bytes() - before) - (self.current_bytes - tracked)
             if extra > 0:
                 self.persistent(extra, func.__name__, Cat.TEMPORARIES)
         return out
-
-
-def _cuda_allocated() -> int:
-    nested = getattr(torch._C, "_cuda_memoryStats", None)
-    if nested is None:  # pragma: no cover - other PyTorch builds
-        return int(torch.cuda.memory_allocated())
-    return int(nested(torch.cuda.current_device())["allocated_bytes"]["all"]["current"])
-
-
-class _AllocatorHistory:
-    """The CUDA caching allocator's own history over the step (``torch.cuda.memory._record_memory_history``), when
-    nobody else records it: the allocator's allocated bytes event by event (kernel scratch included), beside the
-    per-tensor figures, and a snapshot to open in https://pytorch.org/memory_viz."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.start = 0
-
-    def begin(self) -> None:
-        try:
-            if any(torch.cuda.memory._snapshot()["device_traces"]):
-                return  # someone records already: leave their history alone
-            torch.cuda.memory._record_memory_history("all", context=None, stacks="python", max_entries=2_000_000)
-            self.on = True
-            self.start = _cuda_allocated()
-        except (AttributeError, RuntimeError, TypeError):
-            self.on = False
-
-    def end(self, snapshot_path: Path | None) -> dict[str, Any] | None:
-        if not self.on:
-            return None
-        try:
-            snap = torch.cuda.memory._snapshot()
-        finally:
-            torch.cuda.memory._record_memory_history(None)
-            self.on = False
-        trace = snap["device_traces"][torch.cuda.current_device()]
-        level, levels = self.start, []
-        for e in trace:
-            if e["action"] == "alloc":
-                level += e["size"]
-            elif e["action"] == "free_completed":
-                level -= e["size"]
-            else:
-                continue
-            levels.append(level)
-        if snapshot_path is not None:
-            import pickle
-
-            snapshot_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(snapshot_path, "wb") as f:
-                pickle.dump(snap, f)
-        return {"timeline": downsample(levels, []), "peak_allocated_bytes": max(levels, default=self.start),
-                "snapshot": snapshot_path.name if snapshot_path is not None else None}
 
 
 def _owners(model: nn.Module) -> dict[int, str]:
@@ -153,7 +100,7 @@ class StepAttribution:
         self._untracked_start = 0
         self._start_bytes = 0
         self._first_event = 0
-        self._history = _AllocatorHistory()
+        self._history = AllocatorHistory()
 
     # -- phases ----------------------------------------------------------------------------------------------
     def on_phase(self, name: str) -> None:
@@ -213,7 +160,7 @@ class StepAttribution:
         if t.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self._untracked_start = max(_cuda_allocated() - t.current_bytes, 0)
+            self._untracked_start = max(cuda_allocated_bytes() - t.current_bytes, 0)
             self._history.begin()
         t.set_phase("step")
         self._first_event = len(t.run.events)
