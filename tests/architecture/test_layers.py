@@ -39,8 +39,6 @@ UPWARD_LOCAL = {
     ("memopt/plan/calibrate.py", "memopt.guard.calibration"),
     ("memopt/plan/schema.py", "memopt.config.checks"),
     ("memopt/step/prepare.py", "memopt.profile.stand_ins"),
-    ("memopt/strategy.py", "memopt.techniques.quantization"),
-    ("memopt/strategy.py", "memopt.distributed.sharding"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.fake_model"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.hf_compat"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.tracker"),
