@@ -75,6 +75,9 @@ class Technique(Protocol):
 class SearchedTechnique(Technique, Protocol):
     """A technique whose values the search enumerates (``TECHNIQUES``)."""
 
+    # the value without this technique, the plan's savings of a choice are measured against (None: no such value)
+    off: Any
+
     def options(self, ctx: SearchContext) -> list[Any]: ...
 
     def time_lower_bound(self, value: Any, base: BaseTimes) -> float:
@@ -94,6 +97,7 @@ def _on_off(value: Any, techniques: Mapping[str, Any]) -> str:
 class _Precision:
     name = "precision"
     title = "precision"
+    off = "fp32"
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
@@ -115,6 +119,7 @@ class _Precision:
 class _Checkpointing:
     name = "checkpointing"
     title = "activation checkpointing"
+    off = Checkpointing()
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         mode, blocks = value.get("mode", "none"), value.get("num_blocks")
@@ -149,6 +154,7 @@ class _Checkpointing:
 class _Offload:
     name = "activation_offload"
     title = "activation offload"
+    off = False
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
@@ -168,6 +174,7 @@ class _Offload:
 class _Attention:
     name = "attention"
     title = "attention kernel"
+    off = "auto"
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
@@ -189,6 +196,7 @@ class _Attention:
 class _ChunkedCE:
     name = "chunked_ce"
     title = "chunked loss (linear + CE)"
+    off = 0
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         return f"{value} chunks" if value else "off"
@@ -211,6 +219,7 @@ class _ChunkedCE:
 class _Optimizer:
     name = "optimizer"
     title = "optimizer"
+    off = "adamw_fused"
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
@@ -237,6 +246,7 @@ class _Optimizer:
 class _MicroBatch:
     name = "micro_batch_size"
     title = "micro-batching"
+    off = None
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         accum = techniques.get("grad_accum_steps", 1)
@@ -261,6 +271,7 @@ class _MicroBatch:
 class _Allocator:
     name = "expandable_segments"
     title = "expandable segments"
+    off = False  # the allocator's default, not memopt's
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
