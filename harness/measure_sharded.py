@@ -178,8 +178,8 @@ def run_case(case: ShardedCase) -> dict[str, Any]:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             from memopt.blocks import find_block_stacks
-            from memopt.distributed.sharding import ShardingSetting
             from memopt.distributed.torch_engines import apply_fsdp2
+            from memopt.techniques.sharding import ShardingSetting
 
             setting = ShardingSetting(engine="fsdp2", world_size=case.world_size,
                                       offload_optimizer=case.offload_optimizer,  # type: ignore[arg-type]

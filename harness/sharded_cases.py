@@ -113,7 +113,7 @@ class ShardedCase:
         return self.global_batch * self.seq_len
 
     def setting(self) -> Any:
-        from memopt.distributed.sharding import ShardingSetting
+        from memopt.techniques.sharding import ShardingSetting
 
         return ShardingSetting(engine=self.engine, stage=self.stage, world_size=self.world_size,  # type: ignore[arg-type]
                                offload_optimizer=self.offload_optimizer,  # type: ignore[arg-type]

@@ -13,21 +13,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from memopt.techniques.registry import BY_NAME, TECHNIQUES
 from memopt.units import format_bytes
 
 __all__ = ["describe_sample", "make_console", "render_errors", "render_plan"]
 
-# the technique fields of a Strategy, in the planner's order, as a person reads them
-_TECHNIQUES = {
-    "precision": "precision",
-    "checkpointing": "activation checkpointing",
-    "activation_offload": "activation offload",
-    "attention": "attention kernel",
-    "chunked_ce": "chunked loss (linear + CE)",
-    "optimizer": "optimizer",
-    "micro_batch_size": "micro-batching",
-    "expandable_segments": "expandable segments",
-}
+# each searched technique's name as the dry run's tables show it, for the rejections table
+_TITLES = {t.name: t.title for t in TECHNIQUES}
 _CATEGORY_ORDER = ("parameters", "gradients", "optimizer_states", "activations", "temporaries", "allocator_overhead",
                    "runtime")
 
@@ -67,23 +59,6 @@ def describe_sample(sample: dict[str, Any]) -> str:
     if sample.get("variable_length"):
         text += "; variable length, planned for the longest"
     return text + ")"
-
-
-def _choice(field: str, techniques: dict[str, Any]) -> str:
-    value = techniques.get(field)
-    if field == "checkpointing":
-        mode, blocks = value.get("mode", "none"), value.get("num_blocks")
-        if mode == "none" or blocks == 0:
-            return "none"
-        return f"{mode}, every block" if blocks is None else f"{mode}, {blocks} blocks per stack"
-    if field == "micro_batch_size":
-        accum = techniques.get("grad_accum_steps", 1)
-        return f"{value} x {accum} accumulation steps" if accum > 1 else f"{value} (no accumulation)"
-    if field == "chunked_ce":
-        return f"{value} chunks" if value else "off"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
 
 
 def _saves(entry: dict[str, Any] | None) -> tuple[str, str]:
@@ -170,31 +145,14 @@ def _techniques_table(plan: Any) -> Table:
     table.add_column("saves", justify="right")
     table.add_column("costs per step", justify="right")
     techniques = plan.techniques
-    for field, label in _TECHNIQUES.items():
-        saves, costs = _saves(plan.savings.get(field))
-        table.add_row(label, _choice(field, techniques), saves, costs)
+    for technique in TECHNIQUES:
+        saves, costs = _saves(plan.savings.get(technique.name))
+        table.add_row(technique.title, technique.render(techniques.get(technique.name), techniques), saves, costs)
     for name, value in (techniques.get("extras") or {}).items():
-        table.add_row(_EXTRA_NAMES.get(name, name), _extra_choice(name, value), "—", "—")
+        extra = BY_NAME.get(name)
+        table.add_row(name if extra is None else extra.title,
+                      str(value) if extra is None else extra.render(value, techniques), "—", "—")
     return table
-
-
-_EXTRA_NAMES = {"adapters": "adapters (method change)", "quantization": "frozen base weights (method change)"}
-
-
-def _extra_choice(name: str, value: Any) -> str:
-    """A quantization or adapter setting as its short label; anything else as written."""
-    try:
-        if name == "quantization":
-            from memopt.techniques.quantization import QuantSetting
-
-            return QuantSetting.parse(value).label()
-        if name == "adapters":
-            from memopt.techniques.adapters import AdapterSetting
-
-            return AdapterSetting.parse(value).label()
-    except (ValueError, TypeError):
-        pass
-    return str(value)
 
 
 def _breakdown_table(plan: Any) -> Table:
@@ -271,7 +229,7 @@ def _rejected_table(plan: Any) -> Table | None:
     table.add_column("technique")
     table.add_column("alternatives")
     for field, reason in plan.rejected.items():
-        table.add_row(_TECHNIQUES.get(field, field), reason.replace("; ", "\n"))
+        table.add_row(_TITLES.get(field, field), reason.replace("; ", "\n"))
     return table
 
 

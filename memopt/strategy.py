@@ -7,10 +7,12 @@ strategies, the estimator predicts their memory and time, ``wrap`` applies one.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ATTENTION_BACKENDS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy"]
+__all__ = ["ATTENTION_BACKENDS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy",
+           "register_labeller"]
 
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure")
@@ -102,22 +104,19 @@ class Strategy:
         return cls(**data)
 
     def label(self) -> str:
-        parts = [self.precision, f"ac={self.checkpointing.label()}",
-                 f"mb={self.micro_batch_size}x{self.grad_accum_steps}",
-                 self.optimizer]
-        if self.activation_offload:
-            parts.append("act-offload")
-        if self.attention != "auto":
-            parts.append(f"attn={self.attention}")
-        if self.chunked_ce:
-            parts.append(f"chunked-ce={self.chunked_ce}")
-        parts.append("expandable" if self.expandable_segments else "default-alloc")
-        if self.extra("adapters") is not None or self.extra("quantization") is not None:
-            from memopt.techniques.quantization import extras_label  # the techniques know their settings' labels
+        """A short label naming every choice, for plan tables and logs: each technique writes its own part
+        (``memopt.techniques.registry.strategy_label``, which that module registers)."""
+        if _labeller is None:
+            raise RuntimeError("no strategy labeller is registered: import memopt (or memopt.techniques.registry)")
+        return _labeller(self)
 
-            parts.append(extras_label(self))
-        if self.extra("sharding") is not None:
-            from memopt.distributed.sharding import ShardingSetting
 
-            parts.append(ShardingSetting.from_any(self.extra("sharding")).label())
-        return " ".join(parts)
+# Each technique's label lives with the technique, in a layer above this one: the techniques' registry registers
+# the function that joins them, so this module imports nothing of memopt.
+_labeller: Callable[[Strategy], str] | None = None
+
+
+def register_labeller(labeller: Callable[[Strategy], str]) -> None:
+    """Make ``Strategy.label()`` call ``labeller`` (the techniques' registry does, when it is imported)."""
+    global _labeller
+    _labeller = labeller

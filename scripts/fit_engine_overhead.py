@@ -55,11 +55,11 @@ def observe(row_path: str, plan_path: str) -> dict[str, Any]:
     import memopt
     from memopt.distributed.engine_bytes import EngineRun
     from memopt.distributed.estimate import sharded_time
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan.schema import Plan
     from memopt.plan.sharded import predict_strategy
     from memopt.profile.engine_facts import facts_of_profile
+    from memopt.techniques.sharding import ShardingSetting
 
     row = json.loads(Path(row_path).read_text())
     plan_path, _, model = plan_path.partition(":")  # PLAN:MODEL: that plan's engine settings for another model

@@ -20,9 +20,9 @@ from memopt.distributed.deepspeed_engine import build_deepspeed, deepspeed_confi
 from memopt.distributed.host_tier import validate_offload
 from memopt.distributed.memory import ShardedMemory, sharded_memory
 from memopt.distributed.model_states import StateBytes, state_bytes
-from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.timing import ShardedTime, TimingParams, sharded_step_time
 from memopt.distributed.torch_engines import apply_ddp, apply_fsdp2, mp_policy_for
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "ShardedMemory",

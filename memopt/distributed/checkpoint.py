@@ -110,8 +110,8 @@ def load_sharded(model_on_meta: nn.Module, safetensors_paths: Sequence[str | os.
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.torch_engines import apply_fsdp2
+    from memopt.techniques.sharding import ShardingSetting
 
     setting = ShardingSetting.from_any(setting)
     if setting.engine != "fsdp2":

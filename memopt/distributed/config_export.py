@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from memopt.distributed.deepspeed_engine import deepspeed_config
-from memopt.distributed.sharding import sharding_of
+from memopt.techniques.sharding import sharding_of
 
 __all__ = [
     "export_accelerate_config",

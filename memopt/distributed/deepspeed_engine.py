@@ -27,7 +27,7 @@ from memopt.distributed.engine_buffers import (
     DS_SUB_GROUP_SIZE,
 )
 from memopt.distributed.host_tier import machine_host_memory_bytes, validate_offload
-from memopt.distributed.sharding import ShardingSetting
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "build_deepspeed",

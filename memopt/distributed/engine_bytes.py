@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from memopt.distributed.engine_buffers import DS_DEFAULT_MAX_LIVE, DS_DEFAULT_PREFETCH_BUCKET, DS_DEFAULT_REDUCE_BUCKET
 from memopt.distributed.memory import sharded_memory
 from memopt.distributed.model_states import model_state_bytes, state_bytes
-from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.timeline import TimelinePoint
 from memopt.profile.engine_facts import ModelFacts
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "EngineRun",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from memopt.distributed.memory import sharded_memory
 from memopt.distributed.model_states import state_bytes
-from memopt.distributed.sharding import ShardingSetting
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "nvme_swap_bytes",

@@ -54,8 +54,8 @@ def simulate_fsdp2(build_model: Callable[[], nn.Module], make_batch: Callable[[]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.torch_engines import apply_fsdp2
+    from memopt.techniques.sharding import ShardingSetting
 
     setting = ShardingSetting.from_any(setting or {"engine": "fsdp2", "stage": 3})
     setting = dataclasses.replace(setting, world_size=world_size, nodes=1, replicate_size=1)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from memopt.distributed.sharding import ShardingSetting
 from memopt.strategy import Strategy
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "TimelinePoint",

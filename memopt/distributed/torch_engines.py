@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.distributed.sharding import ShardingSetting
+from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
     "apply_ddp",

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from memopt.distributed.deepspeed_engine import build_deepspeed
-from memopt.distributed.sharding import ShardingSetting, sharding_of
 from memopt.distributed.torch_engines import apply_ddp, apply_fsdp2, mp_policy_for
 from memopt.distributed.train_step import DistributedTrainStep, shard_batch
 from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
+from memopt.techniques.sharding import ShardingSetting, sharding_of
 
 __all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
 

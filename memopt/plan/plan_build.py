@@ -15,6 +15,7 @@ from memopt.plan.schema import Plan
 from memopt.plan.search import Evaluated, SearchResult, unestimated_notes
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.registry import TECHNIQUES
 from memopt.units import format_bytes
 
 __all__ = ["build_plan"]
@@ -32,9 +33,8 @@ def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tup
     rejected: dict[str, str] = {}
     savings: dict[str, dict[str, Any]] = {}
     chosen = best.strategy
-    fields = ["precision", "checkpointing", "activation_offload", "attention", "chunked_ce", "optimizer",
-              "micro_batch_size", "expandable_segments"]
-    for f in fields:
+    for technique in TECHNIQUES:
+        f = technique.name
         mine = getattr(chosen, f)
         others = [e for e in evaluated if getattr(e.strategy, f) != mine and (e.estimate is not None or e.floor_only)]
         if not others:
@@ -58,9 +58,7 @@ def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tup
                                f"(budget {format_bytes(budget)})")
         rejected[f] = "; ".join(reasons)
         # the same plan with this technique at its "off" value: what the choice saves and costs
-        off = {"checkpointing": Checkpointing(), "activation_offload": False, "chunked_ce": 0,
-               "precision": "fp32", "optimizer": "adamw_fused", "attention": "auto",
-               "expandable_segments": False}.get(f)
+        off = technique.off
         if off is None or _key(off) == _key(mine):
             continue
         twin = next((e for e in evaluated if e.estimate is not None and e.strategy == chosen.replace(**{f: off})),

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
+from memopt.techniques.registry import BY_NAME
 from memopt.units import GiB, MiB, parse_bytes
 
 __all__ = ["ALLOWANCES", "DEFAULT_ADAPTER_RANK", "FIDELITY_PRESETS", "PINNABLE", "Policy", "fidelity_of"]
@@ -54,10 +55,8 @@ FIDELITY_PRESETS: dict[str, tuple[str, ...]] = {
 #: the default LoRA rank when the planner adds adapters (pin ``adapter_rank`` for another)
 DEFAULT_ADAPTER_RANK = 16
 
-# what each choice needs
-_PRECISION_NEEDS = {"fp32": "exact", "bf16_autocast": "bf16_autocast", "fp16_autocast": "mixed_precision",
-                    "bf16_master": "mixed_precision", "bf16_pure": "lossy"}
-_OPTIMIZER_NEEDS = {"adamw8bit": "8bit_optimizer", "paged_adamw8bit": "8bit_optimizer"}
+# pins that choose an extras technique's setting by one number (the rank, the bits)
+_PIN_OWNERS = {"adapter_rank": "adapters", "quant_bits": "quantization"}
 
 PINNABLE = {
     "precision": PRECISIONS,
@@ -76,16 +75,9 @@ PINNABLE = {
 
 
 def fidelity_of(field_name: str, value: Any) -> str:
-    """The allowance a choice needs."""
-    if field_name == "precision":
-        return _PRECISION_NEEDS[value]
-    if field_name == "optimizer":
-        return _OPTIMIZER_NEEDS.get(value, "exact")
-    if field_name == "adapter_rank" and value:
-        return "adapters"
-    if field_name == "quant_bits" and value:
-        return "quantized_weights"
-    return "exact"
+    """The allowance a choice needs: its technique's fidelity class ("exact" for a pin no technique owns)."""
+    technique = BY_NAME.get(_PIN_OWNERS.get(field_name, field_name))
+    return "exact" if technique is None else technique.fidelity(value)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The planner beyond one GPU's memory: data parallel, ZeRO-1/2/3, FSDP2 (hybrid across nodes), CPU and NVMe offload.
 
-``plan_sharded`` enumerates engine settings (``memopt.distributed.sharding.ShardingSetting``) x checkpointing x
+``plan_sharded`` enumerates engine settings (``memopt.techniques.sharding.ShardingSetting``) x checkpointing x
 per-rank micro-batch, predicts each with the sharded estimate (``memopt.distributed.estimate``: the activation
 timeline joined with the engine's bytes, reserved per allocator pool, and the step time with collectives, host
 copies and the CPU optimizer), and returns the fastest candidate that fits every tier of the budget:
@@ -30,7 +30,6 @@ from memopt.distributed.engine_bytes import EngineRun
 from memopt.distributed.estimate import ENGINE_PRECISION, compute_estimate, predict_sharded, sharded_time
 from memopt.distributed.host_tier import machine_host_memory_bytes, machine_host_taken_bytes
 from memopt.distributed.memory import fit_advice
-from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.timeline import activation_timeline, timeline_grads
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
@@ -38,6 +37,7 @@ from memopt.plan.schema import Plan
 from memopt.plan.search import bisect_blocks
 from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.sharding import ShardingSetting
 from memopt.units import format_bytes
 
 __all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "predict_strategy",

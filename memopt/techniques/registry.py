@@ -5,18 +5,23 @@ given search context, and (b) a cheap lower bound on what a value adds to the st
 families of candidates can be ruled out before they are traced. Estimating a value exactly is the
 profile's job (the value selects which trace the composition uses, or which optimizer is traced);
 applying it is the technique module's ``apply_*`` function, called by ``memopt.step.prepare`` in a
-fixed order.
+fixed order. Each entry also names and renders its value for the dry run, writes its part of a strategy's label,
+and names the policy allowance (fidelity class) a value needs; the extras (adapters, quantization, sharding:
+``memopt.techniques.extras``) answer those as well, though the planner still searches them as a ladder of
+``Strategy.extras`` values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing
+from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing, Strategy, register_labeller
+from memopt.techniques.extras import EXTRAS
 
-__all__ = ["TECHNIQUES", "BaseTimes", "SearchContext", "Technique"]
+__all__ = ["BY_NAME", "LABEL_ORDER", "TECHNIQUES", "BaseTimes", "SearchContext", "SearchedTechnique", "Technique",
+           "strategy_label"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,28 @@ class BaseTimes:
 
 
 class Technique(Protocol):
-    name: str  # the Strategy field it owns
+    name: str  # the Strategy field (or Strategy.extras key) it owns
+    title: str  # how the dry run's tables name it
+
+    def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
+        """The value as the dry run's table shows it; ``techniques`` is the plan's serialized strategy, for a value
+        that reads another field (the micro-batch reads the accumulation steps)."""
+        ...
+
+    def label(self, strategy: Strategy) -> str | None:
+        """Its part of ``strategy.label()``, or None when the strategy's value is not worth naming."""
+        ...
+
+    def fidelity(self, value: Any) -> str:
+        """The policy allowance (``memopt.plan.policy.ALLOWANCES``) a value needs; "exact" when it changes nothing."""
+        ...
+
+
+class SearchedTechnique(Technique, Protocol):
+    """A technique whose values the search enumerates (``TECHNIQUES``)."""
+
+    # the value without this technique, the plan's savings of a choice are measured against (None: no such value)
+    off: Any
 
     def options(self, ctx: SearchContext) -> list[Any]: ...
 
@@ -59,8 +85,20 @@ class Technique(Protocol):
         ...
 
 
+# what each precision needs
+_PRECISION_NEEDS = {"fp32": "exact", "bf16_autocast": "bf16_autocast", "fp16_autocast": "mixed_precision",
+                    "bf16_master": "mixed_precision", "bf16_pure": "lossy"}
+
+
+def _on_off(value: Any, techniques: Mapping[str, Any]) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 class _Precision:
     name = "precision"
+    title = "precision"
+    off = "fp32"
+    render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         values = ["fp32", "fp16_autocast"]
@@ -71,9 +109,23 @@ class _Precision:
     def time_lower_bound(self, value: Any, base: BaseTimes) -> float:
         return 0.0  # each precision group has its own base pass
 
+    def label(self, strategy: Strategy) -> str | None:
+        return strategy.precision
+
+    def fidelity(self, value: Any) -> str:
+        return _PRECISION_NEEDS[value]
+
 
 class _Checkpointing:
     name = "checkpointing"
+    title = "activation checkpointing"
+    off = Checkpointing()
+
+    def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
+        mode, blocks = value.get("mode", "none"), value.get("num_blocks")
+        if mode == "none" or blocks == 0:
+            return "none"
+        return f"{mode}, every block" if blocks is None else f"{mode}, {blocks} blocks per stack"
 
     def options(self, ctx: SearchContext) -> list[Any]:
         total = max(ctx.block_counts, default=0)
@@ -92,9 +144,18 @@ class _Checkpointing:
             return base.block_forward_s * share
         return max(0.0, base.block_forward_s - base.block_forward_matmul_s) * share
 
+    def label(self, strategy: Strategy) -> str | None:
+        return f"ac={strategy.checkpointing.label()}"
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 class _Offload:
     name = "activation_offload"
+    title = "activation offload"
+    off = False
+    render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         return [False, True]
@@ -103,9 +164,18 @@ class _Offload:
         # copies back to the GPU in backward are not overlapped: at least the saved bytes over the link
         return base.extra.get("offload_copy_s", 0.0) if value else 0.0
 
+    def label(self, strategy: Strategy) -> str | None:
+        return "act-offload" if strategy.activation_offload else None
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 class _Attention:
     name = "attention"
+    title = "attention kernel"
+    off = "auto"
+    render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         values = list(ctx.attention_backends)
@@ -116,9 +186,20 @@ class _Attention:
     def time_lower_bound(self, value: str, base: BaseTimes) -> float:
         return 0.0 if value == "auto" else -base.attention_s  # another kernel may at best remove attention time
 
+    def label(self, strategy: Strategy) -> str | None:
+        return None if strategy.attention == "auto" else f"attn={strategy.attention}"
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 class _ChunkedCE:
     name = "chunked_ce"
+    title = "chunked loss (linear + CE)"
+    off = 0
+
+    def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
+        return f"{value} chunks" if value else "off"
 
     def options(self, ctx: SearchContext) -> list[Any]:
         if not ctx.causal_lm or not ctx.vocab_size or ctx.vocab_size < 32_000:
@@ -128,9 +209,18 @@ class _ChunkedCE:
     def time_lower_bound(self, value: int, base: BaseTimes) -> float:
         return 0.0
 
+    def label(self, strategy: Strategy) -> str | None:
+        return f"chunked-ce={strategy.chunked_ce}" if strategy.chunked_ce else None
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 class _Optimizer:
     name = "optimizer"
+    title = "optimizer"
+    off = "adamw_fused"
+    render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         # what the planner chooses by itself: the optimizers whose memory and time are validated on a GPU
@@ -146,9 +236,21 @@ class _Optimizer:
     def time_lower_bound(self, value: str, base: BaseTimes) -> float:
         return 0.0
 
+    def label(self, strategy: Strategy) -> str | None:
+        return strategy.optimizer
+
+    def fidelity(self, value: Any) -> str:
+        return "8bit_optimizer" if value in EIGHT_BIT_OPTIMIZERS else "exact"
+
 
 class _MicroBatch:
     name = "micro_batch_size"
+    title = "micro-batching"
+    off = None
+
+    def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
+        accum = techniques.get("grad_accum_steps", 1)
+        return f"{value} x {accum} accumulation steps" if accum > 1 else f"{value} (no accumulation)"
 
     def options(self, ctx: SearchContext) -> list[Any]:
         sizes = [b for b in range(1, ctx.global_batch + 1) if ctx.global_batch % b == 0]
@@ -159,9 +261,18 @@ class _MicroBatch:
     def time_lower_bound(self, value: int, base: BaseTimes) -> float:
         return 0.0
 
+    def label(self, strategy: Strategy) -> str | None:
+        return f"mb={strategy.micro_batch_size}x{strategy.grad_accum_steps}"
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 class _Allocator:
     name = "expandable_segments"
+    title = "expandable segments"
+    off = False  # the allocator's default, not memopt's
+    render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         return [True, False]
@@ -169,9 +280,27 @@ class _Allocator:
     def time_lower_bound(self, value: bool, base: BaseTimes) -> float:
         return 0.0
 
+    def label(self, strategy: Strategy) -> str | None:
+        return "expandable" if strategy.expandable_segments else "default-alloc"
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
 
 # the order the planner enumerates (and reports) them in
-TECHNIQUES: tuple[Technique, ...] = (_Precision(), _Checkpointing(), _Offload(), _Attention(), _ChunkedCE(),
-                                     _Optimizer(), _MicroBatch(), _Allocator())
+TECHNIQUES: tuple[SearchedTechnique, ...] = (_Precision(), _Checkpointing(), _Offload(), _Attention(), _ChunkedCE(),
+                                             _Optimizer(), _MicroBatch(), _Allocator())
+BY_NAME: dict[str, Technique] = {t.name: t for t in (*TECHNIQUES, *EXTRAS)}
+# the order a strategy's label names them in: recorded plans and logs carry labels, so it stays as it is
+LABEL_ORDER: tuple[str, ...] = ("precision", "checkpointing", "micro_batch_size", "optimizer", "activation_offload",
+                                "attention", "chunked_ce", "expandable_segments", "adapters", "quantization",
+                                "sharding")
 
-_ = Callable
+
+def strategy_label(strategy: Strategy) -> str:
+    """Each technique's part of the label, in ``LABEL_ORDER``, space-separated (``Strategy.label()``)."""
+    parts = (BY_NAME[name].label(strategy) for name in LABEL_ORDER)
+    return " ".join(part for part in parts if part is not None)
+
+
+register_labeller(strategy_label)

@@ -25,10 +25,10 @@ def main(out: str, engine: str, mode: str) -> None:
 
     import memopt
     import memopt.apply.wrap as wrap_module
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan import Policy
     from memopt.plan.sharded import plan_sharded
+    from memopt.techniques.sharding import ShardingSetting
 
     if engine.startswith("deepspeed"):
         import deepspeed.ops

@@ -36,8 +36,6 @@ UPWARD_LOCAL = {
     ("memopt/plan/planner.py", "memopt.config.checks"),
     ("memopt/plan/planner.py", "memopt.config"),
     ("memopt/step/prepare.py", "memopt.profile.stand_ins"),
-    ("memopt/strategy.py", "memopt.techniques.quantization"),
-    ("memopt/strategy.py", "memopt.distributed.sharding"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.fake_model"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.hf_compat"),
     ("memopt/techniques/chunked_ce.py", "memopt.profile.tracker"),

@@ -22,9 +22,9 @@ def main(out: str, port: str, ckpt: str) -> None:
 
     from memopt.distributed.deepspeed_engine import build_deepspeed
     from memopt.distributed.ds_checkpoint import load_deepspeed, save_deepspeed
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep
     from memopt.strategy import Strategy
+    from memopt.techniques.sharding import ShardingSetting
 
     strategy = Strategy(precision="fp32", micro_batch_size=2, grad_accum_steps=4)
 

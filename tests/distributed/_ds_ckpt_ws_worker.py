@@ -27,9 +27,9 @@ def main(mode: str, ckpt: str, out: str) -> None:
 
     from memopt.distributed.deepspeed_engine import build_deepspeed
     from memopt.distributed.ds_checkpoint import load_deepspeed, save_deepspeed
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep, shard_batch
     from memopt.strategy import Strategy
+    from memopt.techniques.sharding import ShardingSetting
 
     ws, rank = dist.get_world_size(), dist.get_rank()
     stage = 3 if mode == "save" else 2

@@ -23,9 +23,9 @@ def main(out: str, port: str, weights: str) -> None:
     import _workers as w
 
     from memopt.distributed.deepspeed_engine import build_deepspeed
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep
     from memopt.strategy import Strategy
+    from memopt.techniques.sharding import ShardingSetting
 
     trained = w.tiny_model(seed=5)  # weights no fresh model has: the load must bring them
     save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, weights)

@@ -22,9 +22,9 @@ def main(out: str, port: str, configs: list[dict]) -> None:
     import _workers as w
 
     from memopt.distributed.deepspeed_engine import build_deepspeed
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.train_step import DistributedTrainStep
     from memopt.strategy import Strategy
+    from memopt.techniques.sharding import ShardingSetting
 
     results = {}
     for cfg in configs:

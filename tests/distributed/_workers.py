@@ -108,9 +108,9 @@ def _teardown() -> None:
 
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
                model: nn.Module | None = None) -> Any:
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.distributed.torch_engines import apply_fsdp2
     from memopt.distributed.train_step import DistributedTrainStep
+    from memopt.techniques.sharding import ShardingSetting
 
     model = model if model is not None else tiny_model()
     setting = ShardingSetting(engine="fsdp2", world_size=world, offload_optimizer="cpu" if offload else "none",
@@ -323,8 +323,8 @@ def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps
     """``memopt.wrap(model, plan=...)`` with a two-rank FSDP2 plan, fed the *global* batch on every rank."""
 
     import memopt
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.plan.schema import Plan
+    from memopt.techniques.sharding import ShardingSetting
 
     _init(rank, world, port)
     try:

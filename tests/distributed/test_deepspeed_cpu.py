@@ -13,8 +13,8 @@ import pytest
 
 from memopt.distributed.config_export import export_accelerate_config, export_deepspeed_json
 from memopt.distributed.deepspeed_engine import deepspeed_config
-from memopt.distributed.sharding import ShardingSetting
 from memopt.strategy import Strategy
+from memopt.techniques.sharding import ShardingSetting
 from tests.distributed.ds_ops import op_built
 
 from . import _workers as w

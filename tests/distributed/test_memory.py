@@ -8,7 +8,6 @@ from memopt.distributed.engine_buffers import fsdp2_buffer_bytes
 from memopt.distributed.host_tier import validate_offload
 from memopt.distributed.memory import fit_advice, fsdp2_offload_traffic, sharded_memory
 from memopt.distributed.model_states import StateBytes, model_state_bytes, state_bytes, zero_paper_model_states
-from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.timing import (
     TimingParams,
     all_gather_time,
@@ -19,6 +18,7 @@ from memopt.distributed.timing import (
     sharded_step_time,
 )
 from memopt.hardware import load_hardware
+from memopt.techniques.sharding import ShardingSetting
 
 GB = 1e9
 

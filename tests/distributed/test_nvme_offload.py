@@ -22,7 +22,7 @@ from memopt.distributed.engine_buffers import DS_PARAM_SWAP_BUFFER_SIZE
 from memopt.distributed.host_tier import nvme_swap_bytes
 from memopt.distributed.memory import sharded_memory
 from memopt.distributed.model_states import state_bytes
-from memopt.distributed.sharding import ShardingSetting
+from memopt.techniques.sharding import ShardingSetting
 from tests.distributed.ds_ops import op_built
 
 from . import _workers as w

@@ -93,11 +93,11 @@ def test_zero3_offload_pools_from_the_allocator_history(name: str, plan_file: st
     own plan at 12 GiB; a 233M-element embedding, under the 250M norm chunk) was run after it, unchanged."""
     from memopt.distributed import engine_bytes
     from memopt.distributed.estimate import LARGE_SEGMENT
-    from memopt.distributed.sharding import ShardingSetting
     from memopt.hardware import load_hardware
     from memopt.plan import sharded as sh
     from memopt.plan.schema import Plan
     from memopt.profile.engine_facts import facts_of_profile
+    from memopt.techniques.sharding import ShardingSetting
 
     row = json.loads((S9 / name / "rank0.json").read_text())
     plan = Plan.load(Path(__file__).resolve().parents[2] / "benchmarks" / "sharding" / "plans" / plan_file)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from memopt.distributed import ds_checkpoint
-from memopt.distributed.sharding import ShardingSetting
 from memopt.distributed.wrapped import ShardedWrapped
+from memopt.techniques.sharding import ShardingSetting
 
 
 def _wrapped(engine: str, stage: int) -> ShardedWrapped:

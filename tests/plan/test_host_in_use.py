@@ -9,12 +9,12 @@ import torch
 
 import memopt
 from memopt.distributed import host_tier
-from memopt.distributed.sharding import ShardingSetting
 from memopt.hardware import load_hardware
 from memopt.plan import sharded
 from memopt.plan.context import resolve_policy
 from memopt.plan.planner import host_copy_bytes
 from memopt.plan.sharded import plan_sharded
+from memopt.techniques.sharding import ShardingSetting
 from memopt.units import GiB
 
 OFFLOAD = [ShardingSetting(engine="fsdp2", stage=3, world_size=1, offload_optimizer="cpu", offload_params="cpu")]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from memopt.distributed.sharding import ShardingSetting
 from memopt.hardware import load_hardware
 from memopt.plan.context import resolve_policy
 from memopt.plan.planner import make_plan
 from memopt.plan.sharded import plan_sharded, sharding_settings
+from memopt.techniques.sharding import ShardingSetting
 from memopt.units import GiB, MiB
 
 SAMPLE = {"batch_size": 8, "seq_len": 64}
