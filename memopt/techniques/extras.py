@@ -16,42 +16,25 @@ from memopt.techniques.sharding import ShardingSetting
 __all__ = ["EXTRAS"]
 
 
-class _Adapters:
-    name = "adapters"
-    title = "adapters (method change)"
+class _SettingExtra:
+    """An extras technique whose value is a setting's serialized form (``AdapterSetting``, ``QuantSetting``)."""
+
+    def __init__(self, name: str, title: str, setting: Any, needs: str) -> None:
+        self.name, self.title, self.setting, self.needs = name, title, setting, needs
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         try:
-            return AdapterSetting.parse(value).label()
+            return self.setting.parse(value).label()
         except (ValueError, TypeError):
             return str(value)
 
     def label(self, strategy: Strategy) -> str | None:
         value = strategy.extra(self.name)
-        return None if value is None else AdapterSetting.parse(value).label()
+        return None if value is None else self.setting.parse(value).label()
 
     def fidelity(self, value: Any) -> str:
-        # a setting, or a pinned rank (0: full fine-tuning)
-        return "adapters" if value else "exact"
-
-
-class _Quantization:
-    name = "quantization"
-    title = "frozen base weights (method change)"
-
-    def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
-        try:
-            return QuantSetting.parse(value).label()
-        except (ValueError, TypeError):
-            return str(value)
-
-    def label(self, strategy: Strategy) -> str | None:
-        value = strategy.extra(self.name)
-        return None if value is None else QuantSetting.parse(value).label()
-
-    def fidelity(self, value: Any) -> str:
-        # a setting, or pinned bits (0: an unquantized base)
-        return QUANT_FIDELITY if value else "exact"
+        # a setting, or a pinned number (an adapter rank, quantization bits) where 0 means the technique is off
+        return self.needs if value else "exact"
 
 
 class _Sharding:
@@ -69,4 +52,8 @@ class _Sharding:
         return "exact"  # sharding and offloading model states change where they live, not what training computes
 
 
-EXTRAS: tuple[_Adapters | _Quantization | _Sharding, ...] = (_Adapters(), _Quantization(), _Sharding())
+EXTRAS: tuple[_SettingExtra | _Sharding, ...] = (
+    _SettingExtra("adapters", "adapters (method change)", AdapterSetting, "adapters"),
+    _SettingExtra("quantization", "frozen base weights (method change)", QuantSetting, QUANT_FIDELITY),
+    _Sharding(),
+)
