@@ -3,7 +3,7 @@
 for models no config ships (built by ``scripts/zoo_matrix_gpu.py``'s row builders), under the brief's hard cap:
 
     python scripts/speed_grid_gpu.py run --out $OUT/grid.jsonl [--cases ID,ID] [--case-deadline-s 170]
-    python scripts/speed_grid_gpu.py report grid.jsonl [more.jsonl] --out benchmarks/plan_quality/speed_cases
+    python scripts/speed_grid_gpu.py report grid.jsonl [more.jsonl:CASE,CASE] --out benchmarks/plan_quality/speed_cases
     python scripts/speed_grid_gpu.py list
 
 Per case, three processes strictly one after another (the allocator's segment mode is fixed when CUDA starts, and a
@@ -59,7 +59,7 @@ def _case(id: str, kind: str, model_type: str, cfg: dict[str, Any], b: int, s: i
 
 CASES = [
     _case("pythia410m-16x2048-12GiB", "causal", "gpt_neox", zoo.PYTHIA410, 16, 2048, "12GiB"),
-    _case("gemma2-2b-8x2048-48GiB", "causal", "gemma2", zoo.GEMMA2_2B, 8, 2048, "48GiB"),
+    _case("gemma2-2b-8x2048-56GiB", "causal", "gemma2", zoo.GEMMA2_2B, 8, 2048, "56GiB"),
     _case("stablelm3b-8x2048-56GiB", "causal", "stablelm", zoo.STABLELM_3B, 8, 2048, "56GiB"),
     _case("robertalarge-mlm-64x512-10GiB", "masked", "roberta", zoo.ROBERTA_LARGE, 64, 512, "10GiB"),
     _case("vit632m-128x224-20GiB", "image", "vit", zoo.VIT_HUGE_ISH, 128, 0, "20GiB", image_size=224),
@@ -326,7 +326,12 @@ def child(args: argparse.Namespace) -> None:
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = [json.loads(x) for p in args.jsonl for x in Path(p).read_text().splitlines() if x.strip()]
+    rows = []
+    for spec in args.jsonl:  # PATH or PATH:CASE,CASE (one run's rows of those cases only)
+        path, _, only = spec.partition(":")
+        keep = set(only.split(",")) if only else None
+        rows += [r for x in Path(path).read_text().splitlines() if x.strip()
+                 for r in [json.loads(x)] if keep is None or r["case"] in keep]
     cases = []
     lines = ["| case | memopt plan | memopt | best hand (config) | vs best | HF-typical (config) | vs HF | "
              "pred / meas step s | first step s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -388,7 +393,7 @@ def main() -> int:
     c.add_argument("--steps", type=int, default=4)
     c.add_argument("--case-deadline-s", type=float, default=170.0)
     p = sub.add_parser("report")
-    p.add_argument("jsonl", nargs="+")
+    p.add_argument("jsonl", nargs="+", help="PATH, or PATH:CASE,CASE to take only those cases from it")
     p.add_argument("--out", required=True)
     sub.add_parser("list")
     args = ap.parse_args()

@@ -73,6 +73,7 @@ def simulate_allocator(
     initial_events: Iterable[Sequence[int]] | None = None,
     device_total_bytes: int | None = None,
     stop_above: int | None = None,
+    passes: Sequence[tuple[int, int]] | None = None,
 ) -> AllocatorResult:
     """Replay ``events`` through a fresh caching allocator and report its peaks.
 
@@ -83,6 +84,11 @@ def simulate_allocator(
     Replay stops at the first allocation that cannot be served under ``cap_bytes``, and (``stopped_at``) at the
     first event after which the reserved peak exceeds ``stop_above``: the caller only needs to know that the
     full replay's peak would be higher (peaks never decrease).
+
+    ``passes``: ranges ``[begin, end)`` of ``events`` that may repeat one another (the micro-batches after the
+    first of a step). Where a pass makes the same requests in the same order as the one ending where it begins
+    (keys aside) and that one left the allocator as it found it, the rest of the run of such passes is skipped:
+    from the same state the same requests make the same decisions, so no peak, count or block could change.
     """
     sim = CachingAllocatorSim(config, cap_bytes=cap_bytes, device_total_bytes=device_total_bytes)
     if initial_events is not None:
@@ -96,8 +102,9 @@ def simulate_allocator(
     if sim.peak_reserved_bytes > limit:
         return replace(_result(sim, oom_index=None, allocs0=allocs0, frees0=frees0, peak_index=None),
                                    stopped_at=-1)
+    repeats = _repeat_marks(events, passes) if passes and not sim.gc_enabled else None
     try:
-        peak_index = _replay(sim, events, limit)
+        peak_index = _replay(sim, events, limit, repeats)
     except _ReplayOOM as exc:
         return _result(sim, oom_index=exc.index, allocs0=allocs0, frees0=frees0, peak_index=exc.peak_index)
     except _ReplayStopped as exc:
@@ -118,12 +125,81 @@ class _ReplayStopped(Exception):
         self.index = index
 
 
-def _replay(sim: CachingAllocatorSim, events: Iterable[Sequence[int]], stop_above: int = NO_LIMIT) -> int | None:
+def _replay(sim: CachingAllocatorSim, events: Iterable[Sequence[int]], stop_above: int = NO_LIMIT,
+            repeats: dict[int, tuple[int, int]] | None = None) -> int | None:
     """Feed events to ``sim``; returns the index of the event that set the reserved peak (raises
-    ``_ReplayStopped`` once that peak exceeds ``stop_above``)."""
-    malloc, free = sim.malloc, sim.free
+    ``_ReplayStopped`` once that peak exceeds ``stop_above``). ``repeats``: :func:`_repeat_marks`."""
+    if not repeats:
+        return _replay_range(sim, events, 0, stop_above, None)
+    events = events if isinstance(events, Sequence) else list(events)
     peak_index: int | None = None
-    for i, ev in enumerate(events):
+    seen: dict[int, tuple] = {}  # run -> the allocator's state where its latest pass began
+    pos = 0
+    for mark in sorted(repeats):
+        if mark < pos:
+            continue
+        peak_index = _replay_range(sim, events[pos:mark], pos, stop_above, peak_index)
+        pos = mark
+        run, run_end = repeats[mark]
+        state = sim.state_key()
+        if seen.get(run) == state:  # the previous pass changed nothing: so would every repeat of it
+            pos = run_end
+            seen.pop(run)
+        else:
+            seen[run] = state
+    return _replay_range(sim, events[pos:], pos, stop_above, peak_index)
+
+
+def _repeat_marks(events: Sequence[Sequence[int]], passes: Sequence[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """The begin of every pass in a run of back-to-back passes that make the same requests (keys aside, each
+    freeing everything it allocates) -> (the run's number, where the run ends)."""
+    marks: dict[int, tuple[int, int]] = {}
+    run: list[tuple[int, int]] = []
+    shape: list[int] | None = None
+
+    def close() -> None:
+        if len(run) > 1:
+            for b, _ in run:
+                marks[b] = (run[0][0], run[-1][1])
+
+    for b, e in sorted(passes):
+        this = _shape(events, b, e)
+        if this is not None and run and run[-1][1] == b and this == shape:
+            run.append((b, e))
+            continue
+        close()
+        run, shape = ([(b, e)], this) if this is not None else ([], None)
+    close()
+    return marks
+
+
+def _shape(events: Sequence[Sequence[int]], begin: int, end: int) -> list[int] | None:
+    """A pass's requests with its keys replaced by their order of allocation; None when it frees what it did not
+    allocate or leaves something allocated (then its repeats would not start from the same state)."""
+    rank: dict[int, int] = {}
+    out: list[int] = []
+    freed = 0
+    for ev in events[begin:end]:
+        kind, key, size = ev[0], ev[1], ev[2]
+        if kind > 0:
+            if key in rank:
+                return None
+            rank[key] = len(rank)
+            out += (size, ev[3] if len(ev) > 3 else 0)
+        else:
+            r = rank.get(key)
+            if r is None:
+                return None
+            out.append(-1 - r)
+            freed += 1
+    return out if freed == len(rank) else None
+
+
+def _replay_range(sim: CachingAllocatorSim, events: Iterable[Sequence[int]], offset: int, stop_above: int,
+                  peak_index: int | None) -> int | None:
+    """:func:`_replay` over ``events``, whose first is event ``offset`` of the whole replay."""
+    malloc, free = sim.malloc, sim.free
+    for i, ev in enumerate(events, offset):
         n = len(ev)
         if n == 3:
             kind, key, size = ev

@@ -120,6 +120,11 @@ class AllocatorPools:
         self.num_ooms = 0
         self.num_segments_live = 0  # cudaMalloc'ed segments plus expandable segments
 
+    @property
+    def gc_enabled(self) -> bool:
+        """Whether ``garbage_collection_threshold`` is in force (it ages cached blocks on every request)."""
+        return self._gc_on
+
     # -- free-list helpers ---------------------------------------------------------------------
     def _remove_free(self, pool: Pool, block: Block) -> None:
         keys = pool.free[block.stream]

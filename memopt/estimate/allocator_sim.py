@@ -80,6 +80,15 @@ class CachingAllocatorSim(AllocatorPools):
     def num_live_allocations(self) -> int:
         return len(self._live)
 
+    def state_key(self) -> tuple:
+        """What the allocator's future behaviour depends on besides the live allocations' keys: byte counts,
+        device calls, and every free and unmapped block by (size, address). Two equal keys with the same live
+        allocations mean the same decisions on the same requests (garbage collection's ages aside)."""
+        pools = tuple((tuple((s, tuple(v)) for s, v in sorted(p.free.items())),
+                       tuple((s, tuple(v)) for s, v in sorted(p.unmapped.items()))) for p in (self._small, self._large))
+        return (self.allocated_bytes, self.reserved_bytes, self.num_device_allocs, self.num_device_frees,
+                self.num_alloc_retries, len(self._live), pools)
+
     def reset_peak_stats(self) -> None:
         """As ``torch.cuda.reset_peak_memory_stats()``: peaks restart from the current values."""
         self.peak_allocated_bytes = self.allocated_bytes

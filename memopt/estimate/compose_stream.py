@@ -52,12 +52,14 @@ def _sizes(trace: VariantTrace, segment: int, b: int) -> list[int]:
 
 def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: int, m: int,
                  optimizer: OptimizerTrace, static_events: list[tuple[int, int, int]],
-                 num_steps: int = 3, origins: dict[int, tuple[Instance | None, int]] | None = None
-                 ) -> tuple[list[tuple[int, int, int]], int]:
+                 num_steps: int = 3, origins: dict[int, tuple[Instance | None, int]] | None = None,
+                 passes: list[tuple[int, int]] | None = None) -> tuple[list[tuple[int, int, int]], int]:
     """The full run's allocation events ``(kind, key, bytes)`` and the index where the steps begin.
 
     ``origins`` (attribution, ``memopt.estimate.attribution``): filled with each fresh key's source, the
-    segment instance and the traced key it repeats (instance None: the optimizer step's)."""
+    segment instance and the traced key it repeats (instance None: the optimizer step's). ``passes``: filled
+    with the ``[begin, end)`` range of every micro-batch after the first of a step, which make the same requests
+    (its gradients are added into those of the first), for ``simulate_allocator(passes=...)``."""
     out: list[tuple[int, int, int]] = list(static_events)
     start = len(out)
     next_key = [10**12]
@@ -141,6 +143,8 @@ def event_stream(traces: dict[VariantKey, VariantTrace], layout: PassLayout, b: 
                 if in_block_backward:
                     block_backwards.append((len(out), range(made_before + 1, next_key[0] + 1)))
             _free_leftovers(out, mb_start, block_backwards, transient, alive)
+            if passes is not None and acc:
+                passes.append((mb_start, len(out)))
         remap: dict[int, int] = {}
         for kind, key, size in optimizer.first if step == 0 else optimizer.steady:
             if kind == ALLOC:

@@ -3,6 +3,8 @@ one strategy, composed from a profile."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,11 +210,18 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     reserved_exact = False
     reserved = peak.peak_bytes
     if exact_reserved:
-        events, start = event_stream(traces, layout, b, m, opt, static_events, num_steps=num_steps)
+        def build() -> tuple[list[tuple[int, int, int]], int, list[tuple[int, int]]]:
+            passes: list[tuple[int, int]] = []
+            events, start = event_stream(traces, layout, b, m, opt, static_events, num_steps=num_steps,
+                                         passes=passes)
+            return events, start, [(lo - start, hi - start) for lo, hi in passes]
+
+        events, start, passes = _stream(profile, strategy, num_steps, build)
         result = simulate_allocator(events[start:],
                                     config=AllocatorConfig(expandable_segments=strategy.expandable_segments),
                                     initial_events=events[:start], cap_bytes=cap_bytes,
-                                    stop_above=None if stop_above is None else stop_above - runtime)
+                                    stop_above=None if stop_above is None else stop_above - runtime,
+                                    passes=passes)
         if result.stopped_at is not None:
             raise TotalAbove(result.peak_reserved_bytes + runtime)
         if result.oom:
@@ -236,6 +245,29 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     return Estimate(peak_allocated_bytes=peak.peak_bytes, peak_reserved_bytes=reserved, runtime_bytes=runtime,
                     step_time_s=step_s, breakdown=breakdown, peak_at=peak.where, reserved_exact=reserved_exact,
                     items_per_step=items, item_unit="tokens" if tokens else "samples", detail=detail)
+
+
+_STREAMS_KEPT = 2
+
+
+_Stream = tuple[list[tuple[int, int, int]], int, list[tuple[int, int]]]
+
+
+def _stream(profile: Profile, strategy: Strategy, num_steps: int, build: Callable[[], _Stream]) -> _Stream:
+    """The run's event stream, built once for the candidates that differ only in what the replay is given: the
+    search replays a candidate uncapped, then again under the hard cap when only the cap lets it fit, and the
+    allocator mode changes the replay, not the events. Building the stream costs as much as replaying it.
+    Returns the events, where the steps begin, and the repeating micro-batches (relative to the steps)."""
+    cache: OrderedDict = profile.derived.setdefault("event_streams", OrderedDict())
+    key = (strategy.replace(expandable_segments=False), num_steps)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = build()
+        while len(cache) > _STREAMS_KEPT:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return found
 
 
 class CappedOOM(ValueError):
