@@ -335,9 +335,12 @@ class Wrapped:
         return self.guard.progress() if self.guard is not None else self.describe()
 
     def close(self) -> None:
-        """Flush telemetry and store the measured peaks as a calibration for later plans."""
+        """Flush telemetry and store the measured peaks as a calibration for later plans; a one-GPU offload
+        engine's process group, started by memopt, is destroyed (save first to keep the training state)."""
         if self.guard is not None:
             self.guard.close()
+        if self._sharded is not None:
+            self._sharded.close()
 
     def unwrap(self) -> nn.Module:
         """Remove every technique and return the user's module (weights keep their trained values)."""

@@ -186,6 +186,17 @@ class ShardedWrapped:
     def samples_seen(self) -> int:
         return self._step.samples_seen
 
+    def close(self) -> None:
+        """End the run as ``memopt.wrap``'s one-GPU wrapper does: the one-process group started for a one-GPU
+        engine is destroyed (a group the user or the launcher started stays theirs). The engine cannot step after
+        it; ``save`` first to keep the training state."""
+        if self.started_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.started_group = False
+
     @property
     def steps_done(self) -> int:
         return self._step.steps_done

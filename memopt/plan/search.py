@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.estimate.allocator_sim import EventStreamError
-from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
+from memopt.estimate.estimator import Estimate, estimate_strategy
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
@@ -424,31 +424,26 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
         return Evaluated(s, quick, False, allocated_total, "allocated bytes alone exceed the budget")
     if len(top) > runners_up and quick.step_time_s >= rank(top[runners_up]):
         return Evaluated(s, quick, None, allocated_total, "not a contender (slower than the runners-up)")
-    return _under_cap(profile, s, hw, budget_bytes, margin, quick.runtime_bytes)
+    ev = evaluate(profile, s, hw, budget_bytes, margin)
+    if ev.fits is False and ev.estimate is not None:
+        return _under_cap(profile, s, hw, budget_bytes, margin, ev)
+    return ev
 
 
 def _under_cap(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,
-               runtime_bytes: int) -> Evaluated:
-    """A candidate replayed under the hard cap that ``memopt.wrap`` sets, less the margin. Where its uncapped
-    reserved peak would be over the budget while its allocated peak fits, the caching allocator flushes its cache
-    and retries instead of growing (on the H200, bert-large at 12 GiB trained at micro-batch 32 with 10.8 GiB
-    reserved and 5 retries where the uncapped replay reserves 11.9 GiB): it fits if the replay never runs out,
-    with the capped run's reserved bytes and the retries' cost in its step time. A capped replay that never
-    retried is the uncapped replay, event for event, so it stands for it; only a candidate that runs out under
-    the cap is replayed uncapped, for the reserved bytes its rejection reports."""
-    cap = budget_bytes - margin - runtime_bytes
+               uncapped: Evaluated) -> Evaluated:
+    """A candidate whose uncapped reserved peak is over the budget while its allocated peak fits: ``memopt.wrap``
+    runs it under the hard cap, where the caching allocator flushes its cache and retries instead of growing (on
+    the H200, bert-large at 12 GiB trained at micro-batch 32 with 10.8 GiB reserved and 5 retries where the
+    uncapped replay reserves 11.9 GiB). Replayed under the cap less the margin: it fits if the replay never runs
+    out, with the capped run's reserved bytes and the retries' cost in its step time."""
+    from memopt.estimate.estimator import CappedOOM
+
+    cap = budget_bytes - margin - uncapped.estimate.runtime_bytes
     try:
         capped = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, cap_bytes=cap)
     except CappedOOM:
-        return evaluate(profile, s, hw, budget_bytes, margin)
-    except EventStreamError:
-        raise
-    except ValueError as exc:
-        return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
-    if capped.detail["capped"]["alloc_retries_per_step"] == 0:
-        del capped.detail["capped"]
-        fits = capped.total_bytes + margin <= budget_bytes
-        return Evaluated(s, capped, fits, capped.total_bytes, "" if fits else "reserved bytes exceed the budget")
+        return uncapped
     return Evaluated(s, capped, True, capped.total_bytes, "")
 
 

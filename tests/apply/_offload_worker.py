@@ -66,6 +66,8 @@ def main(out: str, engine: str, mode: str) -> None:
               "engine": type(engine_obj).__name__, "wrapped": type(wrapped).__name__,
               "use_cache_in_training": model.config.use_cache,
               "started_group": getattr(getattr(wrapped, "_sharded", wrapped), "started_group", None)}
+    wrapped.close()
+    result["group_after_close"] = dist.is_initialized()
     Path(out).write_text(json.dumps(result))
 
 

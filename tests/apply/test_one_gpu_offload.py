@@ -34,6 +34,7 @@ def test_fsdp2_offload_plan_applied_in_process(tmp_path, mode):
     got = _run(tmp_path, "fsdp2", mode)
     assert got["wrapped"] == "Wrapped" if mode == "budget" else got["wrapped"] == "ShardedWrapped"
     assert got["group"] == 1 and got["started_group"] is True  # memopt started it; the user did nothing
+    assert got["group_after_close"] is False  # and close() ends it
     assert got["losses"] == pytest.approx(w.reference_losses(3), rel=1e-5)
     # the plan was traced without a KV cache; checkpointed blocks would keep one's keys and values alive
     assert got["use_cache_in_training"] is False

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +96,28 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _teardown() -> None:
-    """Leave the group together: a rank that destroys its gloo context while a peer still has work in flight
-    aborts with "terminate called without an active exception" (seen once in CI); the barrier is skipped on an
-    error, where the peer may never reach it and mp.spawn reports the failure instead."""
-    import sys
+def _in_group(body: Callable[..., None]) -> Callable[..., None]:
+    """A spawned rank's body, run between joining the gloo group and leaving it with its peers. The body returns
+    before the group is destroyed, so what it made (FSDP's pending work handles hold tensors) is freed while the
+    interpreter is whole: freed at interpreter exit instead, a gloo work object's tensors take the GIL of a
+    finalizing interpreter and the rank aborts with "terminate called without an active exception" (seen in CI).
+    The barrier is skipped on an error, where the peer may never reach it and mp.spawn reports the failure."""
 
-    import torch.distributed as dist
+    @functools.wraps(body)
+    def rank_main(rank: int, world: int, port: int, *args: Any) -> None:
+        import torch.distributed as dist
 
-    if sys.exc_info()[0] is None:
+        _init(rank, world, port)
+        try:
+            body(rank, world, port, *args)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        gc.collect()
         dist.barrier()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
+
+    return rank_main
 
 
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
@@ -123,42 +137,39 @@ def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int
     return model, opt, step, undo
 
 
+@_in_group
 def fsdp_trajectory(rank: int, world: int, port: int, out: str, steps: int, offload: bool) -> None:
     """Train ``steps`` steps with FSDP2 on ``world`` gloo ranks; rank 0 writes losses and (offload) traffic."""
 
     from memopt.distributed.train_step import shard_batch
 
-    _init(rank, world, port)
-    try:
-        model, opt, step, undo = _fsdp_step(rank, world, offload=offload)
-        counter = _TrafficCounter() if offload else None
-        losses, traffic = [], []
-        for s in range(steps):
-            batch = shard_batch(global_batch(s * GLOBAL_BATCH), rank, world)
-            if counter is not None:
-                counter.reset()
-                with counter:
-                    losses.append(step.step(batch))
-                traffic.append(dict(counter.bytes))
-            else:
+    model, opt, step, undo = _fsdp_step(rank, world, offload=offload)
+    counter = _TrafficCounter() if offload else None
+    losses, traffic = [], []
+    for s in range(steps):
+        batch = shard_batch(global_batch(s * GLOBAL_BATCH), rank, world)
+        if counter is not None:
+            counter.reset()
+            with counter:
                 losses.append(step.step(batch))
-        devices = sorted({str(p.to_local().device) for p in model.parameters()})
-        local_param_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        opt_bytes = sum(_local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)
-        opt_devices = sorted({str(_local(t).device) for st in opt.state.values() for t in st.values()
-                              if isinstance(t, torch.Tensor)})
-        undo()
-        full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        is_plain = all(type(p) is nn.Parameter for p in model.parameters()) and type(model) is TinyLM
-        if rank == 0:
-            result = {"losses": losses, "traffic": traffic, "devices": devices, "local_param_bytes": local_param_bytes,
-                      "opt_bytes": opt_bytes, "opt_devices": opt_devices, "undo_plain": is_plain,
-                      "micro_batches": step.strategy.grad_accum_steps, "samples_seen": step.samples_seen}
-            Path(out).write_text(json.dumps(result))
-            torch.save(full, out + ".params.pt")
-    finally:
-        _teardown()
+            traffic.append(dict(counter.bytes))
+        else:
+            losses.append(step.step(batch))
+    devices = sorted({str(p.to_local().device) for p in model.parameters()})
+    local_param_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    opt_bytes = sum(_local(t).numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+    opt_devices = sorted({str(_local(t).device) for st in opt.state.values() for t in st.values()
+                          if isinstance(t, torch.Tensor)})
+    undo()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    is_plain = all(type(p) is nn.Parameter for p in model.parameters()) and type(model) is TinyLM
+    if rank == 0:
+        result = {"losses": losses, "traffic": traffic, "devices": devices, "local_param_bytes": local_param_bytes,
+                  "opt_bytes": opt_bytes, "opt_devices": opt_devices, "undo_plain": is_plain,
+                  "micro_batches": step.strategy.grad_accum_steps, "samples_seen": step.samples_seen}
+        Path(out).write_text(json.dumps(result))
+        torch.save(full, out + ".params.pt")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -239,24 +250,21 @@ class AioTraffic:
         self._op.aio_handle = self._real
 
 
+@_in_group
 def fsdp_checkpoint(rank: int, world: int, port: int, out: str, ckpt: str, steps: int) -> None:
     """Train ``steps`` steps at ``world`` ranks, save, train one more step and write its loss."""
 
     from memopt.distributed.checkpoint import save_checkpoint
     from memopt.distributed.train_step import shard_batch
 
-    _init(rank, world, port)
-    try:
-        model, opt, step, _ = _fsdp_step(rank, world)
-        for _ in range(steps):
-            step.step(shard_batch(global_batch(step.samples_seen), rank, world))
-        save_checkpoint(ckpt, model, opt, step)
-        next_loss = step.step(shard_batch(global_batch(step.samples_seen), rank, world))
-        if rank == 0:
-            Path(out).write_text(json.dumps({"next_loss": next_loss, "steps_done": step.steps_done,
-                                             "samples_seen": step.samples_seen}))
-    finally:
-        _teardown()
+    model, opt, step, _ = _fsdp_step(rank, world)
+    for _ in range(steps):
+        step.step(shard_batch(global_batch(step.samples_seen), rank, world))
+    save_checkpoint(ckpt, model, opt, step)
+    next_loss = step.step(shard_batch(global_batch(step.samples_seen), rank, world))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"next_loss": next_loss, "steps_done": step.steps_done,
+                                         "samples_seen": step.samples_seen}))
 
 
 class BigBlocks(nn.Module):
@@ -273,6 +281,7 @@ class BigBlocks(nn.Module):
         return x * self.scale
 
 
+@_in_group
 def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d: int, n: int) -> None:
     """Fill a meta model's FSDP2 shards from ``path``; record RSS growth and check the shard values."""
     import resource
@@ -282,43 +291,40 @@ def load_sharded_worker(rank: int, world: int, port: int, out: str, path: str, d
 
     from memopt.distributed.checkpoint import load_sharded
 
-    _init(rank, world, port)
-    try:
-        proc = psutil.Process()
-        with torch.device("meta"):
-            model = BigBlocks(d, n)
-        model.scale = torch.full((d,), 2.0)  # a real buffer, as accelerate's init_empty_weights keeps them
-        import gc
-        import importlib
+    proc = psutil.Process()
+    with torch.device("meta"):
+        model = BigBlocks(d, n)
+    model.scale = torch.full((d,), 2.0)  # a real buffer, as accelerate's init_empty_weights keeps them
+    import gc
+    import importlib
 
-        # imported before the baseline: their code is not the model
-        for name in ("torch.distributed.fsdp", "torch.distributed.tensor", "memopt.distributed.torch_engines"):
-            importlib.import_module(name)
+    # imported before the baseline: their code is not the model
+    for name in ("torch.distributed.fsdp", "torch.distributed.tensor", "memopt.distributed.torch_engines"):
+        importlib.import_module(name)
 
-        gc.collect()
-        rss_before = proc.memory_info().rss
-        max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        load_sharded(model, [path], {"engine": "fsdp2", "world_size": world})
-        gc.collect()
-        rss_after = proc.memory_info().rss
-        max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        ok = True
-        with safe_open(path, framework="pt") as f:
-            for name, p in model.named_parameters():
-                local = p.to_local()
-                rows = local.shape[0]
-                expect = f.get_slice(name)[rank * rows:(rank + 1) * rows]
-                ok = ok and torch.equal(local, expect)
-        local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        buffer_kept = bool(torch.equal(model.scale, torch.full((d,), 2.0)))
-        Path(f"{out}.{rank}").write_text(json.dumps({
-            "rss_growth": rss_after - rss_before, "peak_growth": max(0, max_after - max(max_before, rss_before)),
-            "max_after_minus_rss_before": max_after - rss_before, "values_ok": ok, "local_bytes": local_bytes,
-            "buffer_kept": buffer_kept}))
-    finally:
-        _teardown()
+    gc.collect()
+    rss_before = proc.memory_info().rss
+    max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load_sharded(model, [path], {"engine": "fsdp2", "world_size": world})
+    gc.collect()
+    rss_after = proc.memory_info().rss
+    max_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ok = True
+    with safe_open(path, framework="pt") as f:
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            rows = local.shape[0]
+            expect = f.get_slice(name)[rank * rows:(rank + 1) * rows]
+            ok = ok and torch.equal(local, expect)
+    local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    buffer_kept = bool(torch.equal(model.scale, torch.full((d,), 2.0)))
+    Path(f"{out}.{rank}").write_text(json.dumps({
+        "rss_growth": rss_after - rss_before, "peak_growth": max(0, max_after - max(max_before, rss_before)),
+        "max_after_minus_rss_before": max_after - rss_before, "values_ok": ok, "local_bytes": local_bytes,
+        "buffer_kept": buffer_kept}))
 
 
+@_in_group
 def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
     """``memopt.wrap(model, plan=...)`` with a two-rank FSDP2 plan, fed the *global* batch on every rank."""
 
@@ -326,19 +332,16 @@ def wrapped_sharded_trajectory(rank: int, world: int, port: int, out: str, steps
     from memopt.plan.schema import Plan
     from memopt.techniques.sharding import ShardingSetting
 
-    _init(rank, world, port)
-    try:
-        setting = ShardingSetting(engine="fsdp2", world_size=world, pin_memory=False)
-        per_rank = GLOBAL_BATCH // world
-        strategy = Strategy(precision="fp32", micro_batch_size=2, grad_accum_steps=per_rank // 2,
-                            extras=(("sharding", setting.to_dict()),))
-        plan = Plan(fits=True, strategy=strategy, budget_bytes=0, margin_bytes=0, prediction={}, model={},
-                    hardware="cpu", policy={}, global_batch=GLOBAL_BATCH)
-        wrapped = memopt.wrap(tiny_model(), plan=plan, lr=1e-2, weight_decay=0.01, device="cpu")
-        losses = [wrapped.step(global_batch(s * GLOBAL_BATCH)) for s in range(steps)]
-        sharded = all(type(p).__name__ == "DTensor" for p in wrapped.model.parameters())
-        if rank == 0:
-            Path(out).write_text(json.dumps({"losses": losses, "sharded": sharded,
-                                             "samples_seen": wrapped.samples_seen}))
-    finally:
-        _teardown()
+    setting = ShardingSetting(engine="fsdp2", world_size=world, pin_memory=False)
+    per_rank = GLOBAL_BATCH // world
+    strategy = Strategy(precision="fp32", micro_batch_size=2, grad_accum_steps=per_rank // 2,
+                        extras=(("sharding", setting.to_dict()),))
+    plan = Plan(fits=True, strategy=strategy, budget_bytes=0, margin_bytes=0, prediction={}, model={},
+                hardware="cpu", policy={}, global_batch=GLOBAL_BATCH)
+    wrapped = memopt.wrap(tiny_model(), plan=plan, lr=1e-2, weight_decay=0.01, device="cpu")
+    losses = [wrapped.step(global_batch(s * GLOBAL_BATCH)) for s in range(steps)]
+    sharded = all(type(p).__name__ == "DTensor" for p in wrapped.model.parameters())
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "sharded": sharded,
+                                         "samples_seen": wrapped.samples_seen}))
+    wrapped.close()
