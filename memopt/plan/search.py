@@ -34,7 +34,7 @@ from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile, VariantFailed
-from memopt.profile.trace import VariantKey
+from memopt.profile.variant_trace import VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes, SearchContext
 
@@ -208,7 +208,7 @@ def _rescale(terms: dict[str, float], group: str, base_group: str, hw: HardwareS
 
 
 def _optimistic(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
-    from memopt.profile.trace import PRECISION_GROUP
+    from memopt.profile.variant_trace import PRECISION_GROUP
 
     b = s.micro_batch_size
     if b not in cache:

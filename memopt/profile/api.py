@@ -16,7 +16,8 @@ from torch import nn
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.profile import Profile, VariantFailed, cache_dir, spec_key, static_facts, structure_key
-from memopt.profile.trace import BatchFactory, VariantKey
+from memopt.profile.trace import BatchFactory
+from memopt.profile.variant_trace import VariantKey
 
 __all__ = ["default_variant", "profile_model", "resolve_model"]
 

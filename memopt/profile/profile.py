@@ -28,17 +28,11 @@ from memopt.blocks import find_block_stacks
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_select import UnsupportedAttention
 from memopt.profile.cuda_semantics import KernelPolicy
+from memopt.profile.model_state import expand_model_state
 from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
-from memopt.profile.trace import (
-    PRECISION_GROUP,
-    BatchFactory,
-    TraceAlignmentError,
-    VariantKey,
-    VariantTrace,
-    expand_model_state,
-    trace_variant,
-)
+from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
+from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.units import allocator_size
 
 __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
