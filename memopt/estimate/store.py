@@ -21,7 +21,8 @@ from typing import Any
 from memopt.categories import MemoryCategory
 from memopt.estimate.estimator import Estimate
 from memopt.hardware import HardwareSpec
-from memopt.profile.profile import Profile, cache_dir
+from memopt.profile.cache_keys import cache_dir
+from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
 
 __all__ = ["EstimateStore", "code_digest", "estimate_from_json", "estimate_to_json"]
