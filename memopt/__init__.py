@@ -11,7 +11,8 @@ say so); ``hardware="auto"`` insists on the local GPU.
 """
 
 from memopt import estimate, plan, profile
-from memopt.apply.wrap import Wrapped, wrap
+from memopt.apply.wrap import wrap
+from memopt.apply.wrapped import Wrapped
 from memopt.categories import MemoryCategory
 from memopt.errors import InputError
 from memopt.estimate import Estimate

@@ -4,7 +4,7 @@ make the autotune's candidates, for models built from their configs on the meta 
 
     python scripts/time_to_first_step.py --out benchmarks/plan_quality/time_to_first_step_cpu.json
 
-Each phase is timed as ``memopt.wrap`` runs it (``memopt.apply.wrap.Wrapped._make_plan`` and ``_run_autotune``),
+Each phase is timed as ``memopt.wrap`` runs it (``memopt.apply.wrapped.Wrapped._make_plan`` and ``_run_autotune``),
 with an empty profile cache (a first run). The GPU part (applying the plan, the autotune's measured passes, the first
 step) is ``scripts/plan_quality_gpu.py``'s ``time_to_first_step_s``.
 """

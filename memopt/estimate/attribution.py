@@ -26,8 +26,9 @@ from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
 from memopt.estimate.event_levels import first_step_length, level_at, levels, live_at, step_timeline
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
-from memopt.profile.trace import VariantTrace, traced_unit
+from memopt.profile.model_state import traced_unit
 from memopt.profile.tracker import ALLOC
+from memopt.profile.variant_trace import VariantTrace
 from memopt.strategy import Strategy
 from memopt.units import allocator_size
 

@@ -2,7 +2,7 @@
 
 A run under a plan measures the real peaks (``Telemetry``); an OOM gives a lower bound. Each is stored as a
 ``CalibrationEntry`` (predicted and measured bytes, keyed by the strategy's label) in
-``cache_dir()/calibration/<hardware>__<profile key>.json`` (``memopt.profile.profile.cache_dir``:
+``cache_dir()/calibration/<hardware>__<profile key>.json`` (``memopt.profile.cache_keys.cache_dir``:
 ``$MEMOPT_CACHE_DIR`` or ``~/.cache/memopt``). ``calibration_for(profile_key, hardware)`` returns them with
 ratios measured / predicted; the planner can tighten its margin with ``Calibration.margin_bytes`` when the
 predictions came out low (it never loosens them: a plan that over-predicted is only slower than it could be).
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from memopt.estimate.store import code_digest
-from memopt.profile.profile import cache_dir
+from memopt.profile.cache_keys import cache_dir
 
 __all__ = [
     "CALIBRATION_VERSION",

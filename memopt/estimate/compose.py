@@ -32,8 +32,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from memopt.categories import MemoryCategory
-from memopt.profile.trace import VariantKey, VariantTrace, traced_unit
+from memopt.profile.model_state import traced_unit
 from memopt.profile.tracker import ALLOC, FREE
+from memopt.profile.variant_trace import VariantKey, VariantTrace
 
 __all__ = ["Index", "Instance", "PassLayout", "deferred_for", "has_releases", "pass_layout", "released_for",
            "trace_index"]

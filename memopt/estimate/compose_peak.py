@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from memopt.categories import MemoryCategory
 from memopt.estimate.compose import Instance, PassLayout, deferred_for, has_releases, released_for, trace_index
 from memopt.profile.optimizer_trace import OptimizerTrace
-from memopt.profile.trace import VariantKey, VariantTrace
 from memopt.profile.tracker import ALLOC
+from memopt.profile.variant_trace import VariantKey, VariantTrace
 from memopt.units import allocator_size
 
 __all__ = ["PeakResult", "Summary", "allocated_peak"]

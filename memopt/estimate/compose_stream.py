@@ -22,8 +22,8 @@ from memopt.estimate.compose import (
     trace_index,
 )
 from memopt.profile.optimizer_trace import OptimizerTrace
-from memopt.profile.trace import VariantKey, VariantTrace
 from memopt.profile.tracker import ALLOC, FREE
+from memopt.profile.variant_trace import VariantKey, VariantTrace
 
 __all__ = ["event_stream"]
 

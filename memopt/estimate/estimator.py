@@ -19,8 +19,8 @@ from memopt.estimate.compose_stream import event_stream
 from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, step_time
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
-from memopt.profile.trace import VariantKey, VariantTrace, variant_key
 from memopt.profile.tracker import ALLOC
+from memopt.profile.variant_trace import VariantKey, VariantTrace, variant_key
 from memopt.strategy import Strategy
 from memopt.techniques.precision import weight_dtype
 from memopt.units import MiB, allocator_size

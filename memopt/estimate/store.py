@@ -21,7 +21,8 @@ from typing import Any
 from memopt.categories import MemoryCategory
 from memopt.estimate.estimator import Estimate
 from memopt.hardware import HardwareSpec
-from memopt.profile.profile import Profile, cache_dir
+from memopt.profile.cache_keys import cache_dir
+from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
 
 __all__ = ["EstimateStore", "code_digest", "estimate_from_json", "estimate_to_json"]
@@ -29,7 +30,8 @@ __all__ = ["EstimateStore", "code_digest", "estimate_from_json", "estimate_to_js
 _ROOT = Path(__file__).resolve().parent.parent
 # the sources whose code decides an estimate from a profile's traces (traces themselves are keyed by the profile)
 _SOURCES = ("estimate", "techniques", "strategy.py", "hardware.py", "categories.py", "units.py",
-            "profile/profile.py", "profile/tracker.py", "profile/trace.py")
+            "profile/profile.py", "profile/tracker.py", "profile/trace.py", "profile/variant_trace.py",
+            "profile/model_state.py")
 _DIGEST: list[str] = []
 STORE_VERSION = 1
 

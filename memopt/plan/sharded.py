@@ -35,6 +35,7 @@ from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.plan.search import bisect_blocks
+from memopt.plan.sharded_cap import capped_if_needed
 from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.sharding import ShardingSetting
@@ -184,38 +185,6 @@ def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) 
     }
 
 
-#: an allocator retry at the cap: a synchronization and the cache's release (PyTorch's alloc_retry cost) ...
-RETRY_FIXED_S = 5e-3
-#: ... then the pools re-map what was released as they regrow. Fitted to two H200s (Llama-3.2-3B, FSDP2, 4 x 1,
-#: 48 GiB, raw/session8_x2): about one retry a step, 0.080 s over the uncapped prediction, for 9.5 GB that the
-#: uncapped pools hold beyond the allocated peak
-REMAP_BYTES_PER_S = 1.0e11
-
-
-def under_cap(pred: dict[str, Any], limit: int, micro_batches: int) -> dict[str, Any] | None:
-    """``pred`` run under the hard cap when its uncapped reserved total exceeds ``limit`` (budget less margin) but
-    its allocated peak fits: with expandable segments the allocator frees its cache and retries instead of growing,
-    so reserved stays at the cap. Counts one retry per micro-batch, each re-mapping what the pools held beyond the
-    allocated peak. ``None`` when even the allocated peak does not fit."""
-    room = limit - pred["runtime_bytes"]
-    allocated, reserved = pred["peak_allocated_bytes"], pred["peak_reserved_bytes"]
-    if allocated > room:
-        return None
-    retry_s = micro_batches * (RETRY_FIXED_S + max(0, reserved - allocated) / REMAP_BYTES_PER_S)
-    out = {**pred, "peak_reserved_bytes": room, "total_bytes": room + pred["runtime_bytes"],
-           "capped": {"uncapped_reserved_bytes": reserved, "retries_per_step": micro_batches, "retry_s": retry_s}}
-    out["breakdown"] = {**pred["breakdown"], "allocator_overhead": room - allocated}
-    return out
-
-
-def _capped_if_needed(pred: dict[str, Any], strategy: Strategy, budget_bytes: int, margin: int) -> dict[str, Any]:
-    """``pred`` as it runs under the hard cap when its uncapped total passes the budget less the margin but its
-    allocated peak fits (``under_cap``, with expandable segments); else ``pred`` unchanged."""
-    if pred["total_bytes"] + margin > budget_bytes and strategy.expandable_segments:
-        return under_cap(pred, budget_bytes - margin, strategy.grad_accum_steps) or pred
-    return pred
-
-
 def _step_time(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting, pred: dict[str, Any]) -> float:
     """The step time of a (possibly capped) prediction: the engine's step plus the cap's allocator retries."""
     return shared.step_s(strategy, setting) + pred.get("capped", {}).get("retry_s", 0.0)
@@ -228,7 +197,7 @@ def predict_strategy(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_
     saved plans against measurements."""
     setting = ShardingSetting.from_any(strategy.extra("sharding"))
     shared = _SharedWork(profile, facts_of_profile(profile), hw)
-    pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
+    pred = capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
     return {**pred, "step_time_s": _step_time(shared, strategy, setting, pred)}
 
 
@@ -292,7 +261,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
         strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
                             grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
                             extras=(("sharding", setting.to_dict()),))
-        pred = _capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
+        pred = capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
         why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free, host_taken)
         candidates.append(ShardedCandidate(setting, strategy, pred, fits=not why, reason=why))
         return candidates[-1]

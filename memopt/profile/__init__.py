@@ -6,7 +6,8 @@ The module is callable (see ``memopt._callable_module``): ``memopt.profile(...)`
 
 from memopt._callable_module import make_callable
 from memopt.profile.api import profile_model, resolve_model
-from memopt.profile.profile import SCHEMA_VERSION, Profile, cache_dir
+from memopt.profile.cache_keys import SCHEMA_VERSION, cache_dir
+from memopt.profile.profile import Profile
 
 __all__ = ["SCHEMA_VERSION", "Profile", "cache_dir", "profile_model", "resolve_model"]
 

@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from memopt.hardware import HardwareSpec, load_hardware
+from memopt.profile.cache_keys import cache_dir, spec_key, structure_key
 from memopt.profile.cuda_semantics import kernel_policy_for
-from memopt.profile.profile import Profile, VariantFailed, cache_dir, spec_key, static_facts, structure_key
-from memopt.profile.trace import BatchFactory, VariantKey
+from memopt.profile.profile import Profile, VariantFailed
+from memopt.profile.static_facts import static_facts
+from memopt.profile.trace import BatchFactory
+from memopt.profile.variant_trace import VariantKey
 
 __all__ = ["default_variant", "profile_model", "resolve_model"]
 

@@ -4,7 +4,7 @@ Tracing an optimizer step over every parameter of an 80-block model replays thou
 per optimizer). A standard optimizer treats its parameters as a list: each block's parameters add the same events
 (per-parameter state creation, or one more entry in each ``_foreach`` op's output list). So the step is traced
 over the parameter list of the same model with 4, 5 and 6 blocks per stack (the first two blocks, the middle one
-repeated, the last; as :func:`memopt.profile.trace.expand_model_state` lays them out), the events the 5-block
+repeated, the last; as :func:`memopt.profile.model_state.expand_model_state` lays them out), the events the 5-block
 trace adds to the 4-block one are found by sequence alignment, and the full model's step is the 4-block trace
 with those events repeated once per further block (sizes that grow with the block count grow linearly).
 
@@ -25,8 +25,8 @@ from torch import nn
 
 from memopt.blocks import find_block_stacks
 from memopt.profile.costs import PhaseCost
+from memopt.profile.model_state import expand_model_state, model_state_entries
 from memopt.profile.optimizer_trace import OptimizerTrace
-from memopt.profile.trace import expand_model_state, model_state_entries
 from memopt.profile.tracker import ALLOC, FREE
 
 __all__ = ["SHALLOW_BLOCKS", "canonical_events", "extrapolate_optimizer", "model_layout", "scaled_optimizer_trace",

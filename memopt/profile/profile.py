@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -24,44 +23,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.blocks import find_block_stacks
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_select import UnsupportedAttention
+from memopt.profile.cache_keys import SCHEMA_VERSION
 from memopt.profile.cuda_semantics import KernelPolicy
+from memopt.profile.model_state import expand_model_state
 from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
-from memopt.profile.trace import (
-    PRECISION_GROUP,
-    BatchFactory,
-    TraceAlignmentError,
-    VariantKey,
-    VariantTrace,
-    expand_model_state,
-    trace_variant,
-)
+from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
+from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.units import allocator_size
 
-__all__ = ["SCHEMA_VERSION", "Profile", "cache_dir"]
+__all__ = ["Profile", "VariantFailed"]
 
-SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.profile.costs._FREE_OPS)
-# bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
-# 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
-# 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;
-#    optimizer traces are keyed on those extras too; CUDA softmax kernels' temporaries (softmax backward's
-#    grad*output, _safe_softmax's mask) are recorded
-# 5: phase costs count the calls of bitsandbytes' 4-bit linear (``bnb4_calls``, the time model's host floor)
-# 6: every allocation records the module and op that made it (memopt.profile.attribution)
-# 7: the memory-efficient kernel takes a mask that needs a gradient; no fused kernel takes a mask whose last dim
-#    is strided
-# 8: the batch's integer and boolean tensors carry their real values (memopt.profile.scalar_values)
-# 9: selections by batch values are sized from their shadows; router choices on unknown values are balanced
-#    and readable (memopt.profile.data_dependent, memopt.profile.scalar_values)
-TRACE_REVISION = 9
-
-
-def cache_dir() -> Path:
-    """Where profiles and calibrations are cached: $MEMOPT_CACHE_DIR, else ~/.cache/memopt."""
-    return Path(os.environ.get("MEMOPT_CACHE_DIR", Path.home() / ".cache" / "memopt"))
 
 
 class VariantFailed(ValueError):
@@ -386,73 +360,6 @@ def optimizer_step_class(precision: str) -> tuple[str, bool, bool]:
     from memopt.techniques.precision import uses_grad_scaler, weight_dtype
 
     return str(weight_dtype(precision)), uses_grad_scaler(precision), precision == "bf16_master"
-
-
-def spec_key(spec: Any, extra: dict[str, Any]) -> str:
-    """A hash of what decides the traces of a model built from a spec: the spec (architecture and config), the
-    sample, the kernel policy, the torch and transformers versions and memopt's profile schema. Unlike
-    :func:`structure_key` it needs no model, so a cached profile is found without building one."""
-    payload = {"spec": {"name": spec.name, "family": spec.family, "architecture": spec.architecture,
-                        "hf_config": spec.hf_config},
-               "extra": extra, "torch": torch.__version__, "transformers": _package_version("transformers"),
-               "schema": SCHEMA_VERSION, "revision": TRACE_REVISION}
-    return "s" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:23]
-
-
-def _package_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "none"
-
-
-def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
-    """A hash of what decides the traces: module classes, parameter shapes and dtypes, the sample, the
-    kernel policy, torch's version and memopt's profile schema."""
-    h = hashlib.sha256()
-    h.update(type(model).__qualname__.encode())
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
-        h.update(config.to_json_string(use_diff=False).encode())
-    for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    for name, module in model.named_modules():
-        h.update(f"{name}:{type(module).__qualname__};".encode())
-    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
-    return h.hexdigest()[:24]
-
-
-def static_facts(model: nn.Module) -> dict[str, Any]:
-    seen: set[int] = set()
-    param_sizes: list[tuple[int, str, bool]] = []
-    by_module: dict[str, dict[str, int]] = {}
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        dtype = str(p.dtype).removeprefix("torch.")
-        param_sizes.append((p.numel(), dtype, p.requires_grad))
-        top = name.split(".")[0] if "." in name else "(root)"
-        entry = by_module.setdefault(top, {})
-        entry[dtype] = entry.get(dtype, 0) + p.numel() * p.element_size()
-    buffers = [(b.numel(), str(b.dtype).removeprefix("torch.")) for b in model.buffers()]
-    stacks = []
-    for s in find_block_stacks(model):
-        block = s.blocks[0]
-        stacks.append({"path": s.path, "num_blocks": len(s), "block_class": s.block_class,
-                       "params_per_block": sum(p.numel() for p in block.parameters()),
-                       "uniform_tail": s.uniform_tail})
-        by_dtype: dict[str, int] = {}
-        for p in block.parameters():
-            d = str(p.dtype).removeprefix("torch.")
-            by_dtype[d] = by_dtype.get(d, 0) + p.numel() * p.element_size()
-        by_module[f"{s.path}[*] ({s.block_class}, each)"] = by_dtype
-    return {"param_sizes": param_sizes, "buffer_sizes": buffers, "params_by_module": by_module, "stacks": stacks,
-            "num_params": sum(n for n, _, _ in param_sizes),
-            "num_trainable_params": sum(n for n, _, g in param_sizes if g)}
 
 
 _ = (Callable, HardwareSpec)

@@ -10,9 +10,7 @@ is changed in place (each target becomes a peft LoRA layer around the original m
 model object runs with the adapters too. Its undo unloads them without merging: the original modules come
 back, their weights bitwise unchanged, and every ``requires_grad`` flag as it was.
 
-Pure estimator pieces (no model needed, only the targets' shapes): adapter parameter counts and bytes, their
-gradients, and their optimizer states — on the device and, for paged 8-bit AdamW, in paged (unified) memory,
-which the caching allocator's cap does not see.
+What the adapters cost in bytes, from the targets' shapes alone, is in :mod:`memopt.techniques.adapter_bytes`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,22 +26,15 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS
-from memopt.units import allocator_size
 
 __all__ = [
     "ADAPTER_KINDS",
-    "AdapterBytes",
     "AdapterSetting",
     "ExtraSettings",
-    "adapter_memory",
-    "adapter_param_count",
     "adapter_state_dict",
-    "adapter_tensor_shapes",
     "apply_adapters",
     "find_target_linears",
     "load_adapter_state_dict",
-    "optimizer_state_bytes",
     "peft_installed",
     "target_shapes",
 ]
@@ -57,9 +48,6 @@ def peft_installed() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 ADAPTER_FIDELITY = "adapters"  # the policy allowance this technique needs
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 optimizer states for smaller tensors
-BNB_OPT_BLOCKSIZE = 256  # 8-bit optimizer states: one fp32 absmax per 256 values
-BNB_MIN_PAGED_SIZE = 100_000  # paged optimizers page only state buffers of tensors this large
 
 
 class ExtraSettings(dict):
@@ -371,108 +359,3 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) ->
             if tuple(state[name].shape) != tuple(p.shape):
                 raise ValueError(f"{name}: saved shape {tuple(state[name].shape)}, the model has {tuple(p.shape)}")
             p.copy_(state[name])
-
-
-# --------------------------------------------------------------------------------------------------------
-# estimator pieces
-# --------------------------------------------------------------------------------------------------------
-
-def adapter_tensor_shapes(shapes: Iterable[tuple[int, int]], setting: AdapterSetting) -> list[tuple[int, ...]]:
-    """Shapes of the adapter parameters peft creates for targets of (out_features, in_features):
-    ``lora_A`` (r, in), ``lora_B`` (out, r), and for DoRA ``lora_magnitude_vector`` (out,)."""
-    out: list[tuple[int, ...]] = []
-    for n_out, n_in in shapes:
-        out += [(setting.r, n_in), (n_out, setting.r)]
-        if setting.kind == "dora":
-            out.append((n_out,))
-    return out
-
-
-def adapter_param_count(shapes: Iterable[tuple[int, int]], setting: AdapterSetting) -> int:
-    """Trainable parameters: r x (in + out) per target, + out for DoRA's magnitude."""
-    total = 0
-    for shape in adapter_tensor_shapes(shapes, setting):
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
-
-
-def optimizer_state_bytes(numels: Iterable[int], optimizer: str, param_dtype: torch.dtype = torch.float32,
-                          *, rounded: bool = True) -> tuple[int, int]:
-    """(device bytes, paged bytes) of the optimizer states of parameters of these sizes.
-
-    torch AdamW: two moments in the parameter dtype (the fused kernel also keeps a 0-dim fp32 step per
-    parameter on the device). SGD (momentum): one buffer. bitsandbytes 8-bit AdamW: tensors of fewer than
-    4096 values keep two fp32 states; larger ones two uint8 states plus an fp32 absmax per 256 values each,
-    and the two 256-entry fp32 quantization maps once. Paged 8-bit AdamW: state buffers of tensors with
-    >= 100,000 values live in paged (unified) memory, outside the allocator (returned as paged bytes); the
-    absmax values and smaller tensors' states stay on the device."""
-    r = allocator_size if rounded else (lambda n: n)
-    size = torch.empty((), dtype=param_dtype).element_size()
-    device = paged = 0
-    numels = list(numels)
-    if optimizer in ("adamw_fused", "adamw_foreach", "adamw"):
-        for n in numels:
-            device += 2 * r(n * size) + (r(4) if optimizer == "adamw_fused" else 0)
-    elif optimizer == "sgd":
-        device = sum(r(n * size) for n in numels)
-    elif optimizer in EIGHT_BIT_OPTIMIZERS:
-        is_paged = optimizer == "paged_adamw8bit"
-        any_8bit = False
-        for n in numels:
-            if n < BNB_MIN_8BIT_SIZE:
-                state = 2 * r(n * 4)
-                if is_paged and n >= BNB_MIN_PAGED_SIZE:
-                    paged += state
-                else:
-                    device += state
-                continue
-            any_8bit = True
-            blocks = -(-n // BNB_OPT_BLOCKSIZE)
-            device += 2 * r(blocks * 4)
-            if is_paged and n >= BNB_MIN_PAGED_SIZE:
-                paged += 2 * n
-            else:
-                device += 2 * r(n)
-        if any_8bit:
-            device += 2 * r(256 * 4)
-    else:
-        raise ValueError(f"no state model for optimizer {optimizer!r}")
-    return device, paged
-
-
-@dataclass(frozen=True)
-class AdapterBytes:
-    """Memory of the adapters of one model (bytes, each tensor rounded like the CUDA allocator)."""
-
-    params: int  # the adapter weights
-    grads: int  # their gradients (same shapes and dtype), alive from backward to the optimizer step
-    optimizer_device: int  # optimizer states in device memory
-    optimizer_paged: int  # optimizer states in paged memory: not counted by the allocator cap
-    count: int  # trainable parameters
-
-    @property
-    def device_total(self) -> int:
-        return self.params + self.grads + self.optimizer_device
-
-
-def adapter_memory(shapes: Iterable[tuple[int, int]], setting: AdapterSetting, *, dtype: torch.dtype = torch.float32,
-                   optimizer: str = "adamw_fused", rounded: bool = True) -> AdapterBytes:
-    """Adapter parameters, gradients and optimizer states for targets of (out_features, in_features).
-
-    ``dtype``: the adapters' dtype (peft keeps them in fp32 by default, even over a bf16 base)."""
-    tensors = adapter_tensor_shapes(list(shapes), setting)
-    numels = []
-    for shape in tensors:
-        n = 1
-        for d in shape:
-            n *= d
-        numels.append(n)
-    size = torch.empty((), dtype=dtype).element_size()
-    r = allocator_size if rounded else (lambda n: n)
-    params = sum(r(n * size) for n in numels)
-    device, paged = optimizer_state_bytes(numels, optimizer, dtype, rounded=rounded)
-    return AdapterBytes(params=params, grads=params, optimizer_device=device, optimizer_paged=paged,
-                        count=sum(numels))

@@ -24,7 +24,7 @@ def main(out: str, engine: str, mode: str) -> None:
     import _workers as w
 
     import memopt
-    import memopt.apply.wrap as wrap_module
+    import memopt.apply.wrapped as wrapped_module
     from memopt.hardware import load_hardware
     from memopt.plan import Policy
     from memopt.plan.sharded import plan_sharded
@@ -57,7 +57,7 @@ def main(out: str, engine: str, mode: str) -> None:
     if mode == "plan":
         wrapped = memopt.wrap(model, plan=plan, device="cpu", lr=1e-2)
     else:
-        wrap_module.make_plan = lambda *args, **kwargs: plan  # the planner's choice: this offload plan
+        wrapped_module.make_plan = lambda *args, **kwargs: plan  # the planner's choice: this offload plan
         wrapped = memopt.wrap(model, budget="80GB", sample=sample, hardware=hw, device="cpu", lr=1e-2,
                               use_cache=False)
     losses = [wrapped.step(w.global_batch(s * w.GLOBAL_BATCH)) for s in range(3)]

@@ -26,8 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("apply", ("memopt.apply",)),
     ("guard", ("memopt.guard", "memopt.calibration")),
     ("integrations", ("memopt.integrations", "memopt.report", "memopt.train", "memopt.cli_render")),
-    ("entry", ("memopt", "memopt.apply.wrap", "memopt.plan.__main__", "memopt.calibration.__main__",
-               "memopt.report.__main__", "memopt.train.__main__")),
+    ("entry", ("memopt", "memopt.apply.wrap", "memopt.apply.wrapped", "memopt.plan.__main__",
+               "memopt.calibration.__main__", "memopt.report.__main__", "memopt.train.__main__")),
 ]
 
 # Function-local imports that still reach a higher layer, each breaking a cycle that a move has not removed yet.

@@ -10,7 +10,7 @@ import pytest
 import memopt
 from memopt.models import with_overrides
 from memopt.profile.profile import Profile
-from memopt.profile.trace import VariantKey, variant_key
+from memopt.profile.variant_trace import VariantKey, variant_key
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.adapters import AdapterSetting
 from memopt.techniques.quantization import QuantSetting, qlora, with_extra

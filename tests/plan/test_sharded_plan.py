@@ -171,7 +171,7 @@ def test_block_counts_between_the_coarse_quarters_are_searched(deep_profile) -> 
 
 
 def test_under_cap_keeps_reserved_at_the_cap_and_charges_the_retries() -> None:
-    from memopt.plan.sharded import REMAP_BYTES_PER_S, RETRY_FIXED_S, under_cap
+    from memopt.plan.sharded_cap import REMAP_BYTES_PER_S, RETRY_FIXED_S, under_cap
 
     pred = {"peak_allocated_bytes": 10 * GiB, "peak_reserved_bytes": 13 * GiB, "runtime_bytes": 1 * GiB,
             "total_bytes": 14 * GiB, "breakdown": {"allocator_overhead": 3 * GiB}}

@@ -17,7 +17,7 @@ from memopt.profile.optimizer_scaling import (
     trainable_params,
 )
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
-from memopt.profile.trace import variant_key
+from memopt.profile.variant_trace import variant_key
 from memopt.techniques.adapters import AdapterSetting, peft_installed
 from memopt.techniques.precision import weight_dtype
 from memopt.techniques.quantization import with_extra

@@ -14,15 +14,13 @@ pytest.importorskip("peft")
 
 from memopt.models import SampleSpec, build_model, load_model_spec, make_batch
 from memopt.strategy import Strategy
+from memopt.techniques.adapter_bytes import adapter_memory, adapter_param_count, optimizer_state_bytes
 from memopt.techniques.adapters import (
     AdapterSetting,
-    adapter_memory,
-    adapter_param_count,
     adapter_state_dict,
     apply_adapters,
     find_target_linears,
     load_adapter_state_dict,
-    optimizer_state_bytes,
     target_shapes,
 )
 

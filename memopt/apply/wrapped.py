@@ -1,0 +1,390 @@
+"""The object ``memopt.wrap`` returns for one GPU: :class:`Wrapped` holds the user's model, the plan (made on the
+first batch when no sample or saved plan was given), and the pieces that plan applied (``memopt.step.prepare``), and
+trains under it -- ``step(batch)`` with the runtime guard's telemetry and OOM recovery, the pieces for a hand-written
+loop, ``unwrap()``, and checkpoints. It is an entry-point object (its guard reaches the layers above ``apply``), kept
+apart from :func:`memopt.apply.wrap.wrap`, which checks the arguments and picks what to return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
+from memopt.plan.context import resolve_hardware
+from memopt.plan.planner import make_plan
+from memopt.plan.schema import Plan
+from memopt.step.batch import check_batch
+from memopt.step.hard_cap import (
+    allocator_mode_in_force,
+    cap_to_plan,
+    room_taken_on_device,
+    set_expandable_segments,
+    warn_allocator_mode_fixed,
+)
+from memopt.step.prepare import Prepared, prepare
+from memopt.step.train_step import count_loss_items
+from memopt.techniques.precision import forward_context
+from memopt.units import format_bytes
+
+__all__ = ["Wrapped"]
+
+
+class Wrapped:
+    """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
+
+    def __init__(self, model: nn.Module, *, budget: Any, sample: Any, plan: Plan | None, optimizer: Any,
+                 optimizer_kwargs: dict[str, Any], loss_fn: Any, lr_scheduler: Any, max_grad_norm: float | None,
+                 hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
+                 device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
+                 run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
+                 checkpoint: Any = None, transaction: str = "auto", calibration: str = "use") -> None:
+        check_model(model, weights_pending=checkpoint is not None)
+        self._checkpoint = checkpoint
+        self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
+        self._user_model = model
+        self._budget = budget
+        self._plan_budget = budget  # what the planner may use: less than the budget when the device holds memory
+        self._cap_budget_bytes: int | None = None  # the cap's budget when the plan's is smaller (set with it)
+        self._optimizer_arg = optimizer
+        self._optimizer_kwargs = optimizer_kwargs
+        self._loss_fn = loss_fn
+        self._lr_scheduler_factory = lr_scheduler
+        self._max_grad_norm = max_grad_norm
+        self._hardware = hardware
+        self._policy_args = {"policy": policy, "fidelity": fidelity, "pins": pins, "forbid": forbid}
+        self._enforce_budget = enforce_budget
+        self._use_cache = use_cache
+        self._prepared: Prepared | None = None
+        self._sharded: Any = None  # a ShardedWrapped when the plan offloads the model states
+        self._guard_enabled = guard
+        self._run_dir = run_dir
+        self._transaction = transaction
+        self._calibration = calibration
+        self._profile: Any = None
+        self.guard: Any = None
+        self.plan: Plan | None = plan
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.steps_done = 0
+        self.items_seen = 0
+        self.attribution_step: int | None = 0  # the step recorded by module into run_dir (None: none)
+        # measured choice among the planner's best candidates (memopt.apply.autotune): by default on a GPU when
+        # wrap makes the plan itself; never for a saved plan, which is applied unchanged
+        self._autotune = (self.device.type == "cuda") if autotune is None else bool(autotune)
+        if plan is not None and autotune:
+            raise ValueError("autotune=True re-plans, but a saved plan= is applied unchanged: pass one or the other")
+        self._autotune_pending = False
+        self._plan_pins: dict[str, Any] | None = None
+        if plan is None and sample is not None:
+            self.plan = self._make_plan(sample)
+        if self.plan is not None:
+            self._apply(self.plan)
+
+    # -- planning and applying -------------------------------------------------------------------
+    def _make_plan(self, sample: Any) -> Plan:
+        if self._budget is None:
+            raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
+        from memopt.profile.api import profile_model
+
+        pins, user_opt = optimizer_choice(self._optimizer_arg)
+        merged_pins = {**pins, **(self._policy_args["pins"] or {})}
+        if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
+            merged_pins.setdefault("chunked_ce", 0)
+        in_force = allocator_mode_in_force()
+        if in_force is not None and "expandable_segments" not in merged_pins:
+            merged_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
+            warn_allocator_mode_fixed(in_force)
+        hw = resolve_hardware(self._hardware)
+        self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
+                                      use_cache=self._use_cache)
+        self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
+            self._user_model, sample, budget=self._plan_budget, hardware=hw, policy=self._policy_args["policy"],
+            fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
+            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration)
+        self._plan_pins = merged_pins
+        plan = self._replan(merged_pins)
+        if plan.fits and self.device.type == "cuda" and self._enforce_budget:
+            taken = room_taken_on_device(self._user_model, int(plan.prediction.get("runtime_bytes", 0)), self.device)
+            plan = self._plan_for_room_left(plan, merged_pins, taken) if taken else plan
+        if not plan.fits:
+            raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+        if plan.strategy.extra("sharding") is not None and user_opt is not None:
+            raise ValueError(f"nothing fits on this GPU alone but a plan that offloads the model states "
+                             f"({plan.strategy.label()}), whose engine runs its own AdamW: pass optimizer='adamw' "
+                             "(with lr=...), or pin offload=False to see what fits without offload")
+        # an offload plan is applied by its engine (one process group of one, started by ShardedWrapped): no
+        # autotune among single-GPU candidates, which all failed to fit
+        self._autotune_pending = self._autotune and plan.strategy.extra("sharding") is None
+        return plan
+
+    def _plan_for_room_left(self, plan: Plan, pins: dict[str, Any], taken: int) -> Plan:
+        """Re-plan for what is left when ``taken`` bytes of the budget are already in use on the device by memory
+        the plan cannot own (``memopt.step.hard_cap.room_taken_bytes``); the cap still takes the user's budget, so
+        nothing is subtracted twice."""
+        self._cap_budget_bytes = plan.budget_bytes
+        self._plan_budget = max(plan.budget_bytes - taken, 0)
+        smaller = self._replan(pins)
+        taken_note = (f"{format_bytes(taken)} of the {format_bytes(plan.budget_bytes)} budget was already in use on "
+                      "the device when memopt.wrap planned (memory outside the allocator beyond the CUDA runtime, or "
+                      "tensors that are not the model's)")
+        if not smaller.fits:
+            reason = smaller.infeasible["message"] if smaller.infeasible else "no strategy fits"
+            raise ValueError(f"{taken_note}, and no plan fits in the {format_bytes(self._plan_budget)} left "
+                             f"({reason}); free that memory or raise the budget")
+        smaller.notes.append(f"{taken_note}: planned for the {format_bytes(self._plan_budget)} left")
+        return smaller
+
+    def _apply(self, plan: Plan) -> None:
+        if plan.strategy.extra("sharding") is not None:
+            self._apply_sharded(plan)
+            return
+        strategy = plan.strategy
+        cuda = self.device.type == "cuda"
+        if cuda:
+            set_expandable_segments(strategy.expandable_segments)
+        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
+        model = self._user_model
+        if cuda:
+            torch.cuda.init()
+            if self._enforce_budget:
+                self.cap_fraction = cap_to_plan(self._cap_budget_bytes or plan.budget_bytes,
+                                                int(plan.prediction.get("runtime_bytes", 0)), self.device)
+        if self._checkpoint is not None and any(p.device.type == "meta" for p in model.parameters()):
+            self._load_checkpoint(strategy)
+        prepare_kwargs = self._prepare_kwargs()
+        self._prepared = prepare(model, strategy, **prepare_kwargs)
+        if self._guard_enabled:
+            self._install_guard(plan, prepare_kwargs)
+
+    def _apply_sharded(self, plan: Plan) -> None:
+        """A one-GPU offload plan (DeepSpeed or FSDP2 with the states on the host), applied in this process."""
+        from memopt.distributed.wrapped import ShardedWrapped
+
+        self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
+                                       loss_fn=self._loss_fn, device=self.device, max_grad_norm=self._max_grad_norm,
+                                       lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint,
+                                       cap_budget_bytes=self._cap_budget_bytes)
+        self.cap_fraction = self._sharded.cap_fraction
+
+    def _load_checkpoint(self, strategy: Any) -> None:
+        """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
+        quantized as they load (the peak allocated meanwhile is kept in ``load_peak_allocated_bytes``)."""
+        from memopt.techniques.precision import weight_dtype
+        from memopt.techniques.quantization import QuantSetting
+        from memopt.techniques.quantized_load import load_quantized
+
+        q = strategy.extra("quantization")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        load_quantized(self._user_model, self._checkpoint, q if q is not None else QuantSetting(), self.device,
+                       dtype=weight_dtype(strategy.precision), targets=None if q is not None else [])
+        if cuda:
+            self.load_peak_allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+    def _prepare_kwargs(self) -> dict[str, Any]:
+        user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
+            self._optimizer_arg, str) else None
+        return {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
+                "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
+                "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
+                "move_to": self.device}
+
+    def _run_autotune(self, batch: Any) -> None:
+        """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
+        keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
+        from memopt.apply.autotune import autotune, candidate_pins, describe, frontier
+
+        self._autotune_pending = False
+        chosen = self.plan
+        candidates = [chosen]
+        for pins in candidate_pins(chosen, self._plan_pins):
+            try:
+                candidates.append(self._replan(pins))
+            except ValueError:
+                continue  # a mode the policy forbids
+        candidates = frontier(chosen, candidates[1:])
+        if len(candidates) < 2:
+            return
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        self._prepared.undo()
+        self._prepared = None
+        best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
+        best.notes.append(describe(trials, best))
+        self.autotune_trials = [t.to_dict() for t in trials]
+        self.plan = best
+        self._apply(best)
+
+    def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
+        """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
+        from memopt.guard.escalation import PlanEscalator, step_down
+        from memopt.guard.reapply import PreparedReplanner
+        from memopt.guard.runtime import RuntimeGuard
+
+        escalate = step_down
+        if self._profile is not None:  # calibration="ignore"/"clear": the escalation does not read it either
+            escalate = PlanEscalator(self._profile, calibration_ratio=None if self._calibration == "use" else 1.0)
+        replanner = PreparedReplanner(self._prepared, dict(prepare_kwargs), escalate)
+        self.guard = RuntimeGuard(self._prepared.step, plan, run_dir=self._run_dir, replanner=replanner,
+                                  transaction=self._transaction)
+
+    # -- the training API ------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._user_model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        if self._sharded is not None:
+            return self._sharded.optimizer
+        self._require_prepared()
+        return self._prepared.optimizer
+
+    @property
+    def engine(self) -> Any:
+        """The offload plan's engine (a DeepSpeed engine or the FSDP2 module), or None."""
+        return self._sharded.model if self._sharded is not None else None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        self._require_prepared()
+        return self._prepared.step.lr_scheduler
+
+    def _require_prepared(self) -> None:
+        if self._sharded is not None:
+            raise ValueError(f"this plan offloads the model states through {self._sharded.setting.engine}, whose "
+                             "engine owns the forward, backward and optimizer step: train with step(batch), "
+                             "checkpoint with save(dir)/load(dir), reach the engine as wrapped.engine")
+        if self._prepared is None:
+            raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
+                             "or pass sample= to memopt.wrap")
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
+        ``memopt.step.batch``); returns its mean loss."""
+        check_batch(batch)
+        if self._prepared is None and self._sharded is None:
+            self.plan = self._make_plan(batch)
+            self._apply(self.plan)
+        if self._sharded is not None:
+            loss = self._sharded.step(batch)
+            self.steps_done += 1
+            self.items_seen += count_loss_items(batch, causal=self._sharded._step.causal_lm)
+            return loss
+        if self._autotune_pending:
+            self._run_autotune(batch)
+        from memopt.guard.attribution_hooks import record_wrapped_step
+
+        with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir (memopt.report)
+            if self.guard is not None:
+                loss = self.guard.step(batch)
+                if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
+                    self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
+                if self.guard.plan is not None:
+                    self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
+            else:
+                loss = self._prepared.step.step(batch)
+        self.steps_done += 1
+        self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
+        return loss
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The plan's autocast for a hand-written forward pass."""
+        self._require_prepared()
+        with forward_context(self.plan.strategy.precision, self.device.type):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_prepared()
+        self._prepared.step.backward(loss)
+
+    def optimizer_step(self) -> None:
+        """Unscale (fp16), clip, step, copy master weights back (bf16_master), clear gradients."""
+        self._require_prepared()
+        self._prepared.step.optimizer_step()
+
+    def progress(self) -> str:
+        """A short memory line for a progress bar (allocated / budget, the prediction beside it)."""
+        return self.guard.progress() if self.guard is not None else self.describe()
+
+    def close(self) -> None:
+        """Flush telemetry and store the measured peaks as a calibration for later plans; a one-GPU offload
+        engine's process group, started by memopt, is destroyed (save first to keep the training state)."""
+        if self.guard is not None:
+            self.guard.close()
+        if self._sharded is not None:
+            self._sharded.close()
+
+    def unwrap(self) -> nn.Module:
+        """Remove every technique and return the user's module (weights keep their trained values)."""
+        if self._sharded is not None:
+            raise ValueError(f"an offload plan's {self._sharded.setting.engine} engine holds the parameters (sharded "
+                             "and on the host): write them with save(dir) and load that checkpoint where you need "
+                             "them, or keep training through step(batch)")
+        self.close()
+        if self._prepared is not None:
+            self._prepared.undo()
+            self._prepared = None
+        return self._user_model
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        self._require_prepared()
+        state = {"model": self._user_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "steps_done": self.steps_done, "items_seen": self.items_seen,
+                 "plan": self.plan.to_dict() if self.plan is not None else None}
+        if self._prepared.step.master is not None:
+            state["master_weights"] = self._prepared.step.master.state_dict()
+        if self._prepared.step.scaler is not None and hasattr(self._prepared.step.scaler, "state_dict"):
+            state["grad_scaler"] = self._prepared.step.scaler.state_dict()
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._require_prepared()
+        self._user_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = state.get("steps_done", 0)
+        self.items_seen = state.get("items_seen", 0)
+        if "master_weights" in state and self._prepared.step.master is not None:
+            self._prepared.step.master.load_state_dict(state["master_weights"])
+        if "grad_scaler" in state and self._prepared.step.scaler is not None:
+            self._prepared.step.scaler.load_state_dict(state["grad_scaler"])
+        if "lr_scheduler" in state and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """A checkpoint of the model, optimizer, step and data position (an offload plan: its engine's folder)."""
+        if self._sharded is not None:
+            return self._sharded.save(path)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        tmp.replace(out)  # never leaves a half-written checkpoint where the last good one was
+        return out
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Resume from ``save``'s checkpoint."""
+        if self._sharded is not None:
+            self._sharded.load(path)
+            return
+        self.load_state_dict(torch.load(path, weights_only=False))
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return "memopt: not planned yet"
+        p = self.plan
+        return (f"memopt plan: {p.strategy.label()} | predicted {format_bytes(p.total_bytes)} of "
+                f"{format_bytes(p.budget_bytes)}, {p.step_time_s:.3f} s/step")

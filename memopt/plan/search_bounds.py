@@ -1,0 +1,121 @@
+"""The two bounds the search prunes its candidates with, neither of which needs a candidate's own trace: an optimistic
+step time (:func:`optimistic_time`: the plain trace of the base precision at the candidate's micro-batch, rescaled to
+its precision, plus what its techniques must at least add), below which no candidate's real time can fall, and memory
+dominance (:func:`no_bigger`: a candidate that needs no more memory in every respect than one that did not fit does
+not fit either). :mod:`memopt.plan.search` orders and prunes by them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
+from memopt.hardware import HardwareSpec
+from memopt.profile.profile import Profile
+from memopt.profile.variant_trace import VariantKey
+from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.registry import TECHNIQUES, BaseTimes
+
+__all__ = ["no_bigger", "optimistic_time"]
+
+_SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
+
+
+# -- optimistic times --------------------------------------------------------------------------
+_TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls")
+
+
+def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:
+    from memopt.estimate.compose import pass_layout
+
+    trace = profile.variant(key, b)
+    modes = [[key] * n for n in profile.full_block_counts]
+    layout = pass_layout({key: trace}, key, modes, profile.full_block_counts)
+    out = {part: dict.fromkeys(_TERMS, 0.0) for part in ("fwd", "bwd", "blk")}
+    for part, insts in (("fwd", layout.forward), ("bwd", layout.backward)):
+        for inst in insts:
+            seg = trace.segments[inst.segment]
+            for k, v in segment_terms(seg.cost1, seg.cost2, b, hw, lo=trace.lo, hi=trace.hi).items():
+                out[part][k] += v
+                if part == "fwd" and inst.block is not None:
+                    out["blk"][k] += v
+    out["saved"] = {"bytes": float(_saved_activation_bytes(trace, layout, b))}
+    return out
+
+
+def _saved_activation_bytes(trace: Any, layout: Any, b: int) -> int:
+    """Bytes the blocks keep for backward in tensors of 1 MiB and more: what offload would move."""
+    from memopt.categories import MemoryCategory
+    from memopt.estimate.compose import trace_index
+
+    cats = trace_index(trace).categories
+    total = 0
+    for inst in layout.forward:
+        if inst.block is None:
+            continue
+        for kind, k, lo, hi in trace.segments[inst.segment].events:
+            size = trace.size(lo, hi, b)
+            if kind == 1 and cats.get(k) == MemoryCategory.ACTIVATIONS and size >= 1 << 20:
+                total += size
+    return total
+
+
+def _rescale(terms: dict[str, float], group: str, base_group: str, hw: HardwareSpec) -> dict[str, float]:
+    """Terms of another precision group, bounded from the base group's: fp32 matmuls run at the fp32 rate
+    (at least the bf16 count of FLOPs at it), fp32 activations move at least as many bytes."""
+    if group == base_group:
+        return terms
+    out = dict(terms)
+    if group == "fp32" and base_group != "fp32" and "bf16" in hw.peak_flops:
+        out["matmul"] = terms["matmul"] * hw.flops("bf16") / hw.flops("fp32")
+        out["attention"] = terms["attention"] * hw.flops("bf16") / hw.flops("fp32")
+    if group == "bf16w":
+        out["memory"] = terms["memory"] * 0.5  # at most half the bytes: weights and activations halve
+    return out
+
+
+def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
+    from memopt.profile.variant_trace import PRECISION_GROUP
+
+    b = s.micro_batch_size
+    if b not in cache:
+        cache[b] = _pass_terms(profile, VariantKey(precision=base_group, checkpointing="none"), b, hw)
+    terms = cache[b]
+    group = PRECISION_GROUP[s.precision]
+    fwd = _rescale(terms["fwd"], group, base_group, hw)
+    bwd = _rescale(terms["bwd"], group, base_group, hw)
+    blk = _rescale(terms["blk"], group, base_group, hw)
+    tm = DEFAULT_TIMING
+    base = BaseTimes(forward_s=terms_time(fwd), backward_s=terms_time(bwd), block_forward_s=terms_time(blk),
+                     block_forward_matmul_s=blk["matmul"] / tm.matmul_efficiency,
+                     attention_s=(fwd["attention"] + bwd["attention"]) / tm.attention_efficiency,
+                     extra={"blocks": float(max(profile.full_block_counts, default=1)),
+                            "offload_copy_s": 0.5 * terms["saved"]["bytes"]
+                            / (hw.host_link_bandwidth * tm.offload_efficiency)})
+    # a frozen base (adapters) computes no weight gradients: its backward does at least half the work
+    per_pass = base.forward_s + base.backward_s * (0.5 if s.extra("adapters") is not None else 1.0)
+    for tech in TECHNIQUES:
+        per_pass += tech.time_lower_bound(getattr(s, tech.name), base)
+    return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
+
+
+# -- memory dominance ----------------------------------------------------------------------------
+def _ac_level(c: Checkpointing, total: int) -> int:
+    if c.mode == "none":
+        return 0
+    return c.count(total) * (2 if c.mode == "full" else 1)  # selective keeps more than full for the same blocks
+
+
+def no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
+    """``a`` needs no more allocated memory than ``b``: same precision, optimizer and attention kernel, and in
+    every other respect at most as much (micro-batch) or at least as much saving (checkpointing, offload,
+    chunked loss)."""
+    if (a.precision, a.optimizer, a.attention, a.extras) != (b.precision, b.optimizer, b.attention, b.extras):
+        return False
+    ma, mb = a.checkpointing.mode, b.checkpointing.mode
+    if ma != mb and "none" not in (ma, mb):
+        return False  # full and selective checkpointing are not ordered
+    chunk_ok = (a.chunked_ce == b.chunked_ce or (a.chunked_ce > 0 and b.chunked_ce == 0)
+                or a.chunked_ce > b.chunked_ce > 0)
+    return (a.micro_batch_size <= b.micro_batch_size and chunk_ok and a.activation_offload >= b.activation_offload
+            and _ac_level(a.checkpointing, total) >= _ac_level(b.checkpointing, total))

@@ -1,0 +1,76 @@
+"""Where profiles are cached and under which key: the cache folder (``$MEMOPT_CACHE_DIR``), the profile schema
+version and the trace revision (bumped whenever what a trace records changes, so older cached traces are made again),
+and the two hashes a cached profile is found by -- of a model spec, without building the model (:func:`spec_key`), or
+of a built model's structure (:func:`structure_key`). Kept apart from :class:`memopt.profile.profile.Profile` because
+the calibration and estimate stores key their own files the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SCHEMA_VERSION", "TRACE_REVISION", "cache_dir", "spec_key", "structure_key"]
+
+SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.profile.costs._FREE_OPS)
+# bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
+# 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
+# 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;
+#    optimizer traces are keyed on those extras too; CUDA softmax kernels' temporaries (softmax backward's
+#    grad*output, _safe_softmax's mask) are recorded
+# 5: phase costs count the calls of bitsandbytes' 4-bit linear (``bnb4_calls``, the time model's host floor)
+# 6: every allocation records the module and op that made it (memopt.profile.attribution)
+# 7: the memory-efficient kernel takes a mask that needs a gradient; no fused kernel takes a mask whose last dim
+#    is strided
+# 8: the batch's integer and boolean tensors carry their real values (memopt.profile.scalar_values)
+# 9: selections by batch values are sized from their shadows; router choices on unknown values are balanced
+#    and readable (memopt.profile.data_dependent, memopt.profile.scalar_values)
+TRACE_REVISION = 9
+
+
+def cache_dir() -> Path:
+    """Where profiles and calibrations are cached: $MEMOPT_CACHE_DIR, else ~/.cache/memopt."""
+    return Path(os.environ.get("MEMOPT_CACHE_DIR", Path.home() / ".cache" / "memopt"))
+
+
+def spec_key(spec: Any, extra: dict[str, Any]) -> str:
+    """A hash of what decides the traces of a model built from a spec: the spec (architecture and config), the
+    sample, the kernel policy, the torch and transformers versions and memopt's profile schema. Unlike
+    :func:`structure_key` it needs no model, so a cached profile is found without building one."""
+    payload = {"spec": {"name": spec.name, "family": spec.family, "architecture": spec.architecture,
+                        "hf_config": spec.hf_config},
+               "extra": extra, "torch": torch.__version__, "transformers": _package_version("transformers"),
+               "schema": SCHEMA_VERSION, "revision": TRACE_REVISION}
+    return "s" + hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:23]
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "none"
+
+
+def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
+    """A hash of what decides the traces: module classes, parameter shapes and dtypes, the sample, the
+    kernel policy, torch's version and memopt's profile schema."""
+    h = hashlib.sha256()
+    h.update(type(model).__qualname__.encode())
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        h.update(config.to_json_string(use_diff=False).encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    for name, module in model.named_modules():
+        h.update(f"{name}:{type(module).__qualname__};".encode())
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
+    return h.hexdigest()[:24]
