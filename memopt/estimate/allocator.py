@@ -63,7 +63,6 @@ class AllocatorResult:
     peak_event_index: int | None = field(default=None)  # event at which peak_reserved_bytes was reached
     stopped_at: int | None = None  # index in `events` where reserved bytes passed `stop_above` (replay ended)
     num_alloc_retries: int = 0  # as memory_stats()["num_alloc_retries"]: cache flushes to stay under the cap
-    num_cap_hits: int = 0  # new segments the cap refused; 0: the replay is the uncapped one, event for event
 
 
 def simulate_allocator(
@@ -240,5 +239,4 @@ def _result(
         num_device_frees=sim.num_device_frees - frees0,
         peak_event_index=peak_index,
         num_alloc_retries=sim.num_alloc_retries,
-        num_cap_hits=sim.num_cap_hits,
     )

@@ -117,7 +117,6 @@ class AllocatorPools:
         self.num_device_allocs = 0  # cudaMalloc + cuMemMap calls
         self.num_device_frees = 0  # cudaFree + cuMemUnmap calls
         self.num_alloc_retries = 0
-        self.num_cap_hits = 0  # new segments the cap refused (each followed by a release of cached blocks)
         self.num_ooms = 0
         self.num_segments_live = 0  # cudaMalloc'ed segments plus expandable segments
 
@@ -182,7 +181,6 @@ class AllocatorPools:
     # -- alloc_block ---------------------------------------------------------------------------
     def _alloc_block(self, pool: Pool, rsize: int, alloc_size: int, stream: int) -> Block | None:
         if self.cap_bytes is not None and self.reserved_bytes + alloc_size > self.cap_bytes:
-            self.num_cap_hits += 1
             return None
         if self._expandable:
             return self._try_allocate_expandable_block(pool, rsize, stream)

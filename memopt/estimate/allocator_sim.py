@@ -87,7 +87,7 @@ class CachingAllocatorSim(AllocatorPools):
         pools = tuple((tuple((s, tuple(v)) for s, v in sorted(p.free.items())),
                        tuple((s, tuple(v)) for s, v in sorted(p.unmapped.items()))) for p in (self._small, self._large))
         return (self.allocated_bytes, self.reserved_bytes, self.num_device_allocs, self.num_device_frees,
-                self.num_alloc_retries, self.num_cap_hits, len(self._live), pools)
+                self.num_alloc_retries, len(self._live), pools)
 
     def reset_peak_stats(self) -> None:
         """As ``torch.cuda.reset_peak_memory_stats()``: peaks restart from the current values."""

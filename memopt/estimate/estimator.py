@@ -248,8 +248,6 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
 
 
 _STREAMS_KEPT = 2
-
-
 _Stream = tuple[list[tuple[int, int, int]], int, list[tuple[int, int]]]
 
 
