@@ -11,14 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ATTENTION_BACKENDS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing", "Strategy",
-           "register_labeller"]
+__all__ = ["ATTENTION_BACKENDS", "CE_KERNELS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing",
+           "Strategy", "register_labeller"]
 
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure")
 # bitsandbytes' block-wise 8-bit AdamW, plain and paged: the optimizers of the 8bit_optimizer fidelity class
 EIGHT_BIT_OPTIMIZERS: tuple[str, ...] = ("adamw8bit", "paged_adamw8bit")
 OPTIMIZERS: tuple[str, ...] = ("adamw_fused", "adamw_foreach", "adamw", *EIGHT_BIT_OPTIMIZERS, "sgd", "user")
+CE_KERNELS: tuple[str, ...] = ("memopt", "liger")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "efficient", "cudnn", "math", "flash_attn")
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -64,6 +65,9 @@ class Strategy:
     activation_offload: bool = False
     attention: str = "auto"
     chunked_ce: int = 0  # number of chunks for a fused linear + cross-entropy head; 0 = off
+    # the fused head's kernel: memopt's chunked loss ("memopt") or Liger-kernel's ("liger", CUDA only, its own
+    # chunks: chunked_ce > 0 only switches it on)
+    ce_kernel: str = "memopt"
     optimizer: str = "adamw_fused"
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
@@ -89,6 +93,8 @@ class Strategy:
         d = dataclasses.asdict(self)
         d["checkpointing"] = dataclasses.asdict(self.checkpointing)
         d["extras"] = {k: v for k, v in self.extras}
+        if d["ce_kernel"] == "memopt":  # written only when chosen: a plan saved before the field reads the same
+            del d["ce_kernel"]
         return d
 
     @classmethod

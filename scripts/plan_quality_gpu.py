@@ -83,6 +83,15 @@ def timed(step: Any, steps: int) -> tuple[list[float], list[float]]:
     return times, losses
 
 
+def failure(exc: BaseException) -> dict[str, Any]:
+    """A row's failure as its result (the grid goes on): an OOM flagged, any other error by its type and message."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return {"oom": True, "error": str(exc).splitlines()[0][:300], "traceback": traceback.format_exc()[-3000:]}
+    return {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "traceback": traceback.format_exc()[-3000:]}
+
+
 def run_memopt(row: dict[str, Any], steps: int, partial: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -162,12 +171,8 @@ def child(row_id: str, steps: int) -> None:
         out["measured_step_s"] = statistics.median(warm)
         out["tokens_per_s"] = BATCH * SEQ / out["measured_step_s"]
         out["ok"] = True
-    except torch.cuda.OutOfMemoryError as exc:
-        out["oom"], out["error"] = True, str(exc).splitlines()[0][:300]
-        out["traceback"] = traceback.format_exc()[-4000:]
-    except Exception as exc:  # a row's failure is its result, the grid goes on
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        out["traceback"] = traceback.format_exc()[-4000:]
+    except Exception as exc:
+        out.update(failure(exc))
     out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
     print("ROW " + json.dumps(out), flush=True)

@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import zoo_matrix_gpu as zoo  # noqa: E402 - the zoo's row builders, one definition of each model
-from plan_quality_gpu import outside_allocator_bytes, timed  # noqa: E402 - the same timing and outside-memory probe
+from plan_quality_gpu import failure, outside_allocator_bytes, timed  # noqa: E402 - the same timing, failure record and outside-memory probe
 
 
 @dataclass(frozen=True)
@@ -204,11 +203,8 @@ def run_hand_grid(case: Case, expandable: bool, steps: int, deadline_s: float, o
             rec["throughput"] = per_step / rec["measured_step_s"]
             if best is None or rec["measured_step_s"] < best[0]:
                 best = (rec["measured_step_s"], mode, mb)
-        except torch.cuda.OutOfMemoryError as exc:
-            rec.update(oom=True, error=str(exc).splitlines()[0][:200])
-        except Exception as exc:  # a configuration's failure is its result; the grid goes on
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            rec["traceback"] = traceback.format_exc()[-2000:]
+        except Exception as exc:
+            rec.update(failure(exc))
         rec["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         rec["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         opt.zero_grad(set_to_none=True)
@@ -258,11 +254,8 @@ def run_memopt(case: Case, steps: int, out: Path) -> None:
                    autotune=[n for n in plan.notes if n.startswith("autotune")])
         rec["throughput"] = per_step / rec["measured_step_s"]
         wrapped.close()
-    except torch.cuda.OutOfMemoryError as exc:
-        rec.update(oom=True, error=str(exc).splitlines()[0][:200])
     except Exception as exc:
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        rec["traceback"] = traceback.format_exc()[-3000:]
+        rec.update(failure(exc))
     stats = torch.cuda.memory_stats()
     rec["num_ooms"] = int(stats.get("num_ooms", 0))
     rec["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())

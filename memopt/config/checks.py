@@ -211,8 +211,8 @@ def check_global_batch_pins(pins: Mapping[str, Any] | None, global_batch: Any, p
 
 
 # pins a plan can fail to honour, and how the plan's strategy shows the value
-_PIN_FIELDS = ("precision", "activation_offload", "attention", "chunked_ce", "optimizer", "micro_batch_size",
-               "expandable_segments")
+_PIN_FIELDS = ("precision", "activation_offload", "attention", "chunked_ce", "ce_kernel", "optimizer",
+               "micro_batch_size", "expandable_segments")
 
 
 def check_pins_honoured(plan: Any, pins: Mapping[str, Any] | None) -> None:

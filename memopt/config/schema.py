@@ -77,6 +77,7 @@ class PinsConfig:
     activation_offload: Any = None  # true | false
     attention: Any = None  # auto | flash | efficient | cudnn | math | flash_attn
     chunked_ce: Any = None  # chunks of a fused linear + cross-entropy head; 0 = off
+    ce_kernel: Any = None  # memopt | liger: the fused head's kernel (liger: Liger-kernel, CUDA only)
     optimizer: Any = None  # adamw_fused | adamw_foreach | adamw | adamw8bit | paged_adamw8bit | sgd
     micro_batch_size: Any = None  # an int dividing the global batch
     expandable_segments: Any = None  # true | false
@@ -95,6 +96,7 @@ class ForbidConfig:
     activation_offload: Any = None
     attention: Any = None
     chunked_ce: Any = None
+    ce_kernel: Any = None
     optimizer: Any = None
     micro_batch_size: Any = None
     expandable_segments: Any = None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile
 from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
+from memopt.techniques.liger_ce import liger_installed
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
 
@@ -36,6 +38,17 @@ def resolve_policy(policy: Policy | dict[str, Any] | None, **overrides: Any) -> 
     return Policy.build(**data)
 
 
+def liger_ce_unavailable(profile: Profile, hw: HardwareSpec) -> str | None:
+    """Why Liger's fused linear cross-entropy cannot be planned here (None: it can)."""
+    if not liger_installed():
+        return "liger-kernel and triton are not installed (pip install liger-kernel)"
+    if tuple(hw.compute_capability) < (8, 0):
+        return f"{hw.name} (compute capability {hw.compute_capability}) is older than the Ampere GPUs Liger targets"
+    if profile.family != "causal_lm":
+        return "the model is not a causal LM"
+    return profile.chunked_ce_refusal or profile.liger_ce_refusal
+
+
 def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,
                    user_optimizer: bool) -> SearchContext:
     vocab = profile.vocab_size
@@ -44,10 +57,14 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
     # PyTorch's own choice ("auto") is searched; a named backend only when pinned: on the GPUs modelled the
     # other kernels allocate at least as much and run no faster than the one SDPA picks
     backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
+    liger = liger_ce_unavailable(profile, hw)
+    if liger and policy.pins.get("ce_kernel") == "liger":
+        raise InputError([f"pin ce_kernel='liger' cannot be honoured: {liger}; pin ce_kernel='memopt' or drop it"])
     return SearchContext(global_batch=global_batch, block_counts=tuple(profile.full_block_counts),
                          supports_bf16=hw.supports_bf16, vocab_size=vocab,
                          causal_lm=profile.family == "causal_lm" and not profile.chunked_ce_refusal,
                          bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
                          peft_available=peft_installed(),
+                         liger_ce=liger is None,
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch)

@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
+from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, OPTIMIZERS, PRECISIONS
 from memopt.techniques.registry import BY_NAME
 from memopt.units import GiB, MiB, parse_bytes
 
@@ -65,6 +65,7 @@ PINNABLE = {
     "activation_offload": (True, False),
     "attention": ATTENTION_BACKENDS,
     "chunked_ce": None,  # an int >= 0
+    "ce_kernel": CE_KERNELS,
     "optimizer": OPTIMIZERS,
     "micro_batch_size": None,  # an int >= 1
     "expandable_segments": (True, False),
@@ -137,6 +138,9 @@ class Policy:
         if "quantized_weights" in allow and "adapters" not in allow:
             problems.append("fidelity allowance 'quantized_weights' needs 'adapters' too: a quantized frozen base "
                             "trains nothing without adapters on it; use the preset 'qlora'")
+        if pins.get("ce_kernel") == "liger" and pins.get("chunked_ce") == 0:
+            problems.append("pins ce_kernel='liger' and chunked_ce=0 contradict: the kernel runs the fused loss that "
+                            "chunked_ce=0 switches off; pin chunked_ce >= 1 or drop ce_kernel")
         if pins.get("quant_bits") in (4, 8) and pins.get("adapter_rank") == 0:
             problems.append("pins quant_bits and adapter_rank=0 contradict: a quantized base needs adapters; pin "
                             "an adapter_rank >= 1 or quant_bits=0")

@@ -144,11 +144,13 @@ def candidates(ctx: SearchContext, policy: Policy,
         for combo in itertools.product(*(options[n] for n in names)):
             d = dict(zip(names, combo))
             b = d["micro_batch_size"]
-            out.append(Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
-                                activation_offload=d["activation_offload"], attention=d["attention"],
-                                chunked_ce=d["chunked_ce"], optimizer=d["optimizer"], micro_batch_size=b,
-                                grad_accum_steps=ctx.global_batch // b, expandable_segments=d["expandable_segments"],
-                                extras=level))
+            s = Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
+                         activation_offload=d["activation_offload"], attention=d["attention"],
+                         chunked_ce=d["chunked_ce"], ce_kernel=d["ce_kernel"], optimizer=d["optimizer"],
+                         micro_batch_size=b, grad_accum_steps=ctx.global_batch // b,
+                         expandable_segments=d["expandable_segments"], extras=level)
+            if all(tech.admits(s, ctx) for tech in TECHNIQUES):
+                out.append(s)
     return out
 
 

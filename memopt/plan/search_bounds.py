@@ -107,10 +107,11 @@ def _ac_level(c: Checkpointing, total: int) -> int:
 
 
 def no_bigger(a: Strategy, b: Strategy, total: int) -> bool:
-    """``a`` needs no more allocated memory than ``b``: same precision, optimizer and attention kernel, and in
+    """``a`` needs no more allocated memory than ``b``: same precision, optimizer, attention and loss kernels, and in
     every other respect at most as much (micro-batch) or at least as much saving (checkpointing, offload,
     chunked loss)."""
-    if (a.precision, a.optimizer, a.attention, a.extras) != (b.precision, b.optimizer, b.attention, b.extras):
+    if (a.precision, a.optimizer, a.attention, a.extras, a.ce_kernel) != \
+            (b.precision, b.optimizer, b.attention, b.extras, b.ce_kernel):
         return False
     ma, mb = a.checkpointing.mode, b.checkpointing.mode
     if ma != mb and "none" not in (ma, mb):

@@ -203,10 +203,14 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
     if prof.family == "causal_lm":
         from memopt.techniques.chunked_ce import chunked_ce_refusal
+        from memopt.techniques.liger_ce import liger_installed, liger_refusal
 
         prof.chunked_ce_refusal = chunked_ce_refusal(module)
+        prof.liger_ce_refusal = liger_refusal(module, prof.chunked_ce_refusal)
         if prof.chunked_ce_refusal:
             prof.notes.append(f"chunked cross-entropy refused (it would not be exact): {prof.chunked_ce_refusal}")
+        elif prof.liger_ce_refusal and liger_installed():
+            prof.notes.append(f"Liger's fused cross-entropy refused (it would not be exact): {prof.liger_ce_refusal}")
     return prof
 
 

@@ -127,6 +127,10 @@ class CostRecorder:
             flops = _grouped_mm_flops(args, out)
             cost.matmul_flops[_dtype_key(args[0].dtype)] += flops
             return
+        if name == "acc_matmul_":  # memopt.techniques.liger_ce's in-place ``acc += a @ b``
+            a, b = args[1], args[2]
+            cost.matmul_flops[_dtype_key(a.dtype)] += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            return
         if name in _MATMUL_OPS and packet in flop_registry:
             try:
                 flops = flop_registry[packet](*args, out_val=out)

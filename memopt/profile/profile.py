@@ -75,6 +75,7 @@ class Profile:
     engine_facts: dict[str, Any] | None = None
     # why chunked cross-entropy would not be exact for this causal LM (None: it is exact, or not a causal LM)
     chunked_ce_refusal: str | None = None
+    liger_ce_refusal: str | None = None  # why Liger's fused loss would not be exact (memopt.techniques.liger_ce)
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -272,7 +273,7 @@ class Profile:
             "optimizers": [o.to_dict() for o in self.optimizers.values()],
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
-            "chunked_ce_refusal": self.chunked_ce_refusal,
+            "chunked_ce_refusal": self.chunked_ce_refusal, "liger_ce_refusal": self.liger_ce_refusal,
         }
 
     @classmethod
@@ -294,7 +295,8 @@ class Profile:
                    hardware=d["hardware"], kernel_policy=d["kernel_policy"], torch_version=d["torch_version"],
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
-                   engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"))
+                   engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"),
+                   liger_ce_refusal=d.get("liger_ce_refusal"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ class VariantKey:
     attention: str = "auto"
     chunked_ce: int = 0
     activation_offload: bool = False
+    ce_kernel: str = "memopt"  # the fused head's kernel (named in the label only when not memopt's)
     micro_batch: int | None = None  # None: traced at two sizes, linear in the micro-batch; else one exact size
     # the strategy's extras that transform the model, as canonical JSON of their settings ("" when absent)
     quantization: str = ""
@@ -36,7 +37,8 @@ class VariantKey:
 
     def label(self) -> str:
         mb = "" if self.micro_batch is None else f"/mb={self.micro_batch}"
-        return (f"{self.precision}/ac={self.checkpointing}/attn={self.attention}/ce={self.chunked_ce}"
+        ce = "liger" if self.ce_kernel == "liger" else self.chunked_ce
+        return (f"{self.precision}/ac={self.checkpointing}/attn={self.attention}/ce={ce}"
                 f"/offload={int(self.activation_offload)}{self._extras_label()}{mb}")
 
     def _extras_label(self) -> str:
@@ -69,7 +71,7 @@ class VariantKey:
         """A strategy that makes a trace of this variant (one micro-batch, every block in this mode)."""
         s = Strategy(precision=_GROUP_PRECISION[self.precision],
                      checkpointing=Checkpointing(mode=self.checkpointing),
-                     attention=self.attention, chunked_ce=self.chunked_ce,
+                     attention=self.attention, chunked_ce=self.chunked_ce, ce_kernel=self.ce_kernel,
                      activation_offload=self.activation_offload, optimizer="sgd")
         if self.has_extras:
             from memopt.techniques.quantization import with_extra
@@ -99,6 +101,7 @@ def variant_key(strategy: Strategy, checkpointing: str | None = None) -> Variant
                       checkpointing=checkpointing or strategy.checkpointing.mode,
                       attention=strategy.attention, chunked_ce=strategy.chunked_ce,
                       activation_offload=strategy.activation_offload,
+                      ce_kernel=strategy.ce_kernel if strategy.chunked_ce else "memopt",
                       quantization=_extra_json(strategy, "quantization"), adapters=_extra_json(strategy, "adapters"))
 
 

@@ -114,7 +114,8 @@ class TrainStep:
                 if self.loss_fn is not None or not isinstance(micro_batch, dict):
                     raise ValueError("chunked cross-entropy replaces the model's own causal-LM loss; with a loss_fn, "
                                      "a training_step or a non-dict batch the loss is yours: plan with chunked_ce=0")
-                loss = causal_lm_chunked_loss(self.model, micro_batch, chunks=self.strategy.chunked_ce)
+                loss = causal_lm_chunked_loss(self.model, micro_batch, chunks=self.strategy.chunked_ce,
+                                              kernel=self.strategy.ce_kernel)
             else:
                 loss = _batch.compute_loss(self.model, micro_batch, self.loss_fn)
         if self.offload is not None:

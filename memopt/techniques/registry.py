@@ -39,6 +39,7 @@ class SearchContext:
     attention_backends: tuple[str, ...] = ("auto",)
     max_micro_batch: int | None = None
     peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
+    liger_ce: bool = False  # Liger's fused linear cross-entropy is installed, runs on the GPU and is exact here
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class SearchedTechnique(Technique, Protocol):
 
     def options(self, ctx: SearchContext) -> list[Any]: ...
 
+    def admits(self, strategy: Strategy, ctx: SearchContext) -> bool:
+        """Whether its value makes sense with the strategy's other choices (a kernel of a technique left off
+        does not); the search drops the combinations some technique does not admit."""
+        ...
+
     def time_lower_bound(self, value: Any, base: BaseTimes) -> float:
         """Seconds this value adds to one micro-batch pass, at least (0 when it may add nothing)."""
         ...
@@ -94,7 +100,14 @@ def _on_off(value: Any, techniques: Mapping[str, Any]) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-class _Precision:
+class _Independent:
+    """A technique whose every value goes with every choice of the others."""
+
+    def admits(self, strategy: Strategy, ctx: SearchContext) -> bool:
+        return True
+
+
+class _Precision(_Independent):
     name = "precision"
     title = "precision"
     off = "fp32"
@@ -116,7 +129,7 @@ class _Precision:
         return _PRECISION_NEEDS[value]
 
 
-class _Checkpointing:
+class _Checkpointing(_Independent):
     name = "checkpointing"
     title = "activation checkpointing"
     off = Checkpointing()
@@ -151,7 +164,7 @@ class _Checkpointing:
         return "exact"
 
 
-class _Offload:
+class _Offload(_Independent):
     name = "activation_offload"
     title = "activation offload"
     off = False
@@ -171,7 +184,7 @@ class _Offload:
         return "exact"
 
 
-class _Attention:
+class _Attention(_Independent):
     name = "attention"
     title = "attention kernel"
     off = "auto"
@@ -193,7 +206,7 @@ class _Attention:
         return "exact"
 
 
-class _ChunkedCE:
+class _ChunkedCE(_Independent):
     name = "chunked_ce"
     title = "chunked loss (linear + CE)"
     off = 0
@@ -202,7 +215,7 @@ class _ChunkedCE:
         return f"{value} chunks" if value else "off"
 
     def options(self, ctx: SearchContext) -> list[Any]:
-        if not ctx.causal_lm or not ctx.vocab_size or ctx.vocab_size < 32_000:
+        if not (ctx.causal_lm or ctx.liger_ce) or not ctx.vocab_size or ctx.vocab_size < 32_000:
             return [0]
         return [0, 8]
 
@@ -210,13 +223,42 @@ class _ChunkedCE:
         return 0.0
 
     def label(self, strategy: Strategy) -> str | None:
-        return f"chunked-ce={strategy.chunked_ce}" if strategy.chunked_ce else None
+        if not strategy.chunked_ce:
+            return None
+        return "chunked-ce=liger" if strategy.ce_kernel == "liger" else f"chunked-ce={strategy.chunked_ce}"
 
     def fidelity(self, value: Any) -> str:
         return "exact"
 
 
-class _Optimizer:
+class _CEKernel:
+    """Which kernel runs the fused head + loss: memopt's chunked loss, or Liger-kernel's fused linear
+    cross-entropy (``memopt.techniques.liger_ce``: smaller chunks, one Triton pass per chunk, CUDA only)."""
+
+    name = "ce_kernel"
+    title = "fused loss kernel"
+    off = "memopt"
+    render = staticmethod(_on_off)
+
+    def options(self, ctx: SearchContext) -> list[Any]:
+        return ["memopt", "liger"] if ctx.liger_ce else ["memopt"]
+
+    def admits(self, strategy: Strategy, ctx: SearchContext) -> bool:
+        if strategy.ce_kernel == "liger":
+            return strategy.chunked_ce > 0 and ctx.liger_ce
+        return strategy.chunked_ce == 0 or ctx.causal_lm  # memopt's chunked loss where it is exact
+
+    def time_lower_bound(self, value: str, base: BaseTimes) -> float:
+        return 0.0
+
+    def label(self, strategy: Strategy) -> str | None:
+        return None  # the chunked loss's part of the label names the kernel
+
+    def fidelity(self, value: Any) -> str:
+        return "exact"
+
+
+class _Optimizer(_Independent):
     name = "optimizer"
     title = "optimizer"
     off = "adamw_fused"
@@ -243,7 +285,7 @@ class _Optimizer:
         return "8bit_optimizer" if value in EIGHT_BIT_OPTIMIZERS else "exact"
 
 
-class _MicroBatch:
+class _MicroBatch(_Independent):
     name = "micro_batch_size"
     title = "micro-batching"
     off = None
@@ -268,7 +310,7 @@ class _MicroBatch:
         return "exact"
 
 
-class _Allocator:
+class _Allocator(_Independent):
     name = "expandable_segments"
     title = "expandable segments"
     off = False  # the allocator's default, not memopt's
@@ -289,12 +331,12 @@ class _Allocator:
 
 # the order the planner enumerates (and reports) them in
 TECHNIQUES: tuple[SearchedTechnique, ...] = (_Precision(), _Checkpointing(), _Offload(), _Attention(), _ChunkedCE(),
-                                             _Optimizer(), _MicroBatch(), _Allocator())
+                                             _CEKernel(), _Optimizer(), _MicroBatch(), _Allocator())
 BY_NAME: dict[str, Technique] = {t.name: t for t in (*TECHNIQUES, *EXTRAS)}
 # the order a strategy's label names them in: recorded plans and logs carry labels, so it stays as it is
 LABEL_ORDER: tuple[str, ...] = ("precision", "checkpointing", "micro_batch_size", "optimizer", "activation_offload",
-                                "attention", "chunked_ce", "expandable_segments", "adapters", "quantization",
-                                "sharding")
+                                "attention", "chunked_ce", "ce_kernel", "expandable_segments", "adapters",
+                                "quantization", "sharding")
 
 
 def strategy_label(strategy: Strategy) -> str:
