@@ -84,13 +84,17 @@ def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[st
 def frontier(chosen: Plan, others: Iterable[Plan], *, tolerance: float = 0.15) -> list[Plan]:
     """The candidates worth measuring: the chosen plan, then the distinct fitting plans the clock cannot tell
     apart from it (predicted within ``tolerance`` of its step time), fastest predicted first. Measuring a plan the
-    clock puts 30% behind costs seconds at the start of training and almost never wins."""
+    clock puts 30% behind costs seconds at the start of training and almost never wins. Only plans of the chosen
+    plan's engine are kept: a ZeRO/FSDP or offload plan measured through the one-GPU step keeps on the GPU what its
+    engine would shard or offload, so it runs out of memory, or is timed as another configuration than it is."""
     limit = chosen.step_time_s * (1.0 + tolerance)
+    engine = chosen.strategy.extra("sharding")
     seen = {chosen.strategy.label()}
     close = []
     for plan in sorted(others, key=lambda p: p.step_time_s):
         label = plan.strategy.label()
-        if plan.fits and label not in seen and plan.step_time_s <= limit:
+        same_engine = plan.strategy.extra("sharding") == engine
+        if plan.fits and same_engine and label not in seen and plan.step_time_s <= limit:
             seen.add(label)
             close.append(plan)
     return [chosen, *close]

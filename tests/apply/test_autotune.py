@@ -120,6 +120,28 @@ def test_frontier_keeps_what_the_clock_cannot_tell_apart():
         key=lambda p: p.step_time_s)
 
 
+
+def test_frontier_measures_only_plans_of_the_chosen_plans_engine():
+    """A ZeRO-2 offload candidate that the re-plan made beside a one-GPU choice is not measured through the one-GPU
+    step, which would keep its gradients and optimizer states on the GPU (a falcon-shaped 1.1B at 24 GiB ran out of
+    memory there, while its engine fits)."""
+    import dataclasses
+
+    from memopt.techniques.sharding import ShardingSetting
+
+    model = build_model(SPEC, device="cpu")
+    chosen, others = _plans(model)
+    near = min((p for p in others if p.strategy.label() != chosen.strategy.label()), key=lambda p: p.step_time_s)
+    offload = ShardingSetting(engine="deepspeed", stage=2, offload_optimizer="cpu")
+    sharded = dataclasses.replace(near, strategy=dataclasses.replace(
+        near.strategy, extras=tuple(sorted({**dict(near.strategy.extras), "sharding": offload}.items()))))
+    assert sharded.strategy.extra("sharding") is offload and sharded.fits
+    labels = [p.strategy.label() for p in frontier(chosen, [sharded, near], tolerance=10.0)]
+    assert labels == [chosen.strategy.label(), near.strategy.label()]
+    # from a sharded choice, the one-GPU plans are the other engine
+    assert [p.strategy.label() for p in frontier(sharded, [chosen, near], tolerance=10.0)] == [
+        sharded.strategy.label()]
+
 def test_autotune_stops_measuring_when_its_time_is_spent():
     model = build_model(SPEC, device="cpu")
     batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
