@@ -136,6 +136,77 @@ ROWS: list[ZooRow] = [
            2048, budget="10GB", extra={"training_step": True}),
 ]
 
+# families and plain-PyTorch shapes that no earlier row ran on the GPU: q/k norms, tied big vocabularies, logit
+# scaling heads, parallel attention, ALiBi, MoE routing of another family, unpadding encoders, stochastic depth,
+# depthwise convolutions, dense concatenation, torchvision's own attention
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=8192)
+QWEN3_17B = dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=8192)
+GRANITE_1B = dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=8192, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=49152, logits_scaling=8.0, embedding_multiplier=12.0,
+                  residual_multiplier=0.22, attention_multiplier=0.015625, max_position_embeddings=4096,
+                  tie_word_embeddings=True)
+COHERE_2B = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=5632, num_attention_heads=16,
+                 num_key_value_heads=16, vocab_size=256000, logit_scale=0.0625, max_position_embeddings=4096)
+MIXTRAL_SMALL = dict(hidden_size=1024, num_hidden_layers=16, intermediate_size=3584, num_local_experts=8,
+                     num_experts_per_tok=2, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                     max_position_embeddings=4096, sliding_window=None)
+FALCON_1B = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, new_decoder_architecture=False,
+                 parallel_attn=True, multi_query=True, alibi=False, bias=False, vocab_size=65024)
+BLOOM_560M = dict(hidden_size=1024, n_layer=24, n_head=16, vocab_size=250880)
+GPTJ_1B = dict(n_embd=2048, n_layer=16, n_head=16, rotary_dim=64, vocab_size=50400, n_positions=2048)
+STARCODER2_3B = dict(hidden_size=3072, num_hidden_layers=30, intermediate_size=12288, num_attention_heads=24,
+                     num_key_value_heads=2, vocab_size=49152, max_position_embeddings=8192, sliding_window=None)
+PHI2_LIKE = dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=8192, num_attention_heads=32,
+                 vocab_size=51200, partial_rotary_factor=0.5, max_position_embeddings=2048)
+GEMMA1_2B = dict(hidden_size=2048, num_hidden_layers=18, intermediate_size=16384, num_attention_heads=8,
+                 num_key_value_heads=1, head_dim=256, vocab_size=256000, max_position_embeddings=8192)
+MT5_SMALL = dict(d_model=512, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6, d_kv=64,
+                 vocab_size=250112, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                 decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+PEGASUS_LARGE = dict(d_model=1024, encoder_layers=16, decoder_layers=16, encoder_attention_heads=16,
+                     decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=96103,
+                     max_position_embeddings=1024, pad_token_id=0, decoder_start_token_id=0)
+BERT_LARGE_CLS = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                      vocab_size=28996, max_position_embeddings=512, num_labels=5)
+MODERNBERT_BASE = dict(hidden_size=768, num_hidden_layers=22, intermediate_size=1152, num_attention_heads=12,
+                       vocab_size=50368, max_position_embeddings=8192)
+DINOV2_LARGE = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                    image_size=224, patch_size=14, num_labels=1000)
+BEIT_BASE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
+                 image_size=224, patch_size=16, use_relative_position_bias=True, num_labels=1000)
+
+ROWS += [
+    _llm("qwen3like0.6b-16x2048-16GiB", "qwen3", QWEN3_06B, 16, 2048, "16GiB"),
+    _llm("qwen3like1.7b-16x1024-12GiB-8bit", "qwen3", QWEN3_17B, 16, 1024, "12GiB", fidelity="8bit"),
+    _llm("granitelike1b-8x2048-20GiB", "granite", GRANITE_1B, 8, 2048, "20GiB"),
+    _llm("coherelike2b-8x2048-32GB", "cohere", COHERE_2B, 8, 2048, "32GB"),
+    _llm("mixtrallike-8x2048-24GiB", "mixtral", MIXTRAL_SMALL, 8, 2048, "24GiB"),
+    _llm("falconlike1b-16x2048-24GiB", "falcon", FALCON_1B, 16, 2048, "24GiB"),
+    _llm("bloomlike560m-16x1024-16GiB", "bloom", BLOOM_560M, 16, 1024, "16GiB"),
+    _llm("gptjlike1b-8x2048-16GB", "gptj", GPTJ_1B, 8, 2048, "16GB"),
+    _llm("starcoder2like3b-4x4096-48GiB", "starcoder2", STARCODER2_3B, 4, 4096, "48GiB"),
+    _llm("phi2like-8x2048-24GiB", "phi", PHI2_LIKE, 8, 2048, "24GiB"),
+    _llm("gemma1like2b-8x2048-40GB", "gemma", GEMMA1_2B, 8, 2048, "40GB"),
+    ZooRow("mt5small-32x512-12GiB", "seq2seq", "mt5", MT5_SMALL, 32, 512, budget="12GiB"),
+    ZooRow("pegasuslarge-16x512-16GiB", "seq2seq", "pegasus", PEGASUS_LARGE, 16, 512, budget="16GiB"),
+    ZooRow("bertlarge-cls-64x512-12GiB", "seqcls", "bert", BERT_LARGE_CLS, 64, 512, budget="12GiB"),
+    ZooRow("modernbertbase-mlm-32x1024-10GiB", "masked", "modernbert", MODERNBERT_BASE, 32, 1024, budget="10GiB"),
+    ZooRow("dinov2large-64x224-16GiB", "image", "dinov2", DINOV2_LARGE, 64, image_size=224, budget="16GiB"),
+    ZooRow("beitbase-128x224-12GiB", "image", "beit", BEIT_BASE, 128, image_size=224, budget="12GiB"),
+    ZooRow("efficientnetb4-64x380-16GiB", "torchvision", "efficientnet_b4", {}, 64, image_size=380, budget="16GiB"),
+    ZooRow("tuple-densenet201-64x224-10GiB", "torchvision", "densenet201", {}, 64, image_size=224, budget="10GiB",
+           extra={"tuple": True}),
+    ZooRow("tvvitb16-128x224-16GiB", "torchvision", "vit_b_16", {}, 128, image_size=224, budget="16GiB"),
+    ZooRow("mobilenetv3l-256x224-6GiB", "torchvision", "mobilenet_v3_large", {}, 256, image_size=224,
+           budget="6GiB"),
+    ZooRow("step-tied-resmlp-24blk-8x1024-10GB", "custom", "tied_resmlp", dict(vocab=50000, width=1536, blocks=24),
+           8, 1024, budget="10GB", extra={"training_step": True}),
+]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # models and batches
