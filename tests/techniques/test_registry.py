@@ -29,8 +29,8 @@ def test_fidelity_and_rendering_come_from_the_technique():
     assert BY_NAME["adapters"].fidelity(0) == "exact" and BY_NAME["quantization"].fidelity(4) == "quantized_weights"
     rendered = {t.name: t.render(v, Strategy(micro_batch_size=2, grad_accum_steps=3).to_dict())
                 for t, v in zip(TECHNIQUES, ("bf16_autocast", {"mode": "full", "num_blocks": None}, True, "auto", 8,
-                                             "adamw_fused", 2, False), strict=True)}
+                                             "liger", "adamw_fused", 2, False), strict=True)}
     assert rendered == {"precision": "bf16_autocast", "checkpointing": "full, every block",
-                        "activation_offload": "on", "attention": "auto", "chunked_ce": "8 chunks",
+                        "activation_offload": "on", "attention": "auto", "chunked_ce": "8 chunks", "ce_kernel": "liger",
                         "optimizer": "adamw_fused", "micro_batch_size": "2 x 3 accumulation steps",
                         "expandable_segments": "off"}
