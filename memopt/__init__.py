@@ -5,7 +5,7 @@
     >>> est = memopt.estimate(prof, memopt.Strategy(precision="bf16_autocast"))
 
 Every entry point (``memopt.plan``, ``memopt.profile``, ``memopt.wrap``, ``python -m memopt.plan``) checks its
-input with one validation layer (``memopt.config.checks``) and raises ``InputError`` (a ``ValueError``), one line
+input with one validation layer (``memopt.plan.checks``) and raises ``InputError`` (a ``ValueError``), one line
 per problem. ``hardware`` left out means the local GPU, or ``h100_80gb`` where none is visible (the plan's notes
 say so); ``hardware="auto"`` insists on the local GPU.
 """

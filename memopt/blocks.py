@@ -7,12 +7,13 @@ Stacks nested inside another stack's blocks are not reported.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["BlockStack", "block_signature", "find_block_stacks"]
+__all__ = ["BlockStack", "block_signature", "find_block_stacks", "tied_parameter_groups"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,11 @@ def param_bytes_by_dtype(module: nn.Module) -> dict[str, int]:
 
 
 _ = torch  # re-exported type context for annotations
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (e.g. input embedding and LM head), groups of 2+."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(name)
+    return [names for names in by_id.values() if len(names) > 1]

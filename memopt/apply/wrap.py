@@ -81,7 +81,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     layer; with quantized weights each target linear is quantized as it loads (``load_quantized``), so the
     full-precision model never sits in GPU memory.
 
-    Every argument is checked first, with the checks and messages of ``memopt.plan`` (``memopt.config.checks``):
+    Every argument is checked first, with the checks and messages of ``memopt.plan`` (``memopt.plan.checks``):
     bad input raises one ``ValueError`` naming each problem and what would work. ``calibration``: "use" the
     stored measured/predicted ratios of clean earlier runs, "ignore" them, or "clear" them first. A saved
     ``plan=`` made for another model (its fingerprint) or another global batch is refused unless
@@ -95,7 +95,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     StepTransaction.check_mode(transaction)
     loss_fn = as_loss(loss_fn, training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    from memopt.config.checks import check_wrap_args
+    from memopt.plan.checks import check_wrap_args
 
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,

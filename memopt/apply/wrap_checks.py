@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+from memopt.techniques.micro_batching import micro_batch_refusal
 
 __all__ = ["batchnorm_warning", "check_model", "is_trainer", "optimizer_choice"]
 
@@ -42,9 +43,10 @@ def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
 
 
 def batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if norms and micro < global_batch:
-        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}; the model has "
-                      f"BatchNorm layers ({', '.join(norms[:3])}{'...' if len(norms) > 3 else ''}) whose batch "
-                      "statistics then come from micro-batches, which changes training; pin micro_batch_size="
-                      f"{global_batch} to keep them", stacklevel=3)
+    """A plan that micro-batches a model with BatchNorm (only when the user pinned the micro-batch: the planner
+    refuses it) changes training: say so where the user runs it."""
+    reason = micro_batch_refusal(model)
+    if reason is not None and micro < global_batch:
+        warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}, but {reason}; "
+                      f"pin micro_batch_size={global_batch} (or leave it unpinned) to keep training exact",
+                      stacklevel=3)

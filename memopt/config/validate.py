@@ -61,8 +61,8 @@ class PlanRequest:
 
 
 def closest(name: Any, choices: list[str] | tuple[str, ...]) -> str:
-    """`` (did you mean 'x'?)`` for the closest choice, or '' (``memopt.config.checks.closest``)."""
-    from memopt.config.checks import closest as _closest
+    """`` (did you mean 'x'?)`` for the closest choice, or '' (``memopt.plan.checks.closest``)."""
+    from memopt.plan.checks import closest as _closest
 
     return _closest(name, choices)
 
@@ -108,8 +108,8 @@ def validate(cfg: Any) -> list[str]:
 
 def resolve(cfg: Any) -> PlanRequest:
     """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem. The
-    checks are those of the Python API (:mod:`memopt.config.checks`), with the config's key names."""
-    from memopt.config import checks
+    checks are those of the Python API (:mod:`memopt.plan.checks`), with the config's key names."""
+    from memopt.plan import checks
     from memopt.plan.calibrate import CALIBRATION_MODES
     from memopt.units import format_bytes
 
@@ -171,8 +171,8 @@ def resolve(cfg: Any) -> PlanRequest:
 
 
 def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
-    from memopt.config import checks
     from memopt.hardware import hardware_names, load_hardware
+    from memopt.plan import checks
     from memopt.plan.context import resolve_hardware
 
     node = dict(node)

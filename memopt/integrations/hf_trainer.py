@@ -26,6 +26,7 @@ from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_ra
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
+from memopt.techniques.micro_batching import micro_batch_refusal
 
 __all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
 
@@ -214,6 +215,12 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
         if in_force is not None and "expandable_segments" not in trainer_pins:
             trainer_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
             warn_allocator_mode_fixed(in_force)
+        args = trainer.args
+        if ("micro_batch_size" not in trainer_pins and args.gradient_accumulation_steps > 1
+                and micro_batch_refusal(trainer.model) is not None):
+            # the script already splits its batch, and its BatchNorm statistics come from its own micro-batch: that
+            # is the training to reproduce (memopt.techniques.micro_batching refuses any other split)
+            trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
         sample = _sample_from_trainer(trainer, sample)
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             from memopt.plan.context import resolve_hardware

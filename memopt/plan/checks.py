@@ -1,5 +1,6 @@
 """The one validation layer of memopt's inputs, shared by ``python -m memopt.plan`` (through
-:mod:`memopt.config.validate`), ``memopt.plan``/``memopt.profile`` and ``memopt.wrap``.
+:mod:`memopt.config.validate`), ``memopt.plan``/``memopt.profile`` and ``memopt.wrap``. It sits with the planner,
+whose arguments it checks, so the planner and everything above it (the configs, ``wrap``) import it downward.
 
 Each ``check_*`` function appends one line per problem to ``problems`` (what was wrong and what would work)
 and returns the checked value where there is one; :func:`raise_problems` turns the list into one
@@ -20,6 +21,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memopt.errors import InputError, raise_problems
+from memopt.hardware import HardwareSpec, hardware_names
+from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
+from memopt.plan.calibrate import CALIBRATION_MODES
+from memopt.plan.context import resolve_hardware
+from memopt.units import format_bytes, parse_budget
 
 __all__ = [
     "OPTIMIZER_NAMES",
@@ -67,8 +73,6 @@ def _is_int(value: Any) -> bool:
 def check_budget(budget: Any, problems: list[str], *, device_total_bytes: int | None = None,
                  key: str = "budget") -> int | None:
     """The budget in bytes (``memopt.units.parse_budget``), or None with a problem."""
-    from memopt.units import parse_budget
-
     if budget is None:
         problems.append(f"{key} is required: e.g. {key}=40GB (10^9 bytes), 40GiB (2^30), 80% (of the GPU)")
         return None
@@ -94,9 +98,7 @@ def check_margin(policy: Any, budget_bytes: int | None, problems: list[str]) -> 
         return
     margin = policy.margin(budget_bytes)
     if margin >= budget_bytes:
-        from memopt.units import format_bytes
-
-        problems.append(f"policy margin {format_bytes(margin)} is not smaller than the budget "
+            problems.append(f"policy margin {format_bytes(margin)} is not smaller than the budget "
                         f"{format_bytes(budget_bytes)}; give a smaller margin (e.g. margin=3%) or a larger budget")
 
 
@@ -130,8 +132,6 @@ def check_nvme_path(path: Any, problems: list[str], *, key: str = "nvme_path") -
 
 def check_hardware(hardware: Any, problems: list[str]) -> Any:
     """A ``HardwareSpec`` for a name / dict / spec (``auto`` or None: the local GPU), or None with a problem."""
-    from memopt.hardware import HardwareSpec, hardware_names
-
     if isinstance(hardware, HardwareSpec):
         return hardware
     if hardware is not None and not isinstance(hardware, (str, dict)):
@@ -143,8 +143,6 @@ def check_hardware(hardware: Any, problems: list[str]) -> Any:
         problems.append(f"unknown hardware {hardware!r}{closest(hardware, names)}; shipped: {', '.join(names)}, "
                         "or 'auto' for the local GPU")
         return None
-    from memopt.plan.context import resolve_hardware
-
     try:
         return resolve_hardware(hardware)
     except (ValueError, TypeError, KeyError) as exc:
@@ -273,8 +271,6 @@ def check_model_keys(spec: Any, problems: list[str], *, key: str = "model.hf_con
     """Every ``hf_config`` key of a model spec is a field of its family's transformers config class
     (transformers itself would keep a typo such as ``hiden_size`` as an unused attribute and build the
     default-sized model)."""
-    from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
-
     hf = getattr(spec, "hf_config", None)
     if not isinstance(hf, Mapping) or "model_type" not in hf:
         return
@@ -340,8 +336,6 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
                     calibration: Any = "use", allow_plan_mismatch: bool = False) -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
-    from memopt.plan.calibrate import CALIBRATION_MODES
-
     problems: list[str] = []
     hw = None
     if plan is None and budget is not None:

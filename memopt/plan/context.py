@@ -67,4 +67,5 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
                          peft_available=peft_installed(),
                          liger_ce=liger is None,
                          user_optimizer=user_optimizer, attention_backends=backends,
-                         max_micro_batch=policy.max_micro_batch)
+                         max_micro_batch=policy.max_micro_batch,
+                         micro_batch_refusal=profile.micro_batch_refusal)

@@ -10,7 +10,9 @@ from torch import nn
 
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, default_hardware_note
+from memopt.plan import checks
 from memopt.plan.calibrate import CALIBRATION_MODES, calibrated
+from memopt.plan.checks import check_pins_honoured, profile_fingerprint
 from memopt.plan.context import resolve_policy, search_context
 from memopt.plan.footprint import Estimates, level_fits
 from memopt.plan.plan_build import build_plan
@@ -44,7 +46,7 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     this GPU kind first (``use_calibration=False`` is "ignore"). ``hardware``: a shipped name, a dict or a
     ``HardwareSpec``; "auto" the local GPU; not given: the local GPU, else ``memopt.hardware.DEFAULT_HARDWARE``
     (the notes say so). Every argument is checked first; bad input raises one ``ValueError`` listing each
-    problem on its own line (``memopt.config.checks``).
+    problem on its own line (``memopt.plan.checks``).
 
     Beyond one GPU (``memopt.plan.sharded``): ``world_size`` GPUs over ``nodes`` nodes (default: the hardware
     spec's ``gpus_per_node x num_nodes``) are planned with DDP, ZeRO-1/2/3, FSDP2 (hybrid across nodes) and CPU /
@@ -121,8 +123,6 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
     if store is not None:
         store.save()
-    from memopt.config.checks import check_pins_honoured, profile_fingerprint
-
     plan.model["fingerprint"] = profile_fingerprint(prof)
     check_pins_honoured(plan, pol.pins)
     return plan
@@ -133,8 +133,6 @@ def _checked_args(model: Any, sample: Any, *, budget: Any, hardware: Any, policy
                   nvme_path: Any) -> tuple[HardwareSpec, int, Policy]:
     """Every argument of ``make_plan`` checked before anything is traced: (hardware, budget bytes, policy), or
     one ``InputError`` (a ValueError) listing every problem."""
-    from memopt.config import checks
-
     problems: list[str] = []
     hw = checks.check_hardware(hardware, problems)
     budget_bytes = checks.check_budget(budget, problems, device_total_bytes=hw.memory_bytes if hw else None)
@@ -189,8 +187,6 @@ def _spec_of(model: Any) -> Any:
 
 def _check_batch(pol: Policy, global_batch: int, world: Any) -> None:
     """A pinned micro-batch against the profile's global batch (per rank on several GPUs)."""
-    from memopt.config import checks
-
     problems: list[str] = []
     per_rank = global_batch // world if isinstance(world, int) and world > 1 and global_batch % world == 0 \
         else global_batch

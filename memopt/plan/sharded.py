@@ -132,9 +132,11 @@ def _bisect_blocks(fits_at: dict[int, bool], fits: Any) -> None:
         bisect_blocks(max((k for k, ok in fits_at.items() if not ok and k < hi), default=None), hi, fits)
 
 
-def _micro_batches(per_rank: int, policy: Policy) -> list[int]:
+def _micro_batches(per_rank: int, policy: Policy, refusal: str | None = None) -> list[int]:
     pinned = policy.pins.get("micro_batch_size")
     out = [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and policy.allows("micro_batch_size", b)]
+    if refusal and pinned is None:  # micro-batches would not be exact (memopt.techniques.micro_batching)
+        out = [b for b in out if b == per_rank]
     if policy.max_micro_batch:
         out = [b for b in out if b <= policy.max_micro_batch]
     return [pinned] if pinned in out else out
@@ -275,7 +277,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
 
     coarse: dict[tuple[int, int], dict[int, ShardedCandidate]] = {}
     for i, setting in enumerate(settings):
-        for mb in _micro_batches(per_rank, policy):
+        for mb in _micro_batches(per_rank, policy, profile.micro_batch_refusal):
             coarse[i, mb] = {ck.count(n_blocks): evaluate(setting, mb, ck)
                              for ck in _checkpointings(n_blocks, policy)}
     for c in candidates:

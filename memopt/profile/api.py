@@ -16,10 +16,13 @@ from torch import nn
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.cache_keys import cache_dir, spec_key, structure_key
 from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.head_probe import head_refusal
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
+from memopt.techniques.liger_ce import liger_installed, liger_refusal
+from memopt.techniques.micro_batching import micro_batch_refusal
 
 __all__ = ["default_variant", "profile_model", "resolve_model"]
 
@@ -198,14 +201,12 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
                    tokens_per_sample=tokens, hardware=hw.name, kernel_policy=policy_key,
                    torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module),
                    engine_facts=_engine_facts(module), **facts)
+    _record_micro_batch_refusal(prof, module)
     for stack in prof.stacks:
         if not stack["uniform_tail"]:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")
     if prof.family == "causal_lm":
-        from memopt.techniques.chunked_ce import chunked_ce_refusal
-        from memopt.techniques.liger_ce import liger_installed, liger_refusal
-
-        prof.chunked_ce_refusal = chunked_ce_refusal(module)
+        prof.chunked_ce_refusal = head_refusal(module)
         prof.liger_ce_refusal = liger_refusal(module, prof.chunked_ce_refusal)
         if prof.chunked_ce_refusal:
             prof.notes.append(f"chunked cross-entropy refused (it would not be exact): {prof.chunked_ce_refusal}")
@@ -231,6 +232,17 @@ def _vocab_size(module: nn.Module) -> int | None:
 
     config = getattr(module, "config", None)
     return None if config is None else config_vocab_size(config)
+
+
+def _record_micro_batch_refusal(prof: Profile, module: nn.Module) -> None:
+    """The profile's word on micro-batching (a static fact of the module, so a cached profile gets it too)."""
+    reason = micro_batch_refusal(module)
+    if reason == prof.micro_batch_refusal:
+        return
+    prof.micro_batch_refusal = reason
+    if reason is not None and int(prof.sample.get("batch_size", 1)) > 1:
+        prof.notes.append(f"micro-batching refused (it would not be exact): {reason}; pin micro_batch_size to "
+                          "split the batch anyway")
 
 
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
@@ -265,6 +277,8 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     if prof is None:
         module = source if isinstance(source, nn.Module) else source()
         prof = _new_profile(module, spec, name, key, sample_dict, tokens, hw, policy.cache_key)
+    elif isinstance(source, nn.Module):
+        _record_micro_batch_refusal(prof, source)
     prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()

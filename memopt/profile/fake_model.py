@@ -11,24 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memopt.blocks import BlockStack, find_block_stacks
+from memopt.blocks import BlockStack, find_block_stacks, tied_parameter_groups
 
-__all__ = ["fake_copy", "tied_parameter_groups", "truncate_stacks"]
-
-
-def tied_parameter_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (e.g. input embedding and LM head), groups of 2+."""
-    by_id: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id[id(p)].append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+__all__ = ["fake_copy", "truncate_stacks"]
 
 
 def _meta_memo(model: nn.Module) -> dict[int, object]:

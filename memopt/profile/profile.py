@@ -76,6 +76,8 @@ class Profile:
     # why chunked cross-entropy would not be exact for this causal LM (None: it is exact, or not a causal LM)
     chunked_ce_refusal: str | None = None
     liger_ce_refusal: str | None = None  # why Liger's fused loss would not be exact (memopt.techniques.liger_ce)
+    # why micro-batches would not be exact for this model (memopt.techniques.micro_batching; None: they are)
+    micro_batch_refusal: str | None = None
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -274,6 +276,7 @@ class Profile:
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
             "chunked_ce_refusal": self.chunked_ce_refusal, "liger_ce_refusal": self.liger_ce_refusal,
+            "micro_batch_refusal": self.micro_batch_refusal,
         }
 
     @classmethod
@@ -296,7 +299,7 @@ class Profile:
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
                    engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"),
-                   liger_ce_refusal=d.get("liger_ce_refusal"))
+                   liger_ce_refusal=d.get("liger_ce_refusal"), micro_batch_refusal=d.get("micro_batch_refusal"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

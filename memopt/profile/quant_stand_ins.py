@@ -70,7 +70,7 @@ from torch import nn
 
 from memopt.profile.quant_gemm_4bit import BNB_NESTED_BLOCKSIZE, gemm_4bit_cuda
 
-__all__ = ["quant_state_tensors", "visible_bnb_kernels"]
+__all__ = ["quant_state_tensors", "stand_in_linear", "visible_bnb_kernels"]
 
 
 def _bnb() -> Any:
@@ -314,6 +314,15 @@ def __getattr__(name: str) -> Any:
             _CLASSES[name] = _linear8bit_class()
         return _CLASSES[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def stand_in_linear(linear: nn.Linear, setting: Any) -> nn.Module:
+    """The stand-in of ``linear`` quantized under ``setting`` (a ``QuantSetting``: 4-bit or 8-bit)."""
+    if setting.bits == 4:
+        return __getattr__("FakeLinear4bit").from_linear(
+            linear, compute_dtype=setting.torch_compute_dtype, double_quant=setting.double_quant,
+            quant_type=setting.quant_type, blocksize=setting.blocksize)
+    return __getattr__("FakeLinear8bitLt").from_linear(linear)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from memopt.profile.fake_model import fake_copy, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.scalar_values import ShadowFormatting
+from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.tracker import MemoryTracker, TrackedRun
 from memopt.step.batch import check_batch
 from memopt.step.batch import tensors as batch_tensors
@@ -100,7 +101,8 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, device=None, optimizer=optimizer,
-                           optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, fake=True, host_device=host)
+                           optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, stand_ins=TRACE_STAND_INS,
+                           host_device=host)
         remove_markers = install_markers(prepared.stacks, tracker.set_phase) if markers else None
         prepared.step.on_phase = tracker.set_phase
         try:

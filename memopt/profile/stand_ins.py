@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "Fake8bitAdamW", "FakeGradScaler"]
+from memopt.profile.quant_stand_ins import stand_in_linear
+from memopt.step.prepare import StandIns
+
+__all__ = ["BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "TRACE_STAND_INS", "Fake8bitAdamW",
+           "FakeGradScaler"]
 
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCKSIZE = 256  # block-wise quantization: one fp32 absmax per 256 values
@@ -85,3 +89,7 @@ class Fake8bitAdamW(torch.optim.Optimizer):
         state["qmap2"] = self.qmaps["udynamic"]
         state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
         state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+
+
+# what a traced step (memopt.step.prepare) runs in place of the real pieces
+TRACE_STAND_INS = StandIns(grad_scaler=FakeGradScaler, adamw8bit=Fake8bitAdamW, quantized_linear=stand_in_linear)

@@ -39,6 +39,7 @@ from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
 from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.simulate import trace_device
+from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.trace_alignment import alignment_opcodes
 from memopt.profile.tracker import ALLOC, MemoryTracker
 from memopt.profile.variant_trace import Segment, VariantKey, VariantTrace
@@ -88,7 +89,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     semantics = trace_semantics(policy, tracker, attention, emulate=emulate)
     host = "meta" if emulate else "cpu"
     with fake_mode, semantics, real_code_paths():
-        prepared = prepare(clone, strategy, device_type=device, fake=True, host_device=host, loss_fn=loss_fn)
+        prepared = prepare(clone, strategy, device_type=device, stand_ins=TRACE_STAND_INS, host_device=host,
+                           loss_fn=loss_fn)
         has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
         model_state = model_state_entries(clone, prepared.stacks) if has_extras else None
         remove = install_markers(prepared.stacks, tracker.set_phase)

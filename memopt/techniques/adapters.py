@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
+from memopt.techniques.model_change import ModelChange, Undo, no_change
 
 __all__ = [
     "ADAPTER_KINDS",
@@ -33,6 +34,7 @@ __all__ = [
     "ExtraSettings",
     "adapter_state_dict",
     "apply_adapters",
+    "change_model",
     "find_target_linears",
     "load_adapter_state_dict",
     "peft_installed",
@@ -277,6 +279,15 @@ def _materialize_fake(model: nn.Module) -> None:
             for key, b in list(module._buffers.items()):
                 if b is not None and b.device.type == "meta":
                     module._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
+def change_model(change: ModelChange) -> Undo:
+    """The adapters' change: every weight frozen and trainable adapters put on the target linears (after
+    quantization, so a quantized linear gets its adapter, and after the move, so adapters start on the device)."""
+    setting = change.strategy.extra("adapters")
+    if setting is None:
+        return no_change
+    return apply_adapters(change.model, setting, fake=change.fake)[1]
 
 
 def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *, fake: bool = False

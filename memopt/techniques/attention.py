@@ -14,7 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION_FIDELITY", "apply_attention_backend", "flash_attn_available"]
+from memopt.techniques.model_change import ModelChange, Undo
+
+__all__ = ["ATTENTION_FIDELITY", "apply_attention_backend", "change_model", "flash_attn_available"]
 
 ATTENTION_FIDELITY = {"auto": "exact", "flash": "exact", "efficient": "exact", "cudnn": "exact", "math": "exact",
                       "flash_attn": "exact"}
@@ -29,6 +31,11 @@ _FLAGS = {
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def change_model(change: ModelChange) -> Undo:
+    """The attention backend's change: a global switch (SDPA's kernels, or flash-attn on the model's config)."""
+    return apply_attention_backend(change.model, change.strategy.attention)
 
 
 def apply_attention_backend(model: nn.Module, backend: str) -> Callable[[], None]:

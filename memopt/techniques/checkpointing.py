@@ -19,8 +19,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from memopt.blocks import BlockStack
 from memopt.strategy import Checkpointing
+from memopt.techniques.model_change import ModelChange, Undo
 
-__all__ = ["SELECTIVE_SAVE_OPS", "apply_checkpointing", "selective_policy"]
+__all__ = ["SELECTIVE_SAVE_OPS", "apply_checkpointing", "change_model", "selective_policy"]
 
 # attention kernels by op name: CUDA's own, and the profile's emulations of them
 # (memopt.profile.attention_kernels registers its ops under these names so the same policy applies when tracing)
@@ -90,6 +91,15 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], tuple[An
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def change_model(change: ModelChange) -> Undo:
+    """Checkpointing's change: the planned blocks of every stack recompute their forward in backward."""
+    setting = change.strategy.checkpointing
+    if setting.mode != "none" and not change.stacks:
+        raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList of identical "
+                         "layers), and this model has none; use checkpointing mode 'none'")
+    return apply_checkpointing(change.stacks, setting)
 
 
 def apply_checkpointing(stacks: Sequence[BlockStack], setting: Checkpointing) -> Callable[[], None]:

@@ -6,7 +6,8 @@ the head and the loss run chunk by chunk over the tokens: each chunk's logits, s
 contributions to the hidden-state and weight gradients are computed in the forward pass and the
 logits are dropped, so at most one chunk of logits exists at a time. The gradient is exact (the
 same math as ``F.cross_entropy`` over the whole sequence, summed in a different order), including the scale or
-softcap a head declares (``memopt.techniques.lm_head``).
+softcap a head declares (``memopt.techniques.lm_head``). Whether it is exact for a model is the profile's
+question (``memopt.profile.head_probe.head_refusal``), since it traces the model's head.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memopt.techniques.lm_head import HeadTransform, head_refusal, head_transform, static_head_refusal
+from memopt.techniques.lm_head import HeadTransform, head_transform, static_head_refusal
 
-__all__ = ["causal_lm_chunked_loss", "chunked_ce_refusal", "fused_linear_cross_entropy", "supports_chunked_ce"]
+__all__ = ["causal_lm_chunked_loss", "fused_linear_cross_entropy"]
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -70,18 +71,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     return _FusedLinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunks,
                                 ignore_index, transform or HeadTransform())
-
-
-def chunked_ce_refusal(model: nn.Module, *, probe: bool = True) -> str | None:
-    """Why chunked cross-entropy would not be exact for ``model`` (None: it is): see
-    :func:`memopt.techniques.lm_head.head_refusal`. ``probe`` also runs the forward of a one-block fake copy to
-    check the head's structure (no memory, no values)."""
-    return head_refusal(model, probe=probe)
-
-
-def supports_chunked_ce(model: nn.Module) -> bool:
-    """Chunked cross-entropy gives exactly ``model``'s own loss and gradients (see :func:`chunked_ce_refusal`)."""
-    return chunked_ce_refusal(model) is None
 
 
 def causal_lm_chunked_loss(model: nn.Module, batch: dict[str, Any], *, chunks: int,

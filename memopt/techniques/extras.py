@@ -1,15 +1,18 @@
 """The techniques that ride in ``Strategy.extras`` (adapters, quantized base weights, sharding), as registry
 entries: each owns one extras key, names and renders it in the dry run, writes its part of the strategy's label
-and names the policy allowance its setting needs. The planner still chooses them as a ladder of extras values
-(``memopt.techniques.quantization.planner_extras``, ``memopt.plan.sharded``), not through ``options``."""
+and names the policy allowance its setting needs; adapters and quantization change the model (``apply``). The
+planner still chooses them as a ladder of extras values (``memopt.techniques.quantization.planner_extras``,
+``memopt.plan.sharded``), not through ``options``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from memopt.strategy import Strategy
+from memopt.techniques import adapters, quantization_apply
 from memopt.techniques.adapters import AdapterSetting
+from memopt.techniques.model_change import ModelChange, Undo
 from memopt.techniques.quantization import QUANT_FIDELITY, QuantSetting
 from memopt.techniques.sharding import ShardingSetting
 
@@ -19,8 +22,10 @@ __all__ = ["EXTRAS"]
 class _SettingExtra:
     """An extras technique whose value is a setting's serialized form (``AdapterSetting``, ``QuantSetting``)."""
 
-    def __init__(self, name: str, title: str, setting: Any, needs: str) -> None:
+    def __init__(self, name: str, title: str, setting: Any, needs: str,
+                 apply: Callable[[ModelChange], Undo]) -> None:
         self.name, self.title, self.setting, self.needs = name, title, setting, needs
+        self.apply = apply  # the technique module's change_model
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         try:
@@ -53,7 +58,8 @@ class _Sharding:
 
 
 EXTRAS: tuple[_SettingExtra | _Sharding, ...] = (
-    _SettingExtra("adapters", "adapters (method change)", AdapterSetting, "adapters"),
-    _SettingExtra("quantization", "frozen base weights (method change)", QuantSetting, QUANT_FIDELITY),
+    _SettingExtra("adapters", "adapters (method change)", AdapterSetting, "adapters", adapters.change_model),
+    _SettingExtra("quantization", "frozen base weights (method change)", QuantSetting, QUANT_FIDELITY,
+                  quantization_apply.change_model),
     _Sharding(),
 )

@@ -33,7 +33,7 @@ def liger_installed() -> bool:
 
 def liger_refusal(model: nn.Module, head_refused: str | None) -> str | None:
     """Why Liger's fused loss would not be exact for ``model`` (None: it is); ``head_refused`` is the fused-head
-    refusal (:func:`memopt.techniques.lm_head.head_refusal`) already found for it."""
+    refusal (:func:`memopt.profile.head_probe.head_refusal`) already found for it."""
     if head_refused is not None:
         return head_refused
     transform = head_transform(model)

@@ -20,11 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.techniques.model_change import ModelChange, Undo
+
 __all__ = [
     "FIDELITY",
     "MasterWeights",
     "autocast_dtype",
     "cast_model",
+    "change_model",
     "forward_context",
     "uses_grad_scaler",
 ]
@@ -82,6 +85,16 @@ def _convert(model: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype | 
             if id(b) not in converted:
                 converted[id(b)] = b.to(dtype_of(b))
             module._buffers[name] = converted[id(b)]
+
+
+def change_model(change: ModelChange) -> Undo:
+    """The precision's change to the model: weights stored in its dtype; for bf16_master the trainable fp32 weights
+    are kept first (``change.originals``), to become the optimizer's master copies without a rounding step. With
+    adapters the trained parameters are new adapter weights, whose masters start from themselves."""
+    strategy = change.strategy
+    if strategy.precision == "bf16_master" and strategy.extra("adapters") is None:
+        change.originals = [p for p in change.model.parameters() if p.requires_grad]
+    return cast_model(change.model, strategy.precision)
 
 
 def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:

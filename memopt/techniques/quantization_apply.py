@@ -19,11 +19,13 @@ import torch
 from torch import nn
 
 from memopt.techniques.adapters import AdapterSetting, find_target_linears
+from memopt.techniques.model_change import ModelChange, Undo, no_change
 from memopt.techniques.quantization import QuantSetting
 
 __all__ = [
     "apply_qlora",
     "apply_quantization",
+    "change_model",
     "is_quantized",
     "quantization_targets",
 ]
@@ -46,7 +48,7 @@ def quantize_linear(linear: nn.Linear, setting: QuantSetting, *, weight: torch.T
     device = torch.device(device) if device is not None else w.device
     if device.type == "meta" or w.device.type == "meta":
         raise ValueError("cannot quantize weights on the meta device: load them first (load_quantized), or use "
-                         "fake=True to trace")
+                         "trace with the profile's stand-ins")
     with torch.no_grad():
         if setting.bits == 4:
             module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
@@ -113,10 +115,22 @@ def is_quantized(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any], *, fake: bool = False,
+def change_model(change: ModelChange) -> Undo:
+    """Quantization's change: the block linears of a model not quantized yet become frozen quantized layers, made
+    straight on the training device one layer at a time (the full-precision weights never sit there together)."""
+    setting = change.strategy.extra("quantization")
+    if setting is None or is_quantized(change.model):
+        return no_change
+    device = change.move_to if not change.fake else None
+    return apply_quantization(change.model, setting, stand_in=change.quantized_stand_in, device=device)
+
+
+def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any], *,
+                       stand_in: Callable[[nn.Linear, QuantSetting], nn.Module] | None = None,
                        targets: Sequence[str] | None = None,
                        device: torch.device | str | None = None) -> Callable[[], None]:
-    """Replace the target linears by frozen quantized layers (bitsandbytes; stand-ins when ``fake``).
+    """Replace the target linears by frozen quantized layers (bitsandbytes; or ``stand_in(linear, setting)``, the
+    fake-tensor stand-ins a trace passes: ``memopt.profile.stand_ins.TRACE_STAND_INS``).
 
     ``device``: where the quantized weights go (default: where each weight is). Quantizing a model still on
     the host straight onto the GPU, layer by layer, keeps its full-precision weights off the GPU.
@@ -129,21 +143,9 @@ def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any],
     if not names:
         raise ValueError("found no nn.Linear layers inside repeated blocks to quantize (GPT-2 style Conv1D "
                          "projections are not quantized by bitsandbytes)")
-    if fake:
-        from memopt.profile import quant_stand_ins
-
-        if setting.bits == 4:
-            cls = quant_stand_ins.FakeLinear4bit
-
-            def make(linear: nn.Linear) -> nn.Module:
-                return cls.from_linear(linear, compute_dtype=setting.torch_compute_dtype,
-                                       double_quant=setting.double_quant, quant_type=setting.quant_type,
-                                       blocksize=setting.blocksize)
-        else:
-            cls8 = quant_stand_ins.FakeLinear8bitLt
-
-            def make(linear: nn.Linear) -> nn.Module:
-                return cls8.from_linear(linear)
+    if stand_in is not None:
+        def make(linear: nn.Linear) -> nn.Module:
+            return stand_in(linear, setting)
     else:
         def make(linear: nn.Linear) -> nn.Module:
             return quantize_linear(linear, setting, device=device)
@@ -158,7 +160,7 @@ def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any],
             bias_dtype = original.bias.dtype if original.bias is not None else None
             moved_from = None
             w = original.weight
-            if not fake and w.device.type not in ("cpu", "meta"):
+            if stand_in is None and w.device.type not in ("cpu", "meta"):
                 moved_from = w.device
                 w.data = w.data.to("cpu")
             set_module(model, name, new)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import tied_parameter_groups
 from memopt.techniques.quantization import QuantSetting
 from memopt.techniques.quantization_apply import flag_name, quantization_targets, quantize_linear, set_module
 from memopt.techniques.quantized_bytes import quantized_weight_bytes
@@ -53,8 +54,6 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
     layer's weight. Other parameters and buffers are copied in ``dtype`` (default: the checkpoint's).
     Tied parameters stay tied. Raises ``ValueError`` naming anything the checkpoint lacks."""
     from safetensors import safe_open
-
-    from memopt.profile.fake_model import tied_parameter_groups
 
     setting = QuantSetting.parse(setting)
     device = torch.device(device)

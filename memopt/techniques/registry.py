@@ -3,10 +3,12 @@
 Each technique owns one field of ``Strategy`` and tells the planner (a) which values it may take in a
 given search context, and (b) a cheap lower bound on what a value adds to the step time, so whole
 families of candidates can be ruled out before they are traced. Estimating a value exactly is the
-profile's job (the value selects which trace the composition uses, or which optimizer is traced);
-applying it is the technique module's ``apply_*`` function, called by ``memopt.step.prepare`` in a
-fixed order. Each entry also names and renders its value for the dry run, writes its part of a strategy's label,
-and names the policy allowance (fidelity class) a value needs; the extras (adapters, quantization, sharding:
+profile's job (the value selects which trace the composition uses, or which optimizer is traced).
+A technique that changes the model is a ``ModelTechnique``: its ``apply(change)`` (the technique module's
+``change_model``) returns the undo, and ``memopt.step.prepare`` calls them in one documented order
+(``APPLY_ORDER`` there); the others change how the step runs, and the train step reads them from the strategy.
+Each entry also names and renders its value for the dry run, writes its part of a strategy's label, and names the
+policy allowance (fidelity class) a value needs; the extras (adapters, quantization, sharding:
 ``memopt.techniques.extras``) answer those as well, though the planner still searches them as a ladder of
 ``Strategy.extras`` values.
 """
@@ -18,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing, Strategy, register_labeller
+from memopt.techniques import attention, checkpointing, precision
 from memopt.techniques.extras import EXTRAS
+from memopt.techniques.model_change import ModelChange, Undo
 
-__all__ = ["BY_NAME", "LABEL_ORDER", "TECHNIQUES", "BaseTimes", "SearchContext", "SearchedTechnique", "Technique",
-           "strategy_label"]
+__all__ = ["BY_NAME", "LABEL_ORDER", "TECHNIQUES", "BaseTimes", "ModelTechnique", "SearchContext", "SearchedTechnique",
+           "Technique", "model_technique", "strategy_label"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class SearchContext:
     max_micro_batch: int | None = None
     peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
     liger_ce: bool = False  # Liger's fused linear cross-entropy is installed, runs on the GPU and is exact here
+    micro_batch_refusal: str | None = None  # why micro-batches would not be exact (the global batch only)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,14 @@ class Technique(Protocol):
 
     def fidelity(self, value: Any) -> str:
         """The policy allowance (``memopt.plan.policy.ALLOWANCES``) a value needs; "exact" when it changes nothing."""
+        ...
+
+
+class ModelTechnique(Technique, Protocol):
+    """A technique that changes the model itself (weights, kernels, modules), not only how the step runs."""
+
+    def apply(self, change: ModelChange) -> Undo:
+        """Apply the strategy's value to ``change.model`` in place; returns the undo (weights keep their values)."""
         ...
 
 
@@ -112,6 +125,7 @@ class _Precision(_Independent):
     title = "precision"
     off = "fp32"
     render = staticmethod(_on_off)
+    apply = staticmethod(precision.change_model)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         values = ["fp32", "fp16_autocast"]
@@ -133,6 +147,7 @@ class _Checkpointing(_Independent):
     name = "checkpointing"
     title = "activation checkpointing"
     off = Checkpointing()
+    apply = staticmethod(checkpointing.change_model)
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         mode, blocks = value.get("mode", "none"), value.get("num_blocks")
@@ -189,6 +204,7 @@ class _Attention(_Independent):
     title = "attention kernel"
     off = "auto"
     render = staticmethod(_on_off)
+    apply = staticmethod(attention.change_model)
 
     def options(self, ctx: SearchContext) -> list[Any]:
         values = list(ctx.attention_backends)
@@ -295,6 +311,8 @@ class _MicroBatch(_Independent):
         return f"{value} x {accum} accumulation steps" if accum > 1 else f"{value} (no accumulation)"
 
     def options(self, ctx: SearchContext) -> list[Any]:
+        if ctx.micro_batch_refusal:  # the whole batch at once; a pinned micro-batch is still the user's to choose
+            return [ctx.global_batch]
         sizes = [b for b in range(1, ctx.global_batch + 1) if ctx.global_batch % b == 0]
         if ctx.max_micro_batch is not None:
             sizes = [b for b in sizes if b <= ctx.max_micro_batch]
@@ -337,6 +355,15 @@ BY_NAME: dict[str, Technique] = {t.name: t for t in (*TECHNIQUES, *EXTRAS)}
 LABEL_ORDER: tuple[str, ...] = ("precision", "checkpointing", "micro_batch_size", "optimizer", "activation_offload",
                                 "attention", "chunked_ce", "ce_kernel", "expandable_segments", "adapters",
                                 "quantization", "sharding")
+
+
+def model_technique(name: str) -> ModelTechnique:
+    """The registered technique ``name`` that changes the model; ValueError for one that does not."""
+    technique = BY_NAME.get(name)
+    if technique is None or not callable(getattr(technique, "apply", None)):
+        raise ValueError(f"{name!r} is not a technique that changes the model; those are: "
+                         f"{', '.join(n for n, t in BY_NAME.items() if callable(getattr(t, 'apply', None)))}")
+    return technique  # type: ignore[return-value]
 
 
 def strategy_label(strategy: Strategy) -> str:

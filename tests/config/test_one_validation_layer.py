@@ -8,11 +8,11 @@ import json
 import pytest
 
 import memopt
-from memopt.config.checks import check_pins_honoured, model_fingerprint
 from memopt.errors import InputError
 from memopt.models import build_model
 from memopt.plan import Plan
 from memopt.plan.__main__ import EXIT_BAD_INPUT, EXIT_OK, main
+from memopt.plan.checks import check_pins_honoured, model_fingerprint
 from memopt.plan.planner import make_plan
 from memopt.strategy import Strategy
 

@@ -3,6 +3,7 @@ pattern at three budgets, kept in ``plans.json`` so that a refactor can prove it
 
     python -m tests.golden.record record [--jobs 2]     # writes plans.json from this tree
     python -m tests.golden.record check [--jobs 2]      # plans every case again, lists the ones that differ
+    ... [--only pattern:batchnorm,zoo:image_classification]   # only the cases whose id contains one of these
 
 A record is the SHA-256 of the plan's JSON (strategy, peaks by category, step time and its rate, runners-up,
 rejections, notes, the infeasibility report), less the search's wall-clock timings, with a summary beside it that
@@ -194,20 +195,24 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else 2
-    selected = cases()
+    only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else None
+    every = cases()
+    selected = [c for c in every if only is None or any(part in c.id for part in only)]
     start = time.perf_counter()
     now = run_all(selected, jobs)
     if argv[0] == "record":
         import torch
         import transformers
 
+        # an intended change re-records the cases it touches; the others keep their record
+        kept = json.loads(RECORD.read_text())["cases"] if only is not None else {}
         doc = {"torch": torch.__version__, "transformers": transformers.__version__,
-               "cases": {c.id: now[c.id] for c in selected}}
+               "cases": {c.id: now[c.id] if c.id in now else kept[c.id] for c in every}}
         RECORD.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"recorded {len(now)} plans in {time.perf_counter() - start:.0f} s: {RECORD}")
         return 0
     recorded = json.loads(RECORD.read_text())["cases"]
-    missing = sorted(set(recorded) ^ {c.id for c in selected})
+    missing = sorted(set(recorded) ^ {c.id for c in every})
     diffs = differences(recorded, now)
     for line in diffs + [f"{m}: in only one of the record and the case list" for m in missing]:
         print(line)

@@ -15,6 +15,7 @@ from memopt.models import with_overrides
 from memopt.profile.cuda_semantics import cuda_semantics, kernel_policy_for
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
+from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.step.prepare import prepare
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import allocator_size as a
@@ -125,7 +126,7 @@ def _recorded_full_depth(model: nn.Module, strategy: Strategy, batch_fn) -> dict
     clone = fake_copy(model, fake_mode, "cpu")
     clone.train()
     with fake_mode, real_code_paths():
-        prepared = prepare(clone, strategy, device_type="cpu", fake=True, host_device="meta")
+        prepared = prepare(clone, strategy, device_type="cpu", stand_ins=TRACE_STAND_INS, host_device="meta")
         batch = batch_fn()
         rec = StepAttribution(prepared.step.model, prepared.optimizer, device_type="cpu",
                               master=prepared.step.master, batch=batch)

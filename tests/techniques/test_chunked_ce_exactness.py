@@ -8,7 +8,8 @@ import torch
 import transformers as T
 
 import memopt
-from memopt.techniques.chunked_ce import causal_lm_chunked_loss, chunked_ce_refusal
+from memopt.profile.head_probe import head_refusal
+from memopt.techniques.chunked_ce import causal_lm_chunked_loss
 from memopt.techniques.liger_ce import liger_refusal
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -66,7 +67,7 @@ def _loud(model):
 @pytest.mark.parametrize("kernel", ["memopt", "liger"])
 def test_gemma2_softcapped_head_gives_the_models_own_loss_and_gradients(kernel):
     model = _loud(_gemma2(final_logit_softcapping=30.0))
-    assert chunked_ce_refusal(model) is None and liger_refusal(model, None) is None
+    assert head_refusal(model) is None and liger_refusal(model, None) is None
     own, ref, fused, grads = _own_and_fused(model, kernel)
     # the head-only cross-entropy (what a fused loss without the cap computes) is far from the model's loss
     batch = _batch()
@@ -86,7 +87,7 @@ def test_gemma2_softcapped_head_gives_the_models_own_loss_and_gradients(kernel):
 def test_scaled_heads_are_exact_with_memopts_loss_and_refused_by_liger(build):
     torch.manual_seed(0)
     model = _loud(build())
-    assert chunked_ce_refusal(model) is None
+    assert head_refusal(model) is None
     assert "scales its logits" in liger_refusal(model, None)
     own, ref, fused, grads = _own_and_fused(model, "memopt")
     torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-6)
@@ -97,7 +98,7 @@ def test_scaled_heads_are_exact_with_memopts_loss_and_refused_by_liger(build):
 
 
 def test_a_scaled_hidden_state_is_refused():
-    reason = chunked_ce_refusal(T.MiniCPM3ForCausalLM(T.MiniCPM3Config(**SMALL)))
+    reason = head_refusal(T.MiniCPM3ForCausalLM(T.MiniCPM3Config(**SMALL)))
     assert reason is not None and "last hidden state" in reason
 
 
@@ -106,7 +107,7 @@ def test_a_scaled_hidden_state_is_refused():
                                                                           final_logit_softcapping=30.0))],
                          ids=["scale_no_config_names", "a_second_softcap"])
 def test_the_probe_refuses_a_transform_the_config_does_not_declare(build):
-    reason = chunked_ce_refusal(build())
+    reason = head_refusal(build())
     assert reason is not None and "changes the logits" in reason
 
 
@@ -120,7 +121,7 @@ def test_the_probe_refuses_a_transform_the_config_does_not_declare(build):
 def test_supported_heads_give_the_models_own_loss_and_gradients(build, kernel):
     torch.manual_seed(0)
     model = build()
-    assert chunked_ce_refusal(model) is None
+    assert head_refusal(model) is None
     own, ref, fused, grads = _own_and_fused(model, kernel)
     torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref):
@@ -147,4 +148,4 @@ def test_the_probe_checks_a_grouped_gemm_mixture_of_experts_head_in_any_process(
     model = build_model("tiny_moe", device="meta")
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
     assert getattr(experts.config, "_experts_implementation", None) in (None, "grouped_mm")
-    assert chunked_ce_refusal(model) is None
+    assert head_refusal(model) is None

@@ -12,9 +12,9 @@ from memopt.models import SampleSpec, make_batch
 from memopt.models.hf_task import hf_task
 from memopt.profile.api import spec_from_module
 from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.head_probe import head_refusal
 from memopt.profile.simulate import simulate_step
 from memopt.strategy import Checkpointing, Strategy
-from memopt.techniques.chunked_ce import chunked_ce_refusal
 from tests.zoo.hf_families import FAMILIES, NOT_IN_ZOO, TASKS, families_by_task
 from tests.zoo.torch_patterns import PATTERNS
 
@@ -118,7 +118,7 @@ def test_family_is_recognised_and_planned(fam):
     plan = memopt.plan(model, fam.sample(BATCH), budget="10GB", hardware="h200")
     assert plan.fits and plan.total_bytes > 0
     if fam.task == "causal_lm":  # the plan's notes say whether the fused loss is refused, and why
-        reason = chunked_ce_refusal(model)
+        reason = head_refusal(model)
         noted = [n for n in plan.notes if "chunked cross-entropy refused" in n]
         assert noted == ([] if reason is None else [f"chunked cross-entropy refused (it would not be exact): {reason}"])
 

@@ -1,0 +1,65 @@
+"""prepare() applies the techniques that change the model through the registry, in APPLY_ORDER, and undoes them:
+every such technique has its place in the order, each one's change is on the model after prepare, and the undo
+gives back the model as it was (its weights keep their trained values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memopt.step.prepare import APPLY_ORDER, prepare
+from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.registry import BY_NAME, model_technique
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).mean()
+
+
+def test_every_technique_that_changes_the_model_has_its_place_in_the_order():
+    changing = {name for name, t in BY_NAME.items() if callable(getattr(t, "apply", None))}
+    assert changing == set(APPLY_ORDER) - {"placement"}
+    assert len(APPLY_ORDER) == len(set(APPLY_ORDER))
+    # precision casts before anything takes the weights; adapters come after the linears are quantized and placed
+    assert APPLY_ORDER.index("precision") == 0
+    assert APPLY_ORDER.index("quantization") < APPLY_ORDER.index("placement") < APPLY_ORDER.index("adapters")
+
+
+def test_a_technique_that_only_changes_the_step_is_not_applied_to_the_model():
+    with pytest.raises(ValueError, match="'optimizer' is not a technique that changes the model"):
+        model_technique("optimizer")
+
+
+def test_prepare_applies_each_change_and_the_undo_gives_the_model_back():
+    torch.manual_seed(0)
+    model = _Blocks()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    strategy = Strategy(precision="bf16_master", checkpointing=Checkpointing(mode="full", num_blocks=2),
+                        optimizer="sgd")
+    prepared = prepare(model, strategy, device_type="cpu", optimizer_kwargs={"lr": 0.0})
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert ["forward" in b.__dict__ for b in model.blocks] == [False, True, False, True]  # two of four, spread
+    # the masters are the weights as given, not their bf16 rounding
+    masters = prepared.step.master.masters
+    assert all(torch.equal(m, before[n]) for m, (n, _) in zip(masters, model.named_parameters(), strict=True))
+    prepared.undo()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not any("forward" in b.__dict__ for b in model.blocks)
+
+
+def test_checkpointing_a_model_without_repeated_blocks_is_refused_and_nothing_stays_applied():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="needs repeated blocks"):
+        prepare(model, Strategy(precision="bf16_pure", checkpointing=Checkpointing(mode="full")), device_type="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the precision cast before it was undone

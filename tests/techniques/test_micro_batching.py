@@ -1,0 +1,87 @@
+"""Micro-batching a model with BatchNorm is not exact (its statistics come from the micro-batch): the planner refuses
+it, with the reason in the plan, honours a pinned micro-batch (and ``memopt.wrap`` warns), and a Trainer script that
+already accumulates keeps its own micro-batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.step.prepare import prepare
+from memopt.strategy import Strategy
+from memopt.techniques.micro_batching import micro_batch_refusal
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _batch(n: int = 8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _loss(out, batch):
+    return nn.functional.cross_entropy(out, batch[1])
+
+
+def test_micro_batches_change_a_batchnorm_models_training():
+    """Why the refusal: the same step over 8 samples and over 4 + 4 gives other gradients."""
+    losses = {}
+    for mb in (8, 4):
+        torch.manual_seed(0)
+        model = ConvBN()
+        prepared = prepare(model, Strategy(micro_batch_size=mb, grad_accum_steps=8 // mb, optimizer="sgd"),
+                           device_type="cpu", loss_fn=_loss, optimizer_kwargs={"lr": 0.1})
+        prepared.step.step(_batch())
+        losses[mb] = [p.detach().clone() for p in model.parameters()]
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(losses[8], losses[4], strict=True))
+    assert micro_batch_refusal(ConvBN())
+    assert micro_batch_refusal(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))) is None
+
+
+def test_the_planner_refuses_micro_batches_for_batchnorm_and_says_why():
+    plan = memopt.plan(ConvBN(), _batch(), budget="8GB", hardware="h200", loss_fn=_loss, pins={"precision": "fp32"},
+                       use_cache=False)
+    assert plan.strategy.micro_batch_size == 8
+    assert any("micro-batching refused" in n and "BatchNorm" in n for n in plan.notes)
+    assert all(r["label"].split(" mb=")[1].startswith("8x1") for r in plan.runners_up)
+
+
+def test_a_pinned_micro_batch_is_the_users_call_and_wrap_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = memopt.wrap(ConvBN(), budget="8GB", hardware="h200", sample=_batch(), loss_fn=_loss,
+                              pins={"micro_batch_size": 2}, use_cache=False)
+    assert wrapped.plan.strategy.micro_batch_size == 2
+    assert any("BatchNorm" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_trainer_that_accumulates_keeps_its_own_micro_batch(tmp_path, accumulation):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3))
+    g = torch.Generator().manual_seed(1)
+    data = [{"pixel_values": torch.randn(3, 32, 32, generator=g), "labels": torch.randint(0, 3, (), generator=g)}
+            for _ in range(16)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8 // accumulation,
+        gradient_accumulation_steps=accumulation, max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True)
+    trainer = memopt.wrap(transformers.Trainer(model=model, args=args, train_dataset=data), budget="8GB",
+                          hardware="h200", pins={"precision": "fp32"})
+    plan = trainer.memopt_plan
+    assert plan.global_batch == 8 and plan.strategy.micro_batch_size == 8 // accumulation
