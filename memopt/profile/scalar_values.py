@@ -78,8 +78,6 @@ class ScalarShadows:
         found = self._shadow.get(t)
         if found is not None:
             return found
-        if type(t).__name__ != "FakeTensor" and t.device.type == "cpu" and t.numel() <= MAX_INDEX_ELEMENTS:
-            return t  # a real tensor in the trace (a packed sequence's batch_sizes) is its own values
         constant = getattr(t, "constant", None)  # FakeTensorMode keeps small torch.tensor(...) constants
         return constant if isinstance(constant, torch.Tensor) else None
 
