@@ -41,6 +41,7 @@ from memopt.profile.attention_kernels import emulated_sdpa
 from memopt.profile.attention_select import AttentionPolicy
 from memopt.profile.autocast_policy import cuda_autocast_policy
 from memopt.profile.hf_compat import grouped_mm_in_any_float
+from memopt.profile.scalar_values import real_values
 from memopt.profile.tracker import MemoryTracker
 from memopt.units import MiB, allocator_size
 
@@ -136,6 +137,24 @@ class _KernelTemporaries:
                                    "safe_softmax.mask")
 
 
+def _pad_packed_kernel(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: float,
+                      total_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad_packed_sequence`` as ATen's composite runs it (a padded output, each step's rows copied in), with its
+    ``lengths`` made as a real CPU tensor: ATen writes them through a data pointer a fake tensor does not have.
+    ``batch_sizes`` holds real values in a trace (``memopt.profile.data_dependent``)."""
+    with real_values():
+        sizes = [int(b) for b in batch_sizes.tolist()]
+        lengths = torch.tensor([sum(1 for b in sizes if b > i) for i in range(sizes[0] if sizes else 0)],
+                               dtype=torch.long)
+    steps = max(len(sizes), total_length)
+    output = data.new_full((steps, sizes[0] if sizes else 0, *data.shape[1:]), padding_value)
+    offset = 0
+    for t, b in enumerate(sizes):
+        output[t, :b] = data[offset:offset + b]
+        offset += b
+    return (output.transpose(0, 1) if batch_first else output), lengths
+
+
 def _dropout_kernel(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     # CUDA: at::dropout takes the fused kernel for 0 < p < 1 (mask saved as bool)
     if train and 0.0 < p < 1.0 and x.numel() > 0:
@@ -189,6 +208,7 @@ def cuda_semantics(policy: KernelPolicy, tracker: MemoryTracker | None = None,
             stack.enter_context(cuda_autocast_policy())
             lib.impl("dropout", _dropout_kernel, "AutogradCPU")
             lib.impl("scaled_dot_product_attention", sdpa_kernel, "AutogradCPU")
+            lib.impl("_pad_packed_sequence", _pad_packed_kernel, "AutogradCPU")
         stack.callback(lib._destroy)
         stack.enter_context(cuda_kernel_facts(policy, tracker))
         yield

@@ -23,7 +23,7 @@ from memopt.profile.scalar_values import real_values
 aten = torch.ops.aten
 
 BOUNDED_OPS = frozenset({aten.nonzero.default, aten.masked_select.default, aten.index.Tensor,
-                         aten.argwhere.default})
+                         aten.argwhere.default, aten._pack_padded_sequence.default})
 
 Shadow = Callable[[Any], "torch.Tensor | None"]
 
@@ -52,8 +52,9 @@ def _positions(mask: torch.Tensor, shadow: Shadow) -> tuple[list[torch.Tensor], 
 def sized_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shadow: Shadow,
                  max_shadow_elements: int) -> tuple[Any, bool, torch.Tensor | None]:
     """``(output, exact, shadow)`` for a value-dependent op: the output at its real size where the selecting
-    tensor's values are known (``exact``), else at its largest; ``shadow`` is the largest ``nonzero``'s known
-    indices. ``output`` is ``NotImplemented`` for an op this module does not know."""
+    tensor's values are known (``exact``), else at its largest; ``shadow`` is ``(tensor, values)`` for an output
+    whose values are known (the largest ``nonzero``'s indices, a packed sequence's ``batch_sizes``), else None.
+    ``output`` is ``NotImplemented`` for an op this module does not know."""
     if func in (aten.nonzero.default, aten.argwhere.default):
         x = args[0]
         count = _selected(x, shadow)
@@ -63,7 +64,10 @@ def sized_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shado
         if x.numel() * x.dim() <= max_shadow_elements:
             with real_values():
                 known = torch.ones(tuple(x.shape), dtype=torch.bool).nonzero()
-        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device), False, known
+        out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        return out, False, (out, known) if known is not None else None
+    if func is aten._pack_padded_sequence.default:
+        return _packed(args, kwargs, shadow)
     if func is aten.masked_select.default:
         x, mask = args[0], args[1]
         shape = torch.broadcast_shapes(x.shape, mask.shape)
@@ -89,3 +93,25 @@ def sized_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shado
                 expanded.append(i)
         return func(x, expanded, **kwargs), exact, None
     return NotImplemented, False, None
+
+
+def _packed(args: tuple[Any, ...], kwargs: dict[str, Any], shadow: Shadow) -> tuple[Any, bool, Any]:
+    """``pack_padded_sequence``: the packed rows (one per real time step of each sequence) and ``batch_sizes`` (the
+    sequences still running at each step, a real CPU tensor, as the recurrent kernels read its values), from the
+    lengths' shadow, else every sequence at full length."""
+    x, lengths = args[0], args[1]
+    batch_first = bool(args[2]) if len(args) > 2 else bool(kwargs.get("batch_first", False))
+    steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    real = shadow(lengths)
+    with real_values():
+        lens = [int(v) for v in real.tolist()] if real is not None else []
+    if len(lens) != batch or not all(0 < n <= steps for n in lens):
+        # no values, or a batch made from the sample's structure alone (its integers are zeros, lengths the real
+        # op refuses): every sequence at full length
+        real, lens = None, [steps] * batch
+    with real_values():
+        sizes = torch.tensor([sum(1 for n in lens if n > t) for t in range(max(lens, default=0))], dtype=torch.long)
+    data = torch.empty((sum(lens), *x.shape[2:]), dtype=x.dtype, device=x.device)
+    # a real tensor: the recurrent kernels read batch_sizes through its data pointer, which a fake tensor has not;
+    # it is its own shadow, for the Python reads of it (nn.LSTM's max_batch_size)
+    return (data, sizes), real is not None, (sizes, sizes)

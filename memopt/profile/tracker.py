@@ -260,7 +260,7 @@ class MemoryTracker(TorchDispatchMode):
                 if not exact:
                     self.run.bounded_ops.add(func.__name__)
                 if known is not None:
-                    self.shadows.adopt(out, known)
+                    self.shadows.adopt(*known)
         if out is NotImplemented:
             out = func(*args, **(kwargs or {}))
         self.shadows.observe(func, args, kwargs or {}, out)
