@@ -50,7 +50,7 @@ def _positions(mask: torch.Tensor, shadow: Shadow) -> tuple[list[torch.Tensor], 
 
 
 def sized_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shadow: Shadow,
-                 max_shadow_elements: int) -> tuple[Any, bool, torch.Tensor | None]:
+                 max_shadow_elements: int) -> tuple[Any, bool, tuple[torch.Tensor, torch.Tensor] | None]:
     """``(output, exact, shadow)`` for a value-dependent op: the output at its real size where the selecting
     tensor's values are known (``exact``), else at its largest; ``shadow`` is ``(tensor, values)`` for an output
     whose values are known (the largest ``nonzero``'s indices, a packed sequence's ``batch_sizes``), else None.
