@@ -36,7 +36,7 @@ from memopt.models.hf_task import is_causal_lm
 from memopt.step.train_step import LossFn, TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
-from memopt.techniques.model_change import ModelChange, Undo
+from memopt.techniques.model_change import ModelChange, Undo, no_change
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, uses_grad_scaler
 from memopt.techniques.registry import model_technique
@@ -97,7 +97,7 @@ def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
 
 def _place(change: ModelChange) -> Undo:
     """Placement: the model (its quantized layers already there) moves to the training device."""
-    return _move(change.model, change.move_to) if change.move_to is not None else (lambda: None)
+    return _move(change.model, change.move_to) if change.move_to is not None else no_change
 
 
 def _move(model: nn.Module, device: torch.device) -> Callable[[], None]:
