@@ -205,6 +205,8 @@ ROWS += [
            budget="6GiB"),
     ZooRow("step-tied-resmlp-24blk-8x1024-10GB", "custom", "tied_resmlp", dict(vocab=50000, width=1536, blocks=24),
            8, 1024, budget="10GB", extra={"training_step": True}),
+    ZooRow("lstm-tagger-64x256-6GiB", "custom", "lstm_tagger", dict(vocab=24000, width=1024, layers=3), 64, 256,
+           budget="6GiB"),
 ]
 
 
@@ -243,6 +245,18 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
             h, _ = self.rnn(self.embed(input_ids))
             return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
 
+    class LSTMTagger(nn.Module):  # bidirectional, a projection, a dropout between layers: cuDNN's other paths
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["width"])
+            self.rnn = nn.LSTM(c["width"], c["width"], num_layers=c["layers"], batch_first=True, bidirectional=True,
+                               proj_size=c["width"] // 2, dropout=0.1)
+            self.head = nn.Linear(c["width"], c["vocab"])
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h, _ = self.rnn(self.embed(input_ids))
+            return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
+
     class MHAEncoder(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -256,7 +270,7 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
             h = self.encoder(self.embed(input_ids))
             return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
 
-    return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "mha_encoder": MHAEncoder}[name]()
+    return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder}[name]()
 
 
 def build(row: ZooRow) -> Any:

@@ -5,6 +5,7 @@ its op count. Its time is::
 
     sum_dtype flops / (peak[dtype] * matmul_efficiency) + attention_flops / (peak * attention_efficiency)
       + memory_bytes / (hbm_bandwidth * memory_efficiency) + num_ops * launch_s
+      + library_kernels * recurrent_step_s
 
 The efficiencies and the host constants are fitted to step times measured on an H200 (see
 ``benchmarks/plan_quality/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
@@ -82,6 +83,9 @@ class TimingModel:
     # free segments and pages, then their memory mapped again as it is reused). Not fitted: an assumption of a few
     # milliseconds, so that among plans of equal compute the planner prefers one that does not lean on the cap.
     alloc_retry_s: float = 5e-3
+    # GPU seconds of one time step of one layer and direction in cuDNN's recurrent kernel beyond its FLOPs: the steps
+    # run one after another, each a small GEMM and its gate kernels (``memopt.profile.recurrent_kernels``).
+    recurrent_step_s: float = 8.4e-6
 
 
 DEFAULT_TIMING = TimingModel()
@@ -106,13 +110,15 @@ def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo:
         "memory": lerp(c1.memory_bytes, c2.memory_bytes) / hw.hbm_bandwidth,
         "launches": float(max(c1.num_ops, c2.num_ops)),
         "bnb4_calls": float(max(c1.bnb4_calls, c2.bnb4_calls)),
+        "library_kernels": float(max(c1.library_kernels, c2.library_kernels)),
     }
 
 
 def terms_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
     """GPU seconds of summed segment terms (the host floor is :func:`host_time`)."""
     return (terms["matmul"] / tm.matmul_efficiency + terms["attention"] / tm.attention_efficiency
-            + terms["memory"] / tm.memory_efficiency + terms["launches"] * tm.launch_s)
+            + terms["memory"] / tm.memory_efficiency + terms["launches"] * tm.launch_s
+            + terms.get("library_kernels", 0.0) * tm.recurrent_step_s)
 
 
 def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:

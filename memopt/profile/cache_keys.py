@@ -31,7 +31,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 8: the batch's integer and boolean tensors carry their real values (memopt.profile.scalar_values)
 # 9: selections by batch values are sized from their shadows; router choices on unknown values are balanced
 #    and readable (memopt.profile.data_dependent, memopt.profile.scalar_values)
-TRACE_REVISION = 9
+# 10: recurrent layers are one fused kernel (cuDNN's reserve space, its time steps as serial GPU kernels),
+#     not one op per time step (memopt.profile.recurrent_kernels)
+TRACE_REVISION = 10
 
 
 def cache_dir() -> Path:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from memopt.profile.recurrent_kernels import recurrent_cost
+
 __all__ = ["ATTENTION_OPS", "BNB4_CALL_OPS", "CostRecorder", "PhaseCost"]
 
 ATTENTION_OPS = {
@@ -56,11 +58,14 @@ class PhaseCost:
     memory_bytes: float = 0.0
     num_ops: int = 0
     bnb4_calls: int = 0  # passes through a bitsandbytes 4-bit linear (BNB4_CALL_OPS)
+    # kernels a library launches inside one host call, one after another (cuDNN's recurrent time steps): GPU time
+    # per launch, no host time
+    library_kernels: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"matmul_flops": dict(self.matmul_flops), "attention_flops": self.attention_flops,
                 "attention_dtype": self.attention_dtype, "memory_bytes": self.memory_bytes, "num_ops": self.num_ops,
-                "bnb4_calls": self.bnb4_calls}
+                "bnb4_calls": self.bnb4_calls, "library_kernels": self.library_kernels}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseCost:
@@ -71,6 +76,7 @@ class PhaseCost:
         c.memory_bytes = d.get("memory_bytes", 0.0)
         c.num_ops = d.get("num_ops", 0)
         c.bnb4_calls = d.get("bnb4_calls", 0)
+        c.library_kernels = d.get("library_kernels", 0)
         return c
 
 
@@ -126,6 +132,12 @@ class CostRecorder:
         if name == "_grouped_mm":
             flops = _grouped_mm_flops(args, out)
             cost.matmul_flops[_dtype_key(args[0].dtype)] += flops
+            return
+        rnn = recurrent_cost(func, args)
+        if rnn is not None:  # one host call; cuDNN runs its time steps one after another on the GPU
+            dtype, flops, serial = rnn
+            cost.matmul_flops[_dtype_key(dtype)] += flops
+            cost.library_kernels += serial
             return
         if name == "acc_matmul_":  # memopt.techniques.liger_ce's in-place ``acc += a @ b``
             a, b = args[1], args[2]

@@ -12,7 +12,9 @@ while a trace runs, that maps the CPU ops that differ to what their CUDA kernels
 4. cuBLAS: the workspace each thread's handle takes from the caching allocator on its first GEMM
    (the autograd engine runs backward on its own thread, hence its own workspace);
 5. kernels whose CUDA implementation allocates temporaries the CPU one does not (softmax's backward
-   computes ``grad * output`` into a full-size buffer first; ``_safe_softmax`` builds a mask).
+   computes ``grad * output`` into a full-size buffer first; ``_safe_softmax`` builds a mask);
+6. recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): cuDNN's one fused kernel with its reserve space, where
+   the CPU unrolls every time step (``recurrent_kernels``).
 
 Everything is undone on exit: no global state stays changed in the user's process, and
 ``torch.cuda.is_available()`` is never touched. A machine with a GPU traces the same way, so the plan
@@ -41,6 +43,8 @@ from memopt.profile.attention_kernels import emulated_sdpa
 from memopt.profile.attention_select import AttentionPolicy
 from memopt.profile.autocast_policy import cuda_autocast_policy
 from memopt.profile.hf_compat import grouped_mm_in_any_float
+from memopt.profile.recurrent_kernels import recurrent_kernels
+from memopt.profile.recurrent_kernels import scratch_bytes as recurrent_scratch
 from memopt.profile.scalar_values import real_values
 from memopt.profile.tracker import MemoryTracker
 from memopt.units import MiB, allocator_size
@@ -135,6 +139,8 @@ class _KernelTemporaries:
             rows = numel // x.shape[dim] if x.dim() > 0 else 1
             self.tracker.transient(allocator_size(numel) + allocator_size(rows) + allocator_size(1),
                                    "safe_softmax.mask")
+        else:
+            self.tracker.transient(recurrent_scratch(func, args), "cudnn_rnn.workspace")
 
 
 def _pad_packed_kernel(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: float,
@@ -209,6 +215,7 @@ def cuda_semantics(policy: KernelPolicy, tracker: MemoryTracker | None = None,
             lib.impl("dropout", _dropout_kernel, "AutogradCPU")
             lib.impl("scaled_dot_product_attention", sdpa_kernel, "AutogradCPU")
             lib.impl("_pad_packed_sequence", _pad_packed_kernel, "AutogradCPU")
+            stack.enter_context(recurrent_kernels(lib))
         stack.callback(lib._destroy)
         stack.enter_context(cuda_kernel_facts(policy, tracker))
         yield

@@ -244,7 +244,7 @@ def _linear_cost(a: PhaseCost, b: PhaseCost, c: PhaseCost, extra: int) -> PhaseC
     if not da["attention_dtype"] == db["attention_dtype"] == dc["attention_dtype"]:
         return None
     out: dict[str, Any] = {"attention_dtype": da["attention_dtype"]}
-    for name in ("attention_flops", "memory_bytes", "num_ops", "bnb4_calls"):
+    for name in ("attention_flops", "memory_bytes", "num_ops", "bnb4_calls", "library_kernels"):
         if dc[name] != da[name] + 2 * (db[name] - da[name]):
             return None
         out[name] = da[name] + extra * (db[name] - da[name])

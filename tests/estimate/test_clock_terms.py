@@ -164,3 +164,34 @@ def test_the_shorter_of_host_and_gpu_shows_by_the_overlap_loss():
     assert step_time(_terms(0.1, 0.2, ops=100_000), lossy)[0] == pytest.approx(1.06)
     # GPU 3 s against 0.01 s of host: 3 + 0.2 x 0.01
     assert step_time(_terms(1.0, 2.0, ops=1000), lossy)[0] == pytest.approx(3.002)
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(D, D, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0].square().mean()
+
+
+def test_a_recurrent_layer_is_one_host_call_whose_time_steps_run_one_after_another():
+    """cuDNN's fused kernel: the host issues one call per layer stack whatever the length, and the GPU runs each time
+    step of each layer in turn (forward 1 kernel, backward 2, plus one weight-gradient pass per layer)."""
+    slow_steps = replace(DEFAULT_TIMING, recurrent_step_s=1e-3)
+    est = {}
+    for steps in (8, 32):
+        prof = memopt.profile(Recurrent(), torch.randn(16, steps, D), hardware="h200", use_cache=False)
+        est[steps] = (memopt.estimate(prof, FP32, exact_reserved=False),
+                      memopt.estimate(prof, FP32, exact_reserved=False, timing=slow_steps))
+    terms = {s: e[0].detail["time_terms"] for s, e in est.items()}
+    assert _launches(est[32][0]) == _launches(est[8][0])  # the host's ops do not grow with the sequence
+    assert terms[8]["forward"]["library_kernels"] == 2 * 8
+    assert terms[8]["backward"]["library_kernels"] == 2 * (2 * 8 + 1)
+    # 24 more steps, 2 layers, 3 kernels a step, at 1 ms each: the only change in the GPU's time beyond FLOPs
+    def gpu(e):
+        return e.detail["forward_s"] + e.detail["backward_s"]
+
+    more = gpu(est[32][1]) - gpu(est[8][1])
+    base = gpu(est[32][0]) - gpu(est[8][0])
+    assert more - base == pytest.approx(2 * 24 * 3 * (1e-3 - DEFAULT_TIMING.recurrent_step_s), rel=1e-6)
