@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt import progress
 from memopt.plan.schema import Plan
 from memopt.step.batch import to_device
 from memopt.step.prepare import Prepared, prepare
@@ -181,8 +182,11 @@ def autotune(model: nn.Module, plans: Iterable[Plan], batch: Any, prepare_kwargs
                 passes = timer(model, prepared, batch)
                 opt_s = float(plan.prediction.get("optimizer_s", 0.0) or 0.0)
                 trials.append(Trial(plan, passes, passes + opt_s))
+                progress.report(f"autotune: {label}: {passes + opt_s:.3f} s/step measured, "
+                                f"{plan.step_time_s:.3f} predicted")
             except torch.cuda.OutOfMemoryError as exc:
                 trials.append(Trial(plan, None, None, error=f"out of memory: {str(exc).splitlines()[0]}"))
+                progress.report(f"autotune: {label}: out of memory")
             finally:
                 if prepared is not None:
                     _drop_grads(model, prepared)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt import progress
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
@@ -102,6 +103,8 @@ class Wrapped:
             merged_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
             warn_allocator_mode_fixed(in_force)
         hw = resolve_hardware(self._hardware)
+        progress.start(f"profiling {type(self._user_model).__name__} for {hw.name} (fake-tensor traces of the "
+                       "training step)")
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
         self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
@@ -114,7 +117,10 @@ class Wrapped:
             taken = room_taken_on_device(self._user_model, int(plan.prediction.get("runtime_bytes", 0)), self.device)
             plan = self._plan_for_room_left(plan, merged_pins, taken) if taken else plan
         if not plan.fits:
+            progress.done("no strategy fits the budget")
             raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+        progress.report(f"planned: {plan.strategy.label()} (predicted {format_bytes(plan.total_bytes)} of "
+                        f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step)")
         if plan.strategy.extra("sharding") is not None and user_opt is not None:
             raise ValueError(f"nothing fits on this GPU alone but a plan that offloads the model states "
                              f"({plan.strategy.label()}), whose engine runs its own AdamW: pass optimizer='adamw' "
@@ -218,6 +224,7 @@ class Wrapped:
             self.guard = None
         self._prepared.undo()
         self._prepared = None
+        progress.report(f"autotune: timing {len(candidates)} candidate plans on the first batch")
         best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
         best.notes.append(describe(trials, best))
         self.autotune_trials = [t.to_dict() for t in trials]
@@ -293,6 +300,7 @@ class Wrapped:
                     self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
             else:
                 loss = self._prepared.step.step(batch)
+        progress.done(f"first step trained: {self.plan.strategy.label()}")  # a no-op once the work is over
         self.steps_done += 1
         self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss

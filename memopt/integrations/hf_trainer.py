@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from memopt import progress
 from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
 from memopt.techniques.micro_batching import micro_batch_refusal
+from memopt.units import format_bytes
 
 __all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
 
@@ -248,11 +250,15 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     from memopt.guard.transaction import StepTransaction
 
     StepTransaction.check_mode(transaction)
+    if plan is None:
+        progress.start(f"profiling {type(trainer.model).__name__} for the Trainer (fake-tensor traces of the "
+                       "training step)")
     with preserved_random_state():  # planning draws random numbers; the script's draws stay as without memopt
         plan, profile = _plan_for_trainer(trainer, budget=budget, sample=sample, plan=plan, hardware=hardware,
                                           policy=policy, fidelity=fidelity, pins=pins, forbid=forbid,
                                           use_cache=use_cache, recover=recover)
     if not plan.fits:
+        progress.done("no Trainer configuration fits the budget")
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
     from memopt.step.hard_cap import set_expandable_segments
@@ -281,6 +287,8 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     _close_when_train_raises(trainer, attribution)
     trainer.memopt_plan = plan
     trainer.memopt_callback = callback
+    progress.done(f"planned: {plan.strategy.label()} (predicted {format_bytes(plan.total_bytes)} of "
+                  f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step); the Trainer is set up with it")
     trainer.memopt_recovery = None
     if recover:
         from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator

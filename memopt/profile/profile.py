@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt import progress
 from memopt.hardware import HardwareSpec
 from memopt.profile.attention_select import UnsupportedAttention
 from memopt.profile.cache_keys import SCHEMA_VERSION
@@ -181,7 +182,9 @@ class Profile:
                     "selected), which over-estimates batches that select fewer")
             if note not in self.notes:
                 self.notes.append(note)
-        self.trace_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.trace_s += took
+        progress.report(f"traced {key.label()} in {took:.1f} s")
         self._save()
         return traces[0]
 
