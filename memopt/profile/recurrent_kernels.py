@@ -18,7 +18,8 @@ one sequence), layer and direction as a number of hidden-size vectors in the ker
   hidden side by the reset gate, so the two sides are kept apart) and the step's output. Checked against the two
   GRU rows measured on an H200 (``benchmarks/any_model``: ``gru-lm-32x512-8GiB`` fp32 at micro-batch 16, 6.17 GiB
   allocated, and ``tuple-gru-lm-16x1024-6GiB`` fp32 at micro-batch 8, 4.25 GiB): the estimate of the same strategies
-  is +0.8% and +1.6% (6 vectors: -1.5% and -1.4%; the step-by-step trace this replaces: +1.5% and +1.6%).
+  is +0.8% and +1.5% (6 vectors: about -1.5% each; the step-by-step trace this replaces: +1.5% and +1.5%)
+  (``scripts/recurrent_rows_estimate.py``, ``benchmarks/recurrent/``).
 * LSTM, 8, and plain RNN, 3: the same count (input side, hidden side where it is kept apart, cell state and output)
   with one vector of margin; **not measured** on a GPU. ``scripts/rnn_kernel_probe_gpu.py`` measures the reserve
   of each configuration directly (from ``_cudnn_rnn``'s outputs) and ``scripts/rnn_kernel_fit.py`` compares this
