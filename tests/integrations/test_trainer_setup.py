@@ -175,7 +175,8 @@ def test_a_seq2seq_trainer_is_planned_for_its_longest_labels(tmp_path):
 def test_planning_for_a_trainer_shows_its_progress(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMOPT_PROGRESS", "1")
     trainer = _trainer(tmp_path, _llama(), _data(), steps=1)
-    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
+    # no cache: a profile another test left there would be read, not traced (no "traced" lines)
+    wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS, use_cache=False)
     lines = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines() if line.startswith("memopt [")]
     assert lines[0].startswith("profiling LlamaForCausalLM for the Trainer")
     assert any(x.startswith("traced ") for x in lines)
