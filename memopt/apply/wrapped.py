@@ -300,7 +300,8 @@ class Wrapped:
                     self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
             else:
                 loss = self._prepared.step.step(batch)
-        progress.done(f"first step trained: {self.plan.strategy.label()}")  # a no-op once the work is over
+        if self.steps_done == 0:
+            progress.done(f"first step trained: {self.plan.strategy.label()}")
         self.steps_done += 1
         self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss

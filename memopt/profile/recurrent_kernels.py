@@ -87,9 +87,9 @@ def workspace_bytes(s: RecurrentShape, backward: bool) -> int:
 def recurrent_cost(func: Any, args: tuple) -> tuple[torch.dtype, float, int] | None:
     """(dtype, matmul FLOPs, serial kernels) of a call of the fused kernel, ``None`` for any other op: the
     backward computes the gradients of the input and of the weights, twice the forward's products."""
-    if func is torch.ops.memopt.cudnn_rnn.default:
+    if func is _FORWARD:
         s, backward = shape_of(args[4])[0], False
-    elif func is torch.ops.memopt.cudnn_rnn_backward.default:
+    elif func is _BACKWARD:
         s, backward = shape_of(args[6])[0], True
     else:
         return None
@@ -119,6 +119,8 @@ _lib.define("cudnn_rnn(Tensor input, Tensor hx, Tensor? cx, Tensor[] weights, in
             "-> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("cudnn_rnn_backward(Tensor input, Tensor hx, Tensor? cx, Tensor[] weights, Tensor output, "
             "Tensor reserve, int[] shape) -> (Tensor, Tensor, Tensor, Tensor[])")
+_FORWARD = torch.ops.memopt.cudnn_rnn.default
+_BACKWARD = torch.ops.memopt.cudnn_rnn_backward.default
 
 
 def _shape_list(s: RecurrentShape, batch_first: bool, packed: bool) -> list[int]:
@@ -166,11 +168,11 @@ def scratch_bytes(func: Any, args: tuple) -> int:
     """What a call of the fused kernel holds inside itself beside its outputs (0 for any other op): the time-major
     copies of a batch-first input (and, backward, of the output and its gradient), and cuDNN's workspace. A tracker
     op hook adds it once the call's outputs are counted."""
-    if func is torch.ops.memopt.cudnn_rnn.default:
+    if func is _FORWARD:
         s, batch_first, packed = shape_of(args[4])
         copy = args[0].numel() * args[0].element_size() if batch_first and not packed else 0
         return allocator_size(copy) + allocator_size(workspace_bytes(s, backward=False))
-    if func is torch.ops.memopt.cudnn_rnn_backward.default:
+    if func is _BACKWARD:
         s, batch_first, packed = shape_of(args[6])
         out = args[4]
         copies = 2 * out.numel() * out.element_size() if batch_first and not packed else 0
@@ -202,8 +204,7 @@ def _backward(ctx: Any, g_out: Any, g_hy: Any, g_cy: Any, g_reserve: Any) -> tup
     cx = saved[2] if ctx.has_cx else None
     rest = saved[3 if ctx.has_cx else 2:]
     out, reserve, weights = rest[0], rest[1], rest[2:]
-    d_input, d_hx, d_cx, d_weights = torch.ops.memopt.cudnn_rnn_backward(input, hx, cx, weights, out, reserve,
-                                                                         ctx.shape)
+    d_input, d_hx, d_cx, d_weights = _BACKWARD(input, hx, cx, weights, out, reserve, ctx.shape)
     return d_input, d_hx, (d_cx if ctx.has_cx else None), list(d_weights), None
 
 
@@ -227,41 +228,29 @@ def _fused(mode: str, input: torch.Tensor, batch_sizes: torch.Tensor | None, hx:
         input, hx = input.to(dtype), hx.to(dtype)
         cx = cx.to(dtype) if cx is not None else None
         params = [p.to(dtype) for p in params]  # re-flattened into one low-precision buffer, kept for the backward
-    if batch_sizes is not None:
-        with torch.no_grad():
-            sizes = [int(b) for b in batch_sizes.tolist()]
-        steps, rows, batch = len(sizes), input.shape[0], (sizes[0] if sizes else 0)
+    if batch_sizes is not None:  # shapes alone: a step per batch size, the states sized for the largest batch
+        steps, rows, batch = batch_sizes.shape[0], input.shape[0], hx.shape[1]
     else:
         steps = input.shape[1] if batch_first else input.shape[0]
         batch = input.shape[0] if batch_first else input.shape[1]
         rows = steps * batch
     s = RecurrentShape(mode, input.shape[-1], hidden, proj, num_layers, directions, steps, rows, batch,
                        torch.empty((), dtype=dtype).element_size())
-    out, hy, cy, _ = torch.ops.memopt.cudnn_rnn(input, hx, cx, params, _shape_list(s, batch_first,
-                                                                                    batch_sizes is not None))
+    out, hy, cy, _ = _FORWARD(input, hx, cx, params, _shape_list(s, batch_first, batch_sizes is not None))
     return out, hy, (cy if cx is not None else None)
 
 
-def _input_kernel(mode: str, aten_op: Any, two_states: bool) -> Any:
-    def kernel(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-        if not _is_fake(input) or not train:
-            return aten_op.decompose(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                                     batch_first)
-        h, c = (hx[0], hx[1]) if two_states else (hx, None)
-        out, hy, cy = _fused(mode, input, None, h, c, list(params), has_biases, num_layers, bidirectional,
-                             batch_first)
-        return (out, hy, cy) if two_states else (out, hy)
-    return kernel
-
-
-def _data_kernel(mode: str, aten_op: Any, two_states: bool) -> Any:
-    def kernel(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+def _aten_kernel(mode: str, aten_op: Any, two_states: bool, packed: bool) -> Any:
+    """The ``aten::<mode>.input`` kernel (``packed`` False: input, hx, params, ..., batch_first) or ``.data`` kernel
+    (``packed``: data, batch_sizes, hx, params, ...; time-major)."""
+    def kernel(*args: Any) -> Any:
+        data, batch_sizes = args[0], (args[1] if packed else None)
+        hx, params, has_biases, num_layers, _dropout, train, bidirectional = args[1 + packed:8 + packed]
         if not _is_fake(data) or not train:
-            return aten_op.decompose(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train,
-                                     bidirectional)
+            return aten_op.decompose(*args)
         h, c = (hx[0], hx[1]) if two_states else (hx, None)
         out, hy, cy = _fused(mode, data, batch_sizes, h, c, list(params), has_biases, num_layers, bidirectional,
-                             False)
+                             False if packed else args[8])
         return (out, hy, cy) if two_states else (out, hy)
     return kernel
 
@@ -273,6 +262,6 @@ def recurrent_kernels(lib: Library) -> Iterator[None]:
     for name in _GATES:
         packet = getattr(torch.ops.aten, name)
         two = name == "lstm"
-        lib.impl(f"{name}.input", _input_kernel(name, packet.input, two), "AutogradCPU")
-        lib.impl(f"{name}.data", _data_kernel(name, packet.data, two), "AutogradCPU")
+        lib.impl(f"{name}.input", _aten_kernel(name, packet.input, two, packed=False), "AutogradCPU")
+        lib.impl(f"{name}.data", _aten_kernel(name, packet.data, two, packed=True), "AutogradCPU")
     yield
