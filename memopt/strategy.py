@@ -11,14 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ATTENTION_BACKENDS", "CE_KERNELS", "EIGHT_BIT_OPTIMIZERS", "OPTIMIZERS", "PRECISIONS", "Checkpointing",
-           "Strategy", "register_labeller"]
+__all__ = ["ATTENTION_BACKENDS", "CE_KERNELS", "PRECISIONS", "Checkpointing", "Strategy", "register_labeller"]
 
 Precision = Literal["fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16_autocast", "fp16_autocast", "bf16_master", "bf16_pure")
-# bitsandbytes' block-wise 8-bit AdamW, plain and paged: the optimizers of the 8bit_optimizer fidelity class
-EIGHT_BIT_OPTIMIZERS: tuple[str, ...] = ("adamw8bit", "paged_adamw8bit")
-OPTIMIZERS: tuple[str, ...] = ("adamw_fused", "adamw_foreach", "adamw", *EIGHT_BIT_OPTIMIZERS, "sgd", "user")
 CE_KERNELS: tuple[str, ...] = ("memopt", "liger")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "efficient", "cudnn", "math", "flash_attn")
 CheckpointMode = Literal["none", "full", "selective"]
@@ -68,7 +64,7 @@ class Strategy:
     # the fused head's kernel: memopt's chunked loss ("memopt") or Liger-kernel's ("liger", CUDA only, its own
     # chunks: chunked_ce > 0 only switches it on)
     ce_kernel: str = "memopt"
-    optimizer: str = "adamw_fused"
+    optimizer: str = "adamw_fused"  # a name of memopt.techniques.optimizers (their registry), or "user"
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
     expandable_segments: bool = True
@@ -80,10 +76,6 @@ class Strategy:
 
     def extra(self, name: str, default: Any = None) -> Any:
         return dict(self.extras).get(name, default)
-
-    @property
-    def eight_bit_optimizer(self) -> bool:
-        return self.optimizer in EIGHT_BIT_OPTIMIZERS
 
     @property
     def global_batch(self) -> int:

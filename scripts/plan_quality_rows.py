@@ -28,7 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memopt.strategy import OPTIMIZERS, PRECISIONS  # noqa: E402
+from memopt.strategy import PRECISIONS  # noqa: E402
+from memopt.techniques.optimizers import OPTIMIZER_NAMES as OPTIMIZERS  # noqa: E402
 
 # rows of these files ran beside others on the same GPU
 CONCURRENT = {"benchmarks/wrap/raw/wrap.jsonl": "3 rows at a time",

@@ -8,24 +8,22 @@ from typing import Any
 
 from torch import nn
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS
 from memopt.techniques.micro_batching import micro_batch_refusal
+from memopt.techniques.optimizers import USER, VARIANTS
 
 __all__ = ["batchnorm_warning", "check_model", "is_trainer", "optimizer_choice"]
-
-_ADAM_FAMILY = ("adamw_fused", "adamw_foreach", "adamw", *EIGHT_BIT_OPTIMIZERS)
 
 
 def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
     """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
     if callable(optimizer) and not isinstance(optimizer, str):
-        return {"optimizer": "user"}, optimizer
+        return {"optimizer": USER}, optimizer
     if optimizer in (None, "adamw", "adam"):
         return {}, None
-    if optimizer in _ADAM_FAMILY or optimizer == "sgd":
+    if optimizer in VARIANTS:
         return {"optimizer": optimizer}, None
     raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
-                     f"{', '.join((*_ADAM_FAMILY, 'sgd'))}, or a callable taking the parameters")
+                     f"{', '.join(VARIANTS)}, or a callable taking the parameters")
 
 
 def is_trainer(obj: Any) -> bool:

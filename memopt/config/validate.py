@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.config.schema import OUTPUTS, PlanConfig
+from memopt.techniques.optimizers import VARIANTS
 
 __all__ = ["OPTIMIZER_CHOICES", "ConfigError", "PlanRequest", "closest", "resolve", "to_plain", "validate"]
 
 #: ``training.optimizer`` values: ``auto`` (the planner chooses) or a memopt optimizer to pin
-OPTIMIZER_CHOICES: tuple[str, ...] = ("auto", "adamw_fused", "adamw_foreach", "adamw", "sgd", "adamw8bit",
-                                      "paged_adamw8bit")
+OPTIMIZER_CHOICES: tuple[str, ...] = ("auto", *VARIANTS)
 _SHAPE_KEYS = ("batch_size", "seq_len", "image_size", "decoder_seq_len", "variable_length")
 _SPEC_FIELDS = ("name", "family", "architecture", "hf_config", "sample")
 _HW_REQUIRED = ("memory_bytes", "compute_capability", "peak_flops", "hbm_bandwidth", "host_link_bandwidth")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS
+from memopt.techniques.optimizers import VARIANTS
 
 __all__ = [
     "StateBytes",
@@ -81,9 +81,8 @@ class StateBytes:
         return self.master + self.optim
 
 
-_OPTIM_STATE_FACTOR = {  # bytes of optimizer state per parameter, per byte of the state dtype
-    "adamw_fused": 2, "adamw_foreach": 2, "adamw": 2, "adam": 2, "sgd": 1, "user": 2,
-}
+# the engines' own Adam, and the user's optimizer, are taken as AdamW: two states per parameter
+_ADAM_STATES = 2
 
 
 def state_bytes(engine: str, precision: str = "bf16_autocast", optimizer: str = "adamw_fused") -> StateBytes:
@@ -96,10 +95,11 @@ def state_bytes(engine: str, precision: str = "bf16_autocast", optimizer: str = 
     (DeepSpeed has no such mode: it is mapped to its bf16 mode). 8-bit optimizers are not sharded by
     either engine here and raise.
     """
-    if optimizer in EIGHT_BIT_OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} (bitsandbytes) is not supported with sharding; use adamw_fused "
+    known = VARIANTS.get(optimizer)
+    if known is not None and known.sharded_states is None:
+        raise ValueError(f"optimizer {optimizer!r} ({known.summary}) is not supported with sharding; use adamw_fused "
                          "(FSDP2 shards torch optimizers) or DeepSpeed's own Adam")
-    factor = _OPTIM_STATE_FACTOR.get(optimizer, 2)
+    factor = known.sharded_states if known is not None else _ADAM_STATES
     half = 2
     if engine in ("fsdp2", "ddp"):
         if precision == "fp32":

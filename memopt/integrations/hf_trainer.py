@@ -28,12 +28,13 @@ from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
 from memopt.techniques.micro_batching import micro_batch_refusal
+from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes
 
 __all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
 
-TRAINER_OPTIM = {"adamw_fused": "adamw_torch_fused", "adamw_foreach": "adamw_torch", "adamw": "adamw_torch",
-                 "adamw8bit": "adamw_bnb_8bit", "paged_adamw8bit": "paged_adamw_8bit", "sgd": "sgd"}
+#: memopt's optimizer name -> ``TrainingArguments.optim``, for the variants a Trainer can build
+TRAINER_OPTIM = {v.name: v.trainer_optim for v in VARIANTS.values() if v.trainer_optim is not None}
 
 
 def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1,
@@ -44,6 +45,9 @@ def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_s
     ``memopt_checkpointing``: memopt checkpoints the blocks itself (``TrainerCheckpointing``, any setting), so the
     Trainer's own ``gradient_checkpointing`` stays off; otherwise the plan must checkpoint every block or none."""
     s = plan.strategy
+    if s.optimizer not in TRAINER_OPTIM:
+        raise ValueError(f"the Trainer has no optimizer for memopt's {s.optimizer!r}; plan with one of "
+                         f"{', '.join(TRAINER_OPTIM)} (pin optimizer=...)")
     if s.activation_offload or s.chunked_ce or s.attention != "auto":
         raise ValueError(f"the plan uses techniques a Trainer cannot express ({s.label()}); plan with "
                          "memopt.wrap(trainer, ...) so the search is restricted to what the Trainer supports")

@@ -25,6 +25,7 @@ from memopt.hardware import HardwareSpec, hardware_names
 from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
 from memopt.plan.calibrate import CALIBRATION_MODES
 from memopt.plan.context import resolve_hardware
+from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
 
 __all__ = [
@@ -49,8 +50,7 @@ __all__ = [
 ]
 
 #: optimizer names a user may give (``adamw``/``adam``: memopt picks the AdamW variant; ``auto`` likewise)
-OPTIMIZER_NAMES: tuple[str, ...] = ("auto", "adamw", "adam", "adamw_fused", "adamw_foreach", "sgd", "adamw8bit",
-                                    "paged_adamw8bit")
+OPTIMIZER_NAMES: tuple[str, ...] = ("auto", "adamw", "adam", *VARIANTS)
 
 
 def closest(name: Any, choices: Iterable[str]) -> str:

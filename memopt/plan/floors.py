@@ -24,17 +24,13 @@ from typing import Any
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile, is_float_dtype
 from memopt.strategy import Strategy
+from memopt.techniques.optimizers import VARIANTS
 from memopt.units import allocator_size
 
 __all__ = ["FLOOR_REASON", "StateFloor", "state_floor"]
 
 FLOOR_REASON = "model states alone exceed the budget"
 
-# optimizer state bytes per trained parameter, per byte of the stepped parameter's dtype, at the least
-_STATES_PER_ITEM = {"adamw_fused": 2, "adamw_foreach": 2, "adamw": 2}
-# 8-bit states: two one-byte states a parameter (parameters below bitsandbytes' 8-bit size keep fp32 ones: more);
-# the paged variant's live in unified memory, outside the allocator, and count in the runtime bytes
-_EIGHT_BIT = {"adamw8bit": 2, "paged_adamw8bit": 2}
 
 
 @dataclass(frozen=True)
@@ -76,20 +72,21 @@ def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | N
     if bits:
         weights = min(weights, sum(n for n, _, _ in profile.param_sizes) * bits // 8)
     weights += profile.buffer_bytes(wd)
-    grads = states = 0
+    grads = states = paged = 0
     if not frozen_base:
         # the optimizer steps fp32 tensors (the weights, or bf16_master's fp32 copies) except under bf16_pure
         item = 2 if s.precision == "bf16_pure" else 4
         trained = [n for n, dtype, trains in profile.param_sizes if trains and is_float_dtype(dtype)]
         grads = sum(allocator_size(n * item) for n in trained)
-        per_item = _STATES_PER_ITEM.get(s.optimizer, 0)
-        eight_bit = sum(allocator_size(n * _EIGHT_BIT.get(s.optimizer, 0)) for n in trained)
-        states = per_item * grads + (eight_bit if s.optimizer != "paged_adamw8bit" else 0)
+        # the user's own optimizer: nothing assumed; a paged variant's states live in unified memory, outside the
+        # allocator, and count in the runtime bytes
+        known = VARIANTS.get(s.optimizer)
+        optimizer_floor = known.floor_bytes(trained, item) if known is not None else 0
+        paged = optimizer_floor if known is not None and known.paged else 0
+        states = optimizer_floor - paged
         if s.precision == "bf16_master":
             states += grads  # the fp32 master copies
-    runtime = hw.runtime_overhead_bytes + (OFFLOAD_RUNTIME_BYTES if s.activation_offload else 0)
-    if s.optimizer == "paged_adamw8bit" and not frozen_base:
-        runtime += eight_bit
+    runtime = hw.runtime_overhead_bytes + (OFFLOAD_RUNTIME_BYTES if s.activation_offload else 0) + paged
     floor = StateFloor(weights, grads, states, runtime)
     if cache is not None:
         cache[key] = floor

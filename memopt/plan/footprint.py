@@ -14,6 +14,7 @@ from memopt.plan.policy import Policy
 from memopt.plan.search import Evaluated, candidates, evaluate, extras_saving
 from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
+from memopt.techniques.optimizers import states_per_item
 from memopt.techniques.registry import SearchContext
 
 __all__ = ["Estimates", "level_fits", "min_footprint"]
@@ -138,12 +139,12 @@ def min_footprint(prof: Profile, hw: HardwareSpec, pol: Policy, ctx: SearchConte
                          floor_only=True)
 
     # memory-saving extremes only: the most saving extras level, full checkpointing (if any), smallest micro-batch,
-    # the most chunked loss, 8-bit optimizer states. Activation offload and paged states are tried both ways: their
-    # pinned buffers and paged memory count in the total, so on a model whose weights dominate they add more than
-    # they save
+    # the most chunked loss, the smallest optimizer states. Activation offload and paged states are tried both ways:
+    # their pinned buffers and paged memory count in the total, so on a model whose weights dominate they add more
+    # than they save
     def rank(s: Strategy) -> tuple:
         return (-extras_saving(s), s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None,
-                -s.chunked_ce, not s.eight_bit_optimizer, not s.expandable_segments)
+                -s.chunked_ce, states_per_item(s.optimizer), not s.expandable_segments)
 
     cands.sort(key=rank)
     head = [c for c in cands if rank(c) == rank(cands[0])][:16]

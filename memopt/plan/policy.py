@@ -34,7 +34,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, OPTIMIZERS, PRECISIONS
+from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS
+from memopt.techniques.optimizers import OPTIMIZER_NAMES
 from memopt.techniques.registry import BY_NAME
 from memopt.units import GiB, MiB, parse_bytes
 
@@ -66,7 +67,7 @@ PINNABLE = {
     "attention": ATTENTION_BACKENDS,
     "chunked_ce": None,  # an int >= 0
     "ce_kernel": CE_KERNELS,
-    "optimizer": OPTIMIZERS,
+    "optimizer": OPTIMIZER_NAMES,
     "micro_batch_size": None,  # an int >= 1
     "expandable_segments": (True, False),
     "adapter_rank": None,  # an int >= 0: LoRA rank, 0 = full fine-tuning (no adapters)

@@ -133,7 +133,8 @@ def _is_int(v: Any, low: int = 0) -> bool:
 def plan_problems(data: dict[str, Any]) -> list[str]:
     """Every field of a plan's JSON that memopt could not apply as written (a hand edit such as
     ``"precision": "fp8"``), one line each with what would be valid."""
-    from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, OPTIMIZERS, PRECISIONS
+    from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS
+    from memopt.techniques.optimizers import OPTIMIZER_NAMES
 
     problems: list[str] = []
     if not isinstance(data.get("fits"), bool):
@@ -156,7 +157,7 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     t = data.get("techniques")
     if not isinstance(t, dict):
         return [*problems, f"techniques must be a JSON object, got {type(t).__name__}"]
-    choices = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "attention": ATTENTION_BACKENDS,
+    choices = {"precision": PRECISIONS, "optimizer": OPTIMIZER_NAMES, "attention": ATTENTION_BACKENDS,
                "ce_kernel": CE_KERNELS}
     for key, valid in choices.items():
         if key in t and t[key] not in valid:

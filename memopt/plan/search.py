@@ -35,6 +35,7 @@ from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.optimizers import optimizer_fidelity
 from memopt.techniques.registry import TECHNIQUES, SearchContext
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
@@ -158,7 +159,7 @@ def complexity(s: Strategy) -> int:
     """How many techniques a strategy switches on (ties in predicted time go to the simpler plan)."""
     return (int(s.checkpointing.mode != "none") + int(s.activation_offload) + int(s.chunked_ce > 0)
             + int(s.attention != "auto") + int(s.grad_accum_steps > 1) + int(s.precision != "fp32")
-            + int(s.eight_bit_optimizer) + len(s.extras))
+            + int(optimizer_fidelity(s.optimizer) != "exact") + len(s.extras))
 
 
 def rank(e: Evaluated) -> float:

@@ -16,7 +16,8 @@ from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.simulate import trace_device
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
 from memopt.step.train_step import TrainStep
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Strategy
+from memopt.strategy import Strategy
+from memopt.techniques.optimizers import build_optimizer
 
 __all__ = ["OptimizerTrace", "trace_optimizer"]
 
@@ -63,7 +64,6 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
     """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s trainable ones
     (floating ones in the precision's weight dtype), or, with ``params``, of exactly these (shape, dtype) (the
     trainable parameters of a transformed model, already in their final dtypes; ``model`` is not used)."""
-    from memopt.profile.stand_ins import Fake8bitAdamW
     from memopt.techniques.precision import MasterWeights, weight_dtype
 
     device, emulate = trace_device(policy)
@@ -92,12 +92,8 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
         opt_params = master.masters if master is not None else list(holder.parameters())
         if optimizer == "user":
             opt = optimizer_spec(opt_params)
-        elif optimizer in EIGHT_BIT_OPTIMIZERS:
-            opt = Fake8bitAdamW(opt_params, paged=optimizer == "paged_adamw8bit", state_device=host)
         else:
-            from memopt.techniques.optimizers import build_optimizer
-
-            opt = build_optimizer(optimizer, opt_params, **(optimizer_kwargs or {}))
+            opt = build_optimizer(optimizer, opt_params, trace_on=host, **(optimizer_kwargs or {}))
         scaler = None
         if precision == "fp16_autocast":
             from memopt.profile.stand_ins import FakeGradScaler

@@ -58,7 +58,6 @@ class StandIns:
     passes them in, since the step sits below the traces; ``prepare`` with stand-ins builds a step to be traced."""
 
     grad_scaler: Callable[[str], Any]  # device type -> a scaler
-    adamw8bit: Callable[..., torch.optim.Optimizer]  # (params, paged=, state_device=, **optimizer kwargs)
     quantized_linear: Callable[[nn.Linear, Any], nn.Module]  # (linear, QuantSetting) -> a quantized stand-in
 
 
@@ -116,10 +115,9 @@ def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSp
         if not callable(spec):
             raise ValueError("strategy.optimizer='user' needs optimizer=<callable taking the parameters>")
         return spec(params)
-    if stand_ins is not None and strategy.eight_bit_optimizer:
-        return stand_ins.adamw8bit(params, paged=strategy.optimizer == "paged_adamw8bit", state_device=host_device,
-                                   **kwargs)
-    return build_optimizer(strategy.optimizer, params, **kwargs)
+    # in a fake-tensor trace, the variant's stand-in where the real optimizer needs real values
+    return build_optimizer(strategy.optimizer, params, trace_on=host_device if stand_ins is not None else None,
+                           **kwargs)
 
 
 def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: torch.device | str | None = None,

@@ -11,16 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS
 from memopt.techniques.adapters import AdapterSetting
+from memopt.techniques.optimizers import VARIANTS
 from memopt.units import allocator_size
 
-__all__ = ["BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "BNB_OPT_BLOCKSIZE", "AdapterBytes", "adapter_memory",
-           "adapter_param_count", "adapter_tensor_shapes", "optimizer_state_bytes"]
-
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 optimizer states for smaller tensors
-BNB_OPT_BLOCKSIZE = 256  # 8-bit optimizer states: one fp32 absmax per 256 values
-BNB_MIN_PAGED_SIZE = 100_000  # paged optimizers page only state buffers of tensors this large
+__all__ = ["AdapterBytes", "adapter_memory", "adapter_param_count", "adapter_tensor_shapes", "optimizer_state_bytes"]
 
 
 def adapter_tensor_shapes(shapes: Iterable[tuple[int, int]], setting: AdapterSetting) -> list[tuple[int, ...]]:
@@ -47,46 +42,11 @@ def adapter_param_count(shapes: Iterable[tuple[int, int]], setting: AdapterSetti
 
 def optimizer_state_bytes(numels: Iterable[int], optimizer: str, param_dtype: torch.dtype = torch.float32,
                           *, rounded: bool = True) -> tuple[int, int]:
-    """(device bytes, paged bytes) of the optimizer states of parameters of these sizes.
-
-    torch AdamW: two moments in the parameter dtype (the fused kernel also keeps a 0-dim fp32 step per
-    parameter on the device). SGD (momentum): one buffer. bitsandbytes 8-bit AdamW: tensors of fewer than
-    4096 values keep two fp32 states; larger ones two uint8 states plus an fp32 absmax per 256 values each,
-    and the two 256-entry fp32 quantization maps once. Paged 8-bit AdamW: state buffers of tensors with
-    >= 100,000 values live in paged (unified) memory, outside the allocator (returned as paged bytes); the
-    absmax values and smaller tensors' states stay on the device."""
-    r = allocator_size if rounded else (lambda n: n)
-    size = torch.empty((), dtype=param_dtype).element_size()
-    device = paged = 0
-    numels = list(numels)
-    if optimizer in ("adamw_fused", "adamw_foreach", "adamw"):
-        for n in numels:
-            device += 2 * r(n * size) + (r(4) if optimizer == "adamw_fused" else 0)
-    elif optimizer == "sgd":
-        device = sum(r(n * size) for n in numels)
-    elif optimizer in EIGHT_BIT_OPTIMIZERS:
-        is_paged = optimizer == "paged_adamw8bit"
-        any_8bit = False
-        for n in numels:
-            if n < BNB_MIN_8BIT_SIZE:
-                state = 2 * r(n * 4)
-                if is_paged and n >= BNB_MIN_PAGED_SIZE:
-                    paged += state
-                else:
-                    device += state
-                continue
-            any_8bit = True
-            blocks = -(-n // BNB_OPT_BLOCKSIZE)
-            device += 2 * r(blocks * 4)
-            if is_paged and n >= BNB_MIN_PAGED_SIZE:
-                paged += 2 * n
-            else:
-                device += 2 * r(n)
-        if any_8bit:
-            device += 2 * r(256 * 4)
-    else:
+    """(device bytes, paged bytes) of the optimizer states of parameters of these sizes: the variant's own byte
+    model (``memopt.techniques.optimizers``)."""
+    if optimizer not in VARIANTS:
         raise ValueError(f"no state model for optimizer {optimizer!r}")
-    return device, paged
+    return VARIANTS[optimizer].state_bytes(list(numels), param_dtype, rounded)
 
 
 @dataclass(frozen=True)

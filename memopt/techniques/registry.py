@@ -15,14 +15,16 @@ policy allowance (fidelity class) a value needs; the extras (adapters, quantizat
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from memopt.strategy import EIGHT_BIT_OPTIMIZERS, Checkpointing, Strategy, register_labeller
+from memopt.strategy import Checkpointing, Strategy, register_labeller
 from memopt.techniques import attention, checkpointing, precision
 from memopt.techniques.extras import EXTRAS
 from memopt.techniques.model_change import ModelChange, Undo
+from memopt.techniques.optimizers import USER, VARIANTS, optimizer_fidelity
 
 __all__ = ["BY_NAME", "LABEL_ORDER", "TECHNIQUES", "BaseTimes", "ModelTechnique", "SearchContext", "SearchedTechnique",
            "Technique", "model_technique", "strategy_label"]
@@ -45,6 +47,15 @@ class SearchContext:
     peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
     liger_ce: bool = False  # Liger's fused linear cross-entropy is installed, runs on the GPU and is exact here
     micro_batch_refusal: str | None = None  # why micro-batches would not be exact (the global batch only)
+
+    def has(self, package: str | None) -> bool:
+        """Whether a technique needing ``package`` can be planned: bitsandbytes as ``bnb_available`` says (a plan
+        made for another machine, or a test, sets it), any other package as installed here."""
+        if package is None:
+            return True
+        if package == "bitsandbytes":
+            return self.bnb_available
+        return importlib.util.find_spec(package) is not None
 
 
 @dataclass(frozen=True)
@@ -281,15 +292,11 @@ class _Optimizer(_Independent):
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
-        # what the planner chooses by itself: the optimizers whose memory and time are validated on a GPU
-        # (benchmarks/validation). adamw_foreach, adamw and sgd train and are estimated, but only when pinned
-        # (or passed by the user): the foreach variant's temporaries are not GPU-validated yet.
-        values = ["adamw_fused"]
-        if ctx.bnb_available:
-            values += list(EIGHT_BIT_OPTIMIZERS)
+        # what the planner chooses by itself: the variants it is offered, whose memory and time are validated on
+        # a GPU (benchmarks/validation); the others train and are estimated, but only when pinned (or named)
         if ctx.user_optimizer:
-            values = ["user"]
-        return values
+            return [USER]
+        return [v.name for v in VARIANTS.values() if v.offered and ctx.has(v.requires)]
 
     def time_lower_bound(self, value: str, base: BaseTimes) -> float:
         return 0.0
@@ -298,7 +305,7 @@ class _Optimizer(_Independent):
         return strategy.optimizer
 
     def fidelity(self, value: Any) -> str:
-        return "8bit_optimizer" if value in EIGHT_BIT_OPTIMIZERS else "exact"
+        return optimizer_fidelity(value)
 
 
 class _MicroBatch(_Independent):

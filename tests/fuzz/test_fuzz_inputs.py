@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from memopt.plan import Plan
 from memopt.plan.__main__ import main
 from memopt.plan.planner import make_plan
-from memopt.strategy import ATTENTION_BACKENDS, OPTIMIZERS, PRECISIONS
+from memopt.strategy import ATTENTION_BACKENDS, PRECISIONS
+from memopt.techniques.optimizers import OPTIMIZER_NAMES as OPTIMIZERS
 
 FUZZ = settings(max_examples=15, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

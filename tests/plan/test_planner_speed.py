@@ -18,6 +18,7 @@ from memopt.plan.floors import state_floor
 from memopt.plan.footprint import Estimates, min_footprint
 from memopt.plan.policy import ALLOWANCES
 from memopt.plan.search import candidates, evaluate, extras_saving
+from memopt.techniques.optimizers import states_per_item
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40960})
@@ -82,7 +83,7 @@ def _brute_min(prof, pol, ctx, budget):
 
     def rank(s):  # the most saving extras level, then the memory-saving extremes; offload tried both ways
         return (-extras_saving(s), s.checkpointing.mode != "full" or s.checkpointing.num_blocks is not None,
-                -s.chunked_ce, not s.eight_bit_optimizer, not s.expandable_segments)
+                -s.chunked_ce, states_per_item(s.optimizer), not s.expandable_segments)
 
     cands.sort(key=rank)
     best = None
