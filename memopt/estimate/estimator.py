@@ -280,7 +280,7 @@ def _approx_reserved(allocated: int) -> int:
 def _step_time(profile: Profile, traces: dict, layout: Any, b: int, m: int, opt: Any, hw: HardwareSpec,
                tm: TimingModel, strategy: Strategy, peak: Any) -> tuple[float, dict[str, Any]]:
     fwd: dict[str, float] = dict.fromkeys(("matmul", "attention", "memory", "launches", "bnb4_calls",
-                                                 "library_kernels"), 0.0)
+                                                 "library_kernels", "library_matmul"), 0.0)
     bwd = dict(fwd)
     fwd["sac_ops"] = 0.0
     fwd["ckpt_ops"] = 0.0

@@ -5,7 +5,7 @@ its op count. Its time is::
 
     sum_dtype flops / (peak[dtype] * matmul_efficiency) + attention_flops / (peak * attention_efficiency)
       + memory_bytes / (hbm_bandwidth * memory_efficiency) + num_ops * launch_s
-      + library_kernels * recurrent_step_s
+      + max(library_kernels * recurrent_step_s, library_flops / (peak * matmul_efficiency))
 
 The efficiencies and the host constants are fitted to step times measured on an H200 (see
 ``benchmarks/plan_quality/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
@@ -84,8 +84,11 @@ class TimingModel:
     # milliseconds, so that among plans of equal compute the planner prefers one that does not lean on the cap.
     alloc_retry_s: float = 5e-3
     # GPU seconds of one time step of one layer and direction in cuDNN's recurrent kernel beyond its FLOPs: the steps
-    # run one after another, each a small GEMM and its gate kernels (``memopt.profile.recurrent_kernels``).
-    recurrent_step_s: float = 8.4e-6
+    # run one after another, each a small GEMM and its gate kernels (``memopt.profile.recurrent_kernels``; a chain
+    # takes this per step or its FLOPs' time, the longer: ``library_time``). Fitted to 86 configurations probed on
+    # an H100 (``benchmarks/recurrent/``: median error 15%, the three largest layers +2 to +10%); cuDNN's persistent
+    # kernels run some bf16 LSTM and RNN configurations several times faster, which this does not see.
+    recurrent_step_s: float = 18e-6
 
 
 DEFAULT_TIMING = TimingModel()
@@ -100,9 +103,10 @@ def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo:
     def lerp(a: float, c: float) -> float:
         return a if hi == lo else a + (b - lo) * (c - a) / (hi - lo)
 
-    mm = 0.0
-    for dtype in set(c1.matmul_flops) | set(c2.matmul_flops):
-        mm += lerp(c1.matmul_flops.get(dtype, 0.0), c2.matmul_flops.get(dtype, 0.0)) / hw.flops(dtype)
+    def flops_s(f1: dict[str, float], f2: dict[str, float]) -> float:
+        return sum(lerp(f1.get(dtype, 0.0), f2.get(dtype, 0.0)) / hw.flops(dtype) for dtype in set(f1) | set(f2))
+
+    mm = flops_s(c1.matmul_flops, c2.matmul_flops)
     attn = lerp(c1.attention_flops, c2.attention_flops)
     return {
         "matmul": mm,
@@ -111,6 +115,7 @@ def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo:
         "launches": float(max(c1.num_ops, c2.num_ops)),
         "bnb4_calls": float(max(c1.bnb4_calls, c2.bnb4_calls)),
         "library_kernels": float(max(c1.library_kernels, c2.library_kernels)),
+        "library_matmul": flops_s(c1.library_flops, c2.library_flops),
     }
 
 
@@ -118,7 +123,15 @@ def terms_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> flo
     """GPU seconds of summed segment terms (the host floor is :func:`host_time`)."""
     return (terms["matmul"] / tm.matmul_efficiency + terms["attention"] / tm.attention_efficiency
             + terms["memory"] / tm.memory_efficiency + terms["launches"] * tm.launch_s
-            + terms.get("library_kernels", 0.0) * tm.recurrent_step_s)
+            + library_time(terms, tm))
+
+
+def library_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
+    """GPU seconds of the serial kernel chains libraries run (cuDNN's recurrent time steps): each step's small
+    GEMMs run inside the step, so the chain takes its steps' latency or its FLOPs' time, whichever is longer (on an
+    H100 the sum overshot large layers by 40-80%, ``benchmarks/recurrent/``)."""
+    return max(terms.get("library_kernels", 0.0) * tm.recurrent_step_s,
+               terms.get("library_matmul", 0.0) / tm.matmul_efficiency)
 
 
 def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:

@@ -22,7 +22,7 @@ _SLACK = 0.97  # optimistic times are scaled down a little: the time model is no
 
 
 # -- optimistic times --------------------------------------------------------------------------
-_TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls", "library_kernels")
+_TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls", "library_kernels", "library_matmul")
 
 
 def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:

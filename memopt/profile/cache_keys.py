@@ -33,7 +33,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #    and readable (memopt.profile.data_dependent, memopt.profile.scalar_values)
 # 10: recurrent layers are one fused kernel (cuDNN's reserve space, its time steps as serial GPU kernels),
 #     not one op per time step (memopt.profile.recurrent_kernels)
-TRACE_REVISION = 10
+# 11: cuDNN's reserve space as measured (per layer 5/6/1 hidden vectors for LSTM/GRU/RNN, the outputs between
+#     layers, 256 bytes of padding), not the earlier assumption
+TRACE_REVISION = 11
 
 
 def cache_dir() -> Path:

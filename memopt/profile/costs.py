@@ -59,13 +59,15 @@ class PhaseCost:
     num_ops: int = 0
     bnb4_calls: int = 0  # passes through a bitsandbytes 4-bit linear (BNB4_CALL_OPS)
     # kernels a library launches inside one host call, one after another (cuDNN's recurrent time steps): GPU time
-    # per launch, no host time
+    # per launch, no host time; and the matmul FLOPs they run (by dtype), which overlap with that serial chain
     library_kernels: int = 0
+    library_flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def to_dict(self) -> dict[str, Any]:
         return {"matmul_flops": dict(self.matmul_flops), "attention_flops": self.attention_flops,
                 "attention_dtype": self.attention_dtype, "memory_bytes": self.memory_bytes, "num_ops": self.num_ops,
-                "bnb4_calls": self.bnb4_calls, "library_kernels": self.library_kernels}
+                "bnb4_calls": self.bnb4_calls, "library_kernels": self.library_kernels,
+                "library_flops": dict(self.library_flops)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseCost:
@@ -77,6 +79,7 @@ class PhaseCost:
         c.num_ops = d.get("num_ops", 0)
         c.bnb4_calls = d.get("bnb4_calls", 0)
         c.library_kernels = d.get("library_kernels", 0)
+        c.library_flops.update(d.get("library_flops", {}))
         return c
 
 
@@ -136,7 +139,7 @@ class CostRecorder:
         rnn = recurrent_cost(func, args)
         if rnn is not None:  # one host call; cuDNN runs its time steps one after another on the GPU
             dtype, flops, serial = rnn
-            cost.matmul_flops[_dtype_key(dtype)] += flops
+            cost.library_flops[_dtype_key(dtype)] += flops
             cost.library_kernels += serial
             return
         if name == "acc_matmul_":  # memopt.techniques.liger_ce's in-place ``acc += a @ b``

@@ -248,11 +248,12 @@ def _linear_cost(a: PhaseCost, b: PhaseCost, c: PhaseCost, extra: int) -> PhaseC
         if dc[name] != da[name] + 2 * (db[name] - da[name]):
             return None
         out[name] = da[name] + extra * (db[name] - da[name])
-    flops: dict[str, Any] = {}
-    for dtype in {*da["matmul_flops"], *db["matmul_flops"], *dc["matmul_flops"]}:
-        va, vb, vc = (d["matmul_flops"].get(dtype, 0.0) for d in (da, db, dc))
-        if vc != va + 2 * (vb - va):
-            return None
-        flops[dtype] = va + extra * (vb - va)
-    out["matmul_flops"] = flops
+    for key in ("matmul_flops", "library_flops"):
+        flops: dict[str, Any] = {}
+        for dtype in {*da[key], *db[key], *dc[key]}:
+            va, vb, vc = (d[key].get(dtype, 0.0) for d in (da, db, dc))
+            if vc != va + 2 * (vb - va):
+                return None
+            flops[dtype] = va + extra * (vb - va)
+        out[key] = flops
     return PhaseCost.from_dict(out)

@@ -11,19 +11,14 @@ allocate what the cuDNN kernel allocates: output, states and reserve, the input 
 itself, and the weight buffer that autocast re-flattens in the low-precision dtype.
 
 How the sizes were fixed. cuDNN does not publish its reserve-space size (PyTorch's own meta function for
-``_cudnn_rnn`` gives it 0 bytes, and the fake-CUDA trace inherits that), so it is modelled per row (one time step of
-one sequence), layer and direction as a number of hidden-size vectors in the kernel's dtype, :data:`RESERVE_VECTORS`:
-
-* GRU, 7: the three input-side and three hidden-side gate pre-activations (the candidate gate multiplies the
-  hidden side by the reset gate, so the two sides are kept apart) and the step's output. Checked against the two
-  GRU rows measured on an H200 (``benchmarks/any_model``: ``gru-lm-32x512-8GiB`` fp32 at micro-batch 16, 6.17 GiB
-  allocated, and ``tuple-gru-lm-16x1024-6GiB`` fp32 at micro-batch 8, 4.25 GiB): the estimate of the same strategies
-  is +0.8% and +1.5% (6 vectors: about -1.5% each; the step-by-step trace this replaces: +1.5% and +1.5%)
-  (``scripts/recurrent_rows_estimate.py``, ``benchmarks/recurrent/``).
-* LSTM, 8, and plain RNN, 3: the same count (input side, hidden side where it is kept apart, cell state and output)
-  with one vector of margin; **not measured** on a GPU. ``scripts/rnn_kernel_probe_gpu.py`` measures the reserve
-  of each configuration directly (from ``_cudnn_rnn``'s outputs) and ``scripts/rnn_kernel_fit.py`` compares this
-  module with it, configuration by configuration.
+``_cudnn_rnn`` gives it 0 bytes, and the fake-CUDA trace inherits that). ``scripts/rnn_kernel_probe_gpu.py`` read it
+from ``_cudnn_rnn``'s outputs for 86 configurations (mode, dtype, autocast, input and hidden size, layers,
+directions, projection, batch, length, packing; cuDNN 9.19 on an H100, ``benchmarks/recurrent/``), and every one is
+this, in the kernel's dtype, per row (one time step of one sequence) and direction:
+:data:`RESERVE_VECTORS` hidden-size vectors per layer (LSTM 5: four gates and the cell; GRU 6: three gates on each
+side, kept apart because the candidate gate multiplies the hidden side by the reset gate; plain RNN 1), an LSTM
+projection's 5 projected-size vectors per layer, and the output of every layer but the last; plus 256 bytes.
+All 86 agree to the byte.
 
 The workspace (:func:`workspace_bytes`: one gate-width buffer per row forward, two backward) and the GPU time of a
 recurrent time step (``TimingModel.recurrent_step_s``, one kernel launch's worth) are assumptions of the same kind.
@@ -48,7 +43,8 @@ __all__ = ["RESERVE_VECTORS", "RecurrentShape", "recurrent_cost", "recurrent_ker
 _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 _MODE_IDS = {name: i for i, name in enumerate(_GATES)}
 # hidden-size vectors per row, layer and direction in the reserve space (see the module's docstring)
-RESERVE_VECTORS = {"lstm": 8, "gru": 7, "rnn_tanh": 3, "rnn_relu": 3}
+RESERVE_VECTORS = {"lstm": 5, "gru": 6, "rnn_tanh": 1, "rnn_relu": 1}
+_RESERVE_PAD = 256  # bytes cuDNN adds to every reserve space (all 86 probed configurations)
 
 
 @dataclass(frozen=True)
@@ -74,8 +70,9 @@ class RecurrentShape:
 def reserve_bytes(s: RecurrentShape) -> int:
     """cuDNN's training reserve space: per layer, direction and row, the gate activations and the states the
     backward reads."""
-    per_row = RESERVE_VECTORS[s.mode] * s.hidden_size + (s.out_size if s.proj_size else 0)
-    return s.num_layers * s.directions * s.rows * per_row * s.itemsize
+    per_layer = RESERVE_VECTORS[s.mode] * s.hidden_size + 5 * s.proj_size
+    per_row = s.num_layers * per_layer + (s.num_layers - 1) * s.out_size
+    return s.directions * s.rows * per_row * s.itemsize + _RESERVE_PAD
 
 
 def workspace_bytes(s: RecurrentShape, backward: bool) -> int:
@@ -180,9 +177,10 @@ def scratch_bytes(func: Any, args: tuple) -> int:
     return 0
 
 
-for _key in ("CPU", "Meta"):
-    _lib.impl("cudnn_rnn", _forward_impl, _key)
-    _lib.impl("cudnn_rnn_backward", _backward_impl, _key)
+# CPU for tensors of the emulated trace's CPU stand-in; the fake registration is also the Meta kernel (torch
+# refuses a fake registration beside a Meta one of our own)
+_lib.impl("cudnn_rnn", _forward_impl, "CPU")
+_lib.impl("cudnn_rnn_backward", _backward_impl, "CPU")
 torch.library.register_fake("memopt::cudnn_rnn", _forward_impl, lib=_lib)
 torch.library.register_fake("memopt::cudnn_rnn_backward", _backward_impl, lib=_lib)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.estimate.timing import DEFAULT_TIMING, step_time
+from memopt.estimate.timing import DEFAULT_TIMING, library_time, step_time, terms_time
 from memopt.strategy import Checkpointing, Strategy
 
 D, TOKENS = 64, 16 * 8  # width, tokens of a micro-batch (16 samples x 8 positions)
@@ -195,3 +195,15 @@ def test_a_recurrent_layer_is_one_host_call_whose_time_steps_run_one_after_anoth
     more = gpu(est[32][1]) - gpu(est[8][1])
     base = gpu(est[32][0]) - gpu(est[8][0])
     assert more - base == pytest.approx(2 * 24 * 3 * (1e-3 - DEFAULT_TIMING.recurrent_step_s), rel=1e-6)
+
+
+def test_a_recurrent_chain_takes_its_steps_or_its_flops_whichever_is_longer():
+    """Each time step's small GEMMs run inside the step: a short, wide layer is bound by its FLOPs, a long narrow
+    one by the latency of its steps, and never the two added (on an H100 the sum overshot large layers by 40-80%)."""
+    tm = DEFAULT_TIMING
+    narrow = {"library_kernels": 3000.0, "library_matmul": 1e-4}
+    wide = {"library_kernels": 30.0, "library_matmul": 0.5}
+    assert library_time(narrow, tm) == pytest.approx(3000 * tm.recurrent_step_s)
+    assert library_time(wide, tm) == pytest.approx(0.5 / tm.matmul_efficiency)
+    base = {"matmul": 0.0, "attention": 0.0, "memory": 0.0, "launches": 0.0}
+    assert terms_time({**base, **wide}, tm) == pytest.approx(library_time(wide, tm))
