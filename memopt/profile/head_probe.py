@@ -11,7 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memopt.profile.fake_model import fake_copy
+from memopt.profile.fake_model import caches_kept_real, fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.tracker import MemoryTracker
 from memopt.techniques.lm_head import HeadTransform, head_transform, static_head_refusal
@@ -70,7 +70,7 @@ def _probe_refusal(model: nn.Module, transform: HeadTransform) -> str | None:
     try:
         # the tracker answers the boolean checks models make on masks (fake tensors have no values)
         # grouped-GEMM experts run in fp32 here, as the trace runs them
-        with (mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(),
+        with (caches_kept_real(model), mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(),
               MemoryTracker("cpu", record=False), log):
             ids = torch.zeros(1, 4, dtype=torch.long)
             out = clone(input_ids=ids, labels=ids, use_cache=False)

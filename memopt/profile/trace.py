@@ -33,7 +33,7 @@ from memopt.profile.attention_select import UnsupportedAttention as UnsupportedA
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import fake_copy
+from memopt.profile.fake_model import caches_kept_real, fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
@@ -88,7 +88,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     attention: list[str] = []
     semantics = trace_semantics(policy, tracker, attention, emulate=emulate)
     host = "meta" if emulate else "cpu"
-    with fake_mode, semantics, real_code_paths():
+    with caches_kept_real(model), fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, stand_ins=TRACE_STAND_INS, host_device=host,
                            loss_fn=loss_fn)
         has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
