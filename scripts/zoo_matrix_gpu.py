@@ -517,8 +517,9 @@ def _run_pool(rows: list[ZooRow], out_file: Path, width: int, deadline_s: float,
             if proc.poll() is not None or time.time() - start > deadline_s + 60:  # the run's end: nothing outlives it
                 if proc.poll() is None:
                     proc.kill()
-                    with out_file.open("a") as f:
-                        f.write(json.dumps({"id": row.id, "crashed": True, "error": "timed out"}) + "\n")
+                    if not _has_row(out_file, row.id):  # killed while it still ran, not while it shut down
+                        with out_file.open("a") as f:
+                            f.write(json.dumps({"id": row.id, "crashed": True, "error": "timed out"}) + "\n")
                 elif proc.returncode != 0 and not _has_row(out_file, row.id):  # killed before it could write
                     with out_file.open("a") as f:
                         f.write(json.dumps({"id": row.id, "crashed": True, "budget": row.budget,
@@ -556,12 +557,15 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{100 * v:+.1f}%"
 
 
-def report(paths: list[Path], out: Path) -> None:
+def report(paths: list[Path], out: Path, device: str = "H200") -> None:
     latest: dict[str, dict[str, Any]] = {}  # a row measured again in a later file replaces the earlier one
     for p in paths:
         for x in p.read_text().splitlines():
             if x.strip():
                 r = json.loads(x)
+                earlier = latest.get(r["id"])
+                if r.get("crashed") and earlier and earlier["source"] == p.name and not earlier.get("crashed"):
+                    continue  # the pool's deadline record of a row that had already written its measurement
                 latest.pop(r["id"], None)
                 latest[r["id"]] = {**r, "source": p.name}
     rows = list(latest.values())
@@ -585,8 +589,8 @@ def report(paths: list[Path], out: Path) -> None:
                "allocated_error_max": max(errs) if errs else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text("\n".join(["# memopt.wrap on unseen models (H200)\n", json.dumps(summary), "",
-                                                  *lines, ""]))
+    title = f"# memopt.wrap on unseen models ({device})\n"
+    out.with_suffix(".md").write_text("\n".join([title, json.dumps(summary), "", *lines, ""]))
     print(json.dumps(summary))
 
 
@@ -608,6 +612,7 @@ def main() -> int:
     rep = sub.add_parser("report")
     rep.add_argument("paths", nargs="+")
     rep.add_argument("--out", required=True)
+    rep.add_argument("--device", default="H200", help="the GPU the rows ran on, for the table's title")
     sub.add_parser("list")
     args = ap.parse_args()
     if args.cmd == "list":
@@ -615,7 +620,7 @@ def main() -> int:
             print(row.id)
         return 0
     if args.cmd == "report":
-        report([Path(p) for p in args.paths], Path(args.out))
+        report([Path(p) for p in args.paths], Path(args.out), args.device)
         return 0
     if args.cmd == "row":
         row = next(x for x in ROWS if x.id == args.id)
