@@ -78,7 +78,7 @@ class PinsConfig:
     attention: Any = None  # auto | flash | efficient | cudnn | math | flash_attn
     chunked_ce: Any = None  # chunks of a fused linear + cross-entropy head; 0 = off
     ce_kernel: Any = None  # memopt | liger: the fused head's kernel (liger: Liger-kernel, CUDA only)
-    optimizer: Any = None  # adamw_fused | adamw_foreach | adamw | adamw8bit | paged_adamw8bit | sgd
+    optimizer: Any = None  # a name of memopt.techniques.optimizers.VARIANTS (adamw_fused, adamw8bit, ...)
     micro_batch_size: Any = None  # an int dividing the global batch
     expandable_segments: Any = None  # true | false
     adapter_rank: Any = None  # LoRA rank (needs fidelity 'lora'); 0 = full fine-tuning, no adapters
@@ -144,8 +144,8 @@ class TrainingConfig:
     Shapes left null come from the model's typical ``sample``. ``variable_length: true`` says batches vary in
     length (padded per batch, or packed to at most ``seq_len``): the plan is made for the longest, ``seq_len``.
     ``optimizer``: ``auto`` lets the planner choose the AdamW implementation (and 8-bit states when the
-    policy allows them); a memopt name (adamw_fused, adamw_foreach, adamw, sgd, adamw8bit, paged_adamw8bit)
-    pins it. ``optimizer_kwargs`` (lr, weight_decay, betas, eps, momentum ...) are the training run's; they do
+    policy allows them); a memopt name (``memopt.techniques.optimizers.VARIANTS``: adamw_fused, adamw_foreach,
+    adamw, sgd, adamw8bit, paged_adamw8bit, torchao_adamw8bit, torchao_adamw4bit) pins it. ``optimizer_kwargs`` (lr, weight_decay, betas, eps, momentum ...) are the training run's; they do
     not change memory."""
 
     batch_size: int | None = None

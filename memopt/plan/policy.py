@@ -11,8 +11,8 @@ exact              fp32; checkpointing, offload, attention kernels, chunked loss
                    micro-batching, allocator settings, fused/foreach/plain AdamW, SGD
 bf16_autocast      bf16 autocast over fp32 weights (default where the GPU has bf16)
 mixed_precision    also fp16 autocast with loss scaling, bf16 weights + fp32 masters
-8bit_optimizer     bitsandbytes 8-bit (and paged 8-bit) AdamW states
-lossy              pure bf16 (bf16 optimizer states)
+8bit_optimizer     8-bit AdamW states (bitsandbytes, plain and paged; torchao)
+lossy              pure bf16 (bf16 optimizer states), torchao's 4-bit AdamW states
 adapters           train LoRA adapters on a frozen base instead of the whole model
 quantized_weights  store the frozen base's block linears in 8-bit or 4-bit NF4 (with
                    adapters: QLoRA); needs ``adapters`` too

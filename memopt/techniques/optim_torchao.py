@@ -91,20 +91,21 @@ class FakeLowBitAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     for name in ("exp_avg", "exp_avg_sq"):
-                        state[name] = self._new_state(p)
+                        state.update(self._new_state(name, p))
                 # one fused kernel reads the weight, the gradient and both states and writes the weight and the
                 # states back: in-place ops over them cost that traffic and allocate nothing
                 torch.ops.aten.add_.Tensor(p, p.grad, alpha=0.0)
                 for name in ("exp_avg", "exp_avg_sq"):
-                    codes = state[name][0]
-                    torch.ops.aten.add_.Tensor(codes, codes)
+                    torch.ops.aten.add_.Tensor(state[name], state[name])
         return None
 
-    def _new_state(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _new_state(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One state as the tensors torchao's subclass holds (each its own entry: the trace counts state tensors)."""
         if not self.layout.quantized(p.numel()):
-            return (torch.zeros_like(p),)
-        return tuple(torch.zeros(count, dtype=dtype, device=p.device)
-                     for count, dtype in self.layout.tensors(p.numel()))
+            return {name: torch.zeros_like(p)}
+        codes, scale, qmap = (torch.zeros(count, dtype=dtype, device=p.device)
+                              for count, dtype in self.layout.tensors(p.numel()))
+        return {name: codes, f"{name}_scale": scale, f"{name}_qmap": qmap}
 
 
 def _stand_in(layout: LowBitLayout) -> Any:
