@@ -145,8 +145,8 @@ class TrainingConfig:
     length (padded per batch, or packed to at most ``seq_len``): the plan is made for the longest, ``seq_len``.
     ``optimizer``: ``auto`` lets the planner choose the AdamW implementation (and 8-bit states when the
     policy allows them); a memopt name (``memopt.techniques.optimizers.VARIANTS``: adamw_fused, adamw_foreach,
-    adamw, sgd, adamw8bit, paged_adamw8bit, torchao_adamw8bit, torchao_adamw4bit) pins it. ``optimizer_kwargs`` (lr, weight_decay, betas, eps, momentum ...) are the training run's; they do
-    not change memory."""
+    adamw, sgd, adamw8bit, paged_adamw8bit, torchao_adamw8bit, torchao_adamw4bit) pins it. ``optimizer_kwargs``
+    (lr, weight_decay, betas, eps, momentum ...) are the training run's; they do not change memory."""
 
     batch_size: int | None = None
     seq_len: int | None = None

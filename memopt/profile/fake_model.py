@@ -6,18 +6,13 @@ device inside ``FakeTensorMode``. ``to_empty`` unties shared weights; ties are r
 restored after. Optionally a stack of identical blocks is truncated to a few blocks: the profile
 traces those and composes the rest.
 
-What the copy cannot reach is the process: model code that caches tensors in a ``functools.lru_cache``'d
-function (transformers' BEiT builds its relative-position index that way) would keep the fake tensor a traced
-forward made, and every real forward after it would read it (NaN losses on a GPU, an error on the CPU).
-``caches_kept_real`` empties, after a trace, the caches of the model's own code modules that the trace filled.
+What the copy cannot reach is the process: caches in the model's code (``memopt.profile.process_caches``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import gc
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -26,37 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memopt.blocks import BlockStack, find_block_stacks, tied_parameter_groups
 
-__all__ = ["caches_kept_real", "fake_copy", "truncate_stacks"]
-
-# per set of modules a model's classes are defined in: the functools caches defined there
-_CACHES: dict[frozenset[str], list[functools._lru_cache_wrapper]] = {}
-
-
-def _model_caches(model: nn.Module) -> list[functools._lru_cache_wrapper]:
-    """The ``lru_cache`` wrappers defined in the modules that define the model's module classes (torch's own
-    excluded: its caches hold no model values). A library's shared helpers are left alone: theirs cache flags and
-    once-only warnings, which emptying would repeat."""
-    modules = frozenset(type(m).__module__ for m in model.modules() if not type(m).__module__.startswith("torch."))
-    if modules not in _CACHES:
-        # type(), not isinstance: isinstance reads __class__, which some deprecated proxies answer with a warning
-        _CACHES[modules] = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper
-                            and getattr(o, "__module__", None) in modules]
-    return _CACHES[modules]
-
-
-@contextlib.contextmanager
-def caches_kept_real(model: nn.Module) -> Iterator[None]:
-    """Around a fake-tensor trace of ``model``'s code: every cache of its packages that gained an entry during the
-    trace is emptied after it (the next real call recomputes the value; nothing else is lost)."""
-    caches = _model_caches(model)
-    misses = [c.cache_info().misses for c in caches]
-    try:
-        yield
-    finally:
-        for cache, before in zip(caches, misses):
-            if cache.cache_info().misses != before:
-                cache.cache_clear()
-
+__all__ = ["fake_copy", "truncate_stacks"]
 
 def _meta_memo(model: nn.Module) -> dict[int, object]:
     memo: dict[int, object] = {}

@@ -11,8 +11,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memopt.profile.fake_model import caches_kept_real, fake_copy
+from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
+from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.tracker import MemoryTracker
 from memopt.techniques.lm_head import HeadTransform, head_transform, static_head_refusal
 

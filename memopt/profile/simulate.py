@@ -23,9 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import caches_kept_real, fake_copy, truncate_stacks
+from memopt.profile.fake_model import fake_copy, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
+from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.tracker import MemoryTracker, TrackedRun

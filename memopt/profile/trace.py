@@ -33,10 +33,11 @@ from memopt.profile.attention_select import UnsupportedAttention as UnsupportedA
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import caches_kept_real, fake_copy
+from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
+from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.simulate import trace_device
 from memopt.profile.stand_ins import TRACE_STAND_INS

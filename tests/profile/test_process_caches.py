@@ -2,8 +2,8 @@
 
 transformers' BEiT builds its relative-position index in an ``lru_cache``'d function: when the first call of it was
 memopt's traced forward, every real forward afterwards read the fake tensor (the H200 zoo row
-``beitbase-128x224-12GiB`` trained on NaN losses; on the CPU the forward raised). Two cases: the plain-PyTorch
-pattern that does the same, and the tiny BEiT itself.
+``beitbase-128x224-12GiB`` trained on NaN losses; on the CPU the forward raised). The plain-PyTorch patterns that
+do the same (an ``lru_cache``'d helper, a module-level dict), and the tiny BEiT itself.
 """
 
 from __future__ import annotations
@@ -66,3 +66,29 @@ def test_beit_trains_on_real_values_after_memopt_planned_it():
     reference = tf.AutoModelForImageClassification.from_config(cfg)
     assert losses[0] == pytest.approx(reference(**batch).loss.item(), rel=1e-5)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+_TABLES: dict[int, torch.Tensor] = {}  # a module-level cache, as model code writes one for rotary tables or masks
+
+
+class _DictCached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        if n not in _TABLES:
+            _TABLES[n] = torch.linspace(0, 1, n)
+        return (self.proj(x) * _TABLES[n]).square().mean()
+
+
+def test_a_dict_cache_keeps_only_real_tensors_after_a_trace():
+    _TABLES.clear()
+    _TABLES[8] = torch.zeros(8)  # an entry of the user's, made before: stays as it was
+    before = _TABLES[8]
+    model = _DictCached()
+    x = torch.randn(4, 16)
+    memopt.profile(model, x, hardware="h200", use_cache=False)
+    assert 16 not in _TABLES and _TABLES[8] is before
+    assert torch.isfinite(model(x)) and torch.equal(_TABLES[16], torch.linspace(0, 1, 16))
