@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memopt.techniques.optimizer_variant import OptimizerVariant
+from memopt.techniques.optimizer_variant import OptimizerVariant, StandInOptimizer
 from memopt.units import allocator_size
 
 __all__ = ["BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "VARIANTS", "Fake8bitAdamW"]
@@ -70,32 +70,18 @@ def _floor(numels: Sequence[int], item: int) -> int:
     return sum(allocator_size(n * 2) for n in numels)
 
 
-class Fake8bitAdamW(torch.optim.Optimizer):
+class Fake8bitAdamW(StandInOptimizer):
     """bitsandbytes AdamW8bit's state layout (block-wise), allocated on the first step; no math."""
 
+    stepped = ("state1", "state2")
+
     def __init__(self, params: Any, paged: bool = False, state_device: str | None = None, **defaults: Any) -> None:
-        super().__init__(params, {"lr": defaults.get("lr", 1e-3)})
+        super().__init__(params, **defaults)
         self.paged = paged
         self.state_device = state_device  # paged states live outside the allocator (host/unified memory)
         self.qmaps: dict[str, torch.Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, state)
-                # the update reads and writes the weight, reads the gradient and rewrites both states: an
-                # in-place op over those tensors costs the same memory traffic (and allocates nothing)
-                torch.ops.aten.add_.Tensor(p, p.grad, alpha=0.0)
-                torch.ops.aten.add_.Tensor(state["state1"], state["state1"])
-                torch.ops.aten.add_.Tensor(state["state2"], state["state2"])
-        return None
-
-    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+    def init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         paged = self.paged and self.state_device is not None and p.numel() >= BNB_MIN_PAGED_SIZE
         device = self.state_device if paged else p.device
         if "dynamic" not in self.qmaps:

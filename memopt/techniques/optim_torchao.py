@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memopt.techniques.optimizer_variant import OptimizerVariant
+from memopt.techniques.optimizer_variant import OptimizerVariant, StandInOptimizer
 from memopt.units import allocator_size
 
 __all__ = ["MIN_QUANTIZED", "VARIANTS", "FakeLowBitAdamW", "LowBitLayout"]
@@ -75,29 +75,18 @@ def _floor(layout: LowBitLayout) -> Any:
     return lambda numels, item: 2 * sum(allocator_size(n * layout.bits // 8) for n in numels)
 
 
-class FakeLowBitAdamW(torch.optim.Optimizer):
+class FakeLowBitAdamW(StandInOptimizer):
     """torchao's low-bit AdamW state layout, allocated on the first step on the parameters' device; no math."""
 
+    stepped = ("exp_avg", "exp_avg_sq")
+
     def __init__(self, params: Any, layout: LowBitLayout, state_device: str | None = None, **defaults: Any) -> None:
-        super().__init__(params, {"lr": defaults.get("lr", 1e-3)})
+        super().__init__(params, **defaults)
         self.layout = layout
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        state.update(self._new_state(name, p))
-                # one fused kernel reads the weight, the gradient and both states and writes the weight and the
-                # states back: in-place ops over them cost that traffic and allocate nothing
-                torch.ops.aten.add_.Tensor(p, p.grad, alpha=0.0)
-                for name in ("exp_avg", "exp_avg_sq"):
-                    torch.ops.aten.add_.Tensor(state[name], state[name])
-        return None
+    def init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        for name in self.stepped:
+            state.update(self._new_state(name, p))
 
     def _new_state(self, name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """One state as the tensors torchao's subclass holds (each its own entry: the trace counts state tensors)."""

@@ -19,7 +19,7 @@ import torch
 
 from memopt.units import allocator_size
 
-__all__ = ["OptimizerVariant", "StateBytes", "per_tensor_floor", "per_tensor_states"]
+__all__ = ["OptimizerVariant", "StandInOptimizer", "StateBytes", "per_tensor_floor", "per_tensor_states"]
 
 # (numels of the trained tensors, the stepped parameters' dtype, round to the allocator's blocks) -> (bytes on the
 # device, bytes in paged memory outside the allocator)
@@ -83,3 +83,31 @@ def per_tensor_states(count: int, *, step_bytes: int = 0) -> StateBytes:
 def per_tensor_floor(count: int) -> Callable[[Sequence[int], int], int]:
     """The floor of ``count`` full-size states in the stepped dtype per tensor."""
     return lambda numels, item: count * sum(allocator_size(n * item) for n in numels)
+
+
+class StandInOptimizer(torch.optim.Optimizer):
+    """What every trace stand-in shares: a parameter's states are allocated on its first step (``init_state``), and
+    each step is an in-place op over the weight and over each state tensor ``stepped`` names, the memory traffic of
+    one fused update with nothing allocated and no math."""
+
+    stepped: tuple[str, ...] = ()
+
+    def __init__(self, params: Any, **defaults: Any) -> None:
+        super().__init__(params, {"lr": defaults.get("lr", 1e-3)})
+
+    def init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self.init_state(p, state)
+                torch.ops.aten.add_.Tensor(p, p.grad, alpha=0.0)
+                for name in self.stepped:
+                    torch.ops.aten.add_.Tensor(state[name], state[name])
+        return None
