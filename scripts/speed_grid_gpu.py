@@ -64,6 +64,11 @@ CASES = [
     _case("vit632m-128x224-20GiB", "image", "vit", zoo.VIT_HUGE_ISH, 128, 0, "20GiB", image_size=224),
     _case("tied-resmlp-16blk-8x2048-12GiB", "custom", "tied_resmlp", dict(vocab=32000, width=2048, blocks=16),
           8, 2048, "12GiB"),
+    # held out of every clock fit: first measured in session 24
+    _case("qwen3-0.6b-16x2048-16GiB", "causal", "qwen3", zoo.QWEN3_06B, 16, 2048, "16GiB"),
+    _case("granite1b-8x2048-28GiB", "causal", "granite", zoo.GRANITE_1B, 8, 2048, "28GiB"),
+    _case("qwen3-0.6b-16x2048-40GiB", "causal", "qwen3", zoo.QWEN3_06B, 16, 2048, "40GiB"),
+    _case("granite1b-8x2048-48GiB", "causal", "granite", zoo.GRANITE_1B, 8, 2048, "48GiB"),
 ]
 CHECKPOINTING = ("none", "all", "every2", "selective")
 

@@ -4,7 +4,8 @@ profiled on this machine (no GPU), each configuration estimated as the ``Strateg
 Each row keeps its time terms, so ``scripts/plan_quality_clock.py fit --extra`` can fit on some cases and hold out
 the others:
 
-    python scripts/speed_grid_predict.py GRID.jsonl [MORE.jsonl] --out benchmarks/plan_quality/speed_cases/clock
+    python scripts/speed_grid_predict.py GRID.jsonl [MORE.jsonl] --out benchmarks/plan_quality/speed_cases/clock \
+        [--hardware h100_80gb]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def strategy_of(row: dict[str, Any], batch_size: int) -> Any:
                     grad_accum_steps=batch_size // mb, expandable_segments=row["expandable"])
 
 
-def predict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def predict(rows: list[dict[str, Any]], hardware: str = "h200") -> list[dict[str, Any]]:
     import memopt
     from memopt.estimate.estimator import estimate_strategy
 
@@ -47,11 +48,11 @@ def predict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         model = zoo.build(case.row)
         if case.row.kind == "torchvision":
             model = zoo._TorchvisionAdapter.wrap(model)
-        profile = memopt.profile(model, zoo.batch_for(case.row, model), hardware="h200")
+        profile = memopt.profile(model, zoo.batch_for(case.row, model), hardware=hardware)
         for r in rows:
             if r["case"] != case_id or r["kind"] != "hand" or not r.get("ok"):
                 continue
-            e = estimate_strategy(profile, strategy_of(r, case.row.batch_size), hardware="h200")
+            e = estimate_strategy(profile, strategy_of(r, case.row.batch_size), hardware=hardware)
             d = e.detail
             out.append({"case": case_id, "config": r["id"], "measured_step_s": r["measured_step_s"],
                         "predicted_step_s": e.step_time_s, "error": e.step_time_s / r["measured_step_s"] - 1,
@@ -67,9 +68,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("jsonl", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hardware", default="h200", help="the GPU the rows ran on (a shipped hardware name)")
     args = ap.parse_args()
     rows = [json.loads(x) for p in args.jsonl for x in Path(p).read_text().splitlines() if x.strip()]
-    out = predict(rows)
+    out = predict(rows, args.hardware)
     errs = [abs(r["error"]) for r in out]
     summary = {"rows": len(out), "median_abs_error": statistics.median(errs) if errs else None,
                "max_abs_error": max(errs) if errs else None}
