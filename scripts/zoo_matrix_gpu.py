@@ -11,8 +11,10 @@ trace included), trains ``--steps`` steps and records the prediction beside the 
 Each row runs in its own process (an OOM or a crash ends only that row); several rows share the GPU at once when
 their budgets fit together (``--width``), so the step times of such a run are not timing data. Fields:
 ``predicted_peak_allocated_bytes`` / ``measured_peak_allocated_bytes`` (the peak over the steps after the first two,
-which hold the autotune), ``first_step_peak_allocated_bytes``, ``measured_total_bytes`` (the process's GPU memory
-as the driver reports it: reserved plus everything outside the allocator), ``budget_bytes``, ``first_try_oom``
+which hold the autotune), ``first_step_peak_allocated_bytes``, ``measured_total_bytes`` (the brief's total: the reserved
+peak of the whole run plus the most memory outside the allocator seen, which is what the driver reports for the
+process less what the allocator holds at that moment; ``nvml_max_bytes`` is the driver's figure itself, sampled
+between steps, so below the peak where an engine frees cache before a step ends), ``budget_bytes``, ``first_try_oom``
 (any out-of-memory error the allocator raised in the process: autotune, guard recovery or step), ``crashed``.
 """
 
@@ -315,7 +317,10 @@ def batch_for(row: ZooRow, model: Any) -> dict[str, Any]:
     if row.kind == "masked":
         labels = torch.where(torch.rand(b, s, generator=g) < 0.15, ids, torch.full_like(ids, -100))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-    return {"input_ids": ids, "labels": ids.clone()}
+    if row.kind == "custom":  # these models do not shift their labels: the next token, not the same one (whose
+        # tied-embedding logit wins by the embedding's squared norm, so the loss was 0.0 from the first step)
+        return {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
+    return {"input_ids": ids, "labels": ids.clone()}  # transformers' causal heads shift the labels themselves
 
 
 def _torchvision_loss(output: Any, batch: dict[str, Any]) -> Any:
@@ -450,12 +455,14 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
         out["predicted_peak_reserved_bytes"] = int(plan.peak_reserved_bytes)
         out["predicted_total_bytes"] = int(plan.total_bytes)
         out["predicted_step_s"] = float(plan.step_time_s)
-        losses, times, totals = [], [], []
+        losses, times, totals, outside = [], [], [], []
+        first_reserved = 0
         stage = where["stage"] = "train"
         for i in range(steps):
             if i == 2:
                 torch.cuda.synchronize()
                 out["first_steps_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+                first_reserved = int(torch.cuda.max_memory_reserved())
                 torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -473,13 +480,17 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
             used = _process_gpu_bytes()
             if used is not None:
                 totals.append(used)
+                outside.append(used - int(torch.cuda.memory_reserved()))
         out["final_plan"] = wrapped.plan.strategy.label()
         out["losses"] = losses
         out["step_s"] = times
         out["measured_step_s"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
         out["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
-        out["measured_total_bytes"] = max(totals) if totals else None
+        out["nvml_max_bytes"] = max(totals) if totals else None
+        out["measured_outside_allocator_bytes"] = max(outside) if outside else None
+        out["measured_total_bytes"] = (max(first_reserved, out["measured_peak_reserved_bytes"]) + max(outside)
+                                       if outside else None)
         out["predicted_host_bytes"] = wrapped.plan.prediction.get("host_bytes_per_node")
         out["measured_host_peak_bytes"] = _host_kib("VmHWM") * 1024
         out["autotune_trials"] = getattr(wrapped, "autotune_trials", None)
