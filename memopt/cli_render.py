@@ -13,6 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from memopt.report.attribution import plan_renderables  # where the bytes go: module group x category
 from memopt.techniques.registry import BY_NAME, TECHNIQUES
 from memopt.units import format_bytes
 
@@ -275,8 +276,6 @@ def render_plan(plan: Any, *, hardware: Any = None, budget_text: Any = None, con
     if relax is not None:
         parts += [Text(""), relax]
     parts += [Text(""), _breakdown_table(plan), _peak_line(plan)]
-    from memopt.report.attribution import plan_renderables  # where the bytes go: module group x category
-
     parts += plan_renderables(plan)
     parts += [Text(""), _time_line(plan)]
     for table in (_runners_up_table(plan), _rejected_table(plan)):

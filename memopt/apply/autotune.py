@@ -34,6 +34,7 @@ from memopt.plan.schema import Plan
 from memopt.step.batch import to_device
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items, split_batch
+from memopt.techniques.quantization import extras_pins
 
 __all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "frontier", "time_passes"]
 
@@ -61,8 +62,6 @@ def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[st
     user_pins = dict(user_pins or {})
     if "checkpointing" in user_pins or "checkpoint_blocks" in user_pins:
         return []
-    from memopt.techniques.quantization import extras_pins
-
     fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
              "precision": plan.strategy.precision, **extras_pins(plan.strategy)}
     # activation offload as the chosen plan has it: the clock prices its copies (fitted on the H200), and each

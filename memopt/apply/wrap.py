@@ -29,6 +29,7 @@ from torch import nn
 from memopt.apply.wrap_checks import is_trainer
 from memopt.apply.wrapped import Wrapped
 from memopt.guard.transaction import StepTransaction
+from memopt.plan.checks import check_wrap_args
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss
@@ -95,18 +96,18 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     StepTransaction.check_mode(transaction)
     loss_fn = as_loss(loss_fn, training_step)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    from memopt.plan.checks import check_wrap_args
-
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
                     allow_plan_mismatch=allow_plan_mismatch)
     if is_trainer(target):
+        # lazy: keeps memopt.integrations (Trainer support) out of import memopt
         from memopt.integrations.hf_trainer import wrap_trainer
 
         return wrap_trainer(target, budget=budget, sample=sample, plan=loaded, hardware=hardware, policy=policy,
                             fidelity=fidelity, pins=pins, forbid=forbid, enforce_budget=enforce_budget,
                             use_cache=use_cache, recover=guard, transaction=transaction)
     if checkpoint is not None and not isinstance(target, nn.Module):
+        # lazy: keeps memopt.techniques.quantized_load out of import memopt
         from memopt.techniques.quantized_load import model_skeleton
 
         target = model_skeleton(target)
@@ -115,6 +116,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                          f"model spec), got {type(target).__name__}")
     if loaded is None and budget is None:
         raise ValueError("memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan=")
+    # lazy: keeps memopt.distributed.wrapped (offload/sharded engines) out of import memopt
     from memopt.distributed.wrapped import ShardedWrapped, is_sharded_plan
 
     if is_sharded_plan(loaded):  # FSDP2 / DeepSpeed / DDP in each process of a torchrun job

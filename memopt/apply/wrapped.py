@@ -18,9 +18,13 @@ from torch import nn
 
 from memopt import progress
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
+from memopt.guard.escalation import PlanEscalator, step_down
+from memopt.guard.reapply import PreparedReplanner
+from memopt.guard.runtime import RuntimeGuard
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
+from memopt.profile.api import profile_model
 from memopt.step.batch import check_batch
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
@@ -31,7 +35,8 @@ from memopt.step.hard_cap import (
 )
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items
-from memopt.techniques.precision import forward_context
+from memopt.techniques.precision import forward_context, weight_dtype
+from memopt.techniques.quantization import QuantSetting
 from memopt.units import format_bytes
 
 __all__ = ["Wrapped"]
@@ -92,8 +97,6 @@ class Wrapped:
     def _make_plan(self, sample: Any) -> Plan:
         if self._budget is None:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
-        from memopt.profile.api import profile_model
-
         pins, user_opt = optimizer_choice(self._optimizer_arg)
         merged_pins = {**pins, **(self._policy_args["pins"] or {})}
         if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
@@ -171,6 +174,7 @@ class Wrapped:
 
     def _apply_sharded(self, plan: Plan) -> None:
         """A one-GPU offload plan (DeepSpeed or FSDP2 with the states on the host), applied in this process."""
+        # lazy: keeps memopt.distributed.wrapped (offload/sharded engines) out of import memopt
         from memopt.distributed.wrapped import ShardedWrapped
 
         self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
@@ -182,8 +186,7 @@ class Wrapped:
     def _load_checkpoint(self, strategy: Any) -> None:
         """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
         quantized as they load (the peak allocated meanwhile is kept in ``load_peak_allocated_bytes``)."""
-        from memopt.techniques.precision import weight_dtype
-        from memopt.techniques.quantization import QuantSetting
+        # lazy: keeps memopt.techniques.quantized_load out of import memopt
         from memopt.techniques.quantized_load import load_quantized
 
         q = strategy.extra("quantization")
@@ -206,6 +209,7 @@ class Wrapped:
     def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
         keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
+        # lazy: keeps memopt.apply.autotune out of import memopt
         from memopt.apply.autotune import autotune, candidate_pins, describe, frontier
 
         self._autotune_pending = False
@@ -233,10 +237,6 @@ class Wrapped:
 
     def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
         """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
-        from memopt.guard.escalation import PlanEscalator, step_down
-        from memopt.guard.reapply import PreparedReplanner
-        from memopt.guard.runtime import RuntimeGuard
-
         escalate = step_down
         if self._profile is not None:  # calibration="ignore"/"clear": the escalation does not read it either
             escalate = PlanEscalator(self._profile, calibration_ratio=None if self._calibration == "use" else 1.0)
@@ -289,6 +289,7 @@ class Wrapped:
             return loss
         if self._autotune_pending:
             self._run_autotune(batch)
+        # lazy: keeps memopt.guard.attribution_hooks (and guard.attribution) out of import memopt
         from memopt.guard.attribution_hooks import record_wrapped_step
 
         with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir (memopt.report)

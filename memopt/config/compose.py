@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memopt.config.store import register
+from memopt.resources import configs_dir
+
 __all__ = ["compose_plan_config"]
 
 
@@ -18,9 +21,6 @@ def compose_plan_config(overrides: list[str] | tuple[str, ...] = (), *, config_n
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
-    from memopt.config.store import register
-    from memopt.resources import configs_dir
 
     register()
     bundled = configs_dir()

@@ -11,7 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from memopt.config.validate import closest
+from memopt.config.compose import compose_plan_config
+from memopt.plan.checks import closest
+from memopt.plan.policy import PINNABLE
+from memopt.resources import configs_dir
 
 __all__ = ["diagnose", "explain_hydra_error", "explain_omegaconf_error"]
 
@@ -32,8 +35,6 @@ def _valid_keys(object_type: Any, parent_node: Any) -> list[str]:
 
 
 def _unknown_key(full_key: str, object_type: Any, parent_node: Any, value: Any = None) -> str:
-    from memopt.plan.policy import PINNABLE
-
     parent, _, name = full_key.rpartition(".")
     valid = _valid_keys(object_type, parent_node)
     hint = closest(name, valid)
@@ -107,9 +108,7 @@ def diagnose(overrides: list[str], *, config_name: str = "plan", config_dir: str
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from memopt.config.compose import compose_plan_config
-    from memopt.config.validate import validate
-    from memopt.resources import configs_dir
+    from memopt.config.validate import validate  # cycle: memopt.config.validate imports memopt.config.errors
 
     dirs = [Path(config_dir)] if config_dir is not None else [configs_dir()]
     problems: list[str] = []

@@ -12,8 +12,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.config.errors import explain_omegaconf_error
 from memopt.config.schema import OUTPUTS, PlanConfig
+from memopt.hardware import hardware_names, load_hardware
+from memopt.models import SampleSpec, load_model_spec, model_names
+from memopt.plan import checks
+from memopt.plan.calibrate import CALIBRATION_MODES
+from memopt.plan.context import resolve_hardware
+from memopt.plan.planner import make_plan
+from memopt.plan.policy import Policy
 from memopt.techniques.optimizers import VARIANTS
+from memopt.units import format_bytes
 
 __all__ = ["OPTIMIZER_CHOICES", "ConfigError", "PlanRequest", "closest", "resolve", "to_plain", "validate"]
 
@@ -53,8 +62,6 @@ class PlanRequest:
 
     def plan(self) -> Any:
         """Run the planner (``memopt.plan.make_plan``) on this request."""
-        from memopt.plan.planner import make_plan
-
         return make_plan(self.model, self.sample, budget=self.budget_bytes, hardware=self.hardware,
                          policy=self.policy, loss_fn=self.loss_fn, use_cache=self.use_cache,
                          calibration=self.calibration)
@@ -62,9 +69,7 @@ class PlanRequest:
 
 def closest(name: Any, choices: list[str] | tuple[str, ...]) -> str:
     """`` (did you mean 'x'?)`` for the closest choice, or '' (``memopt.plan.checks.closest``)."""
-    from memopt.plan.checks import closest as _closest
-
-    return _closest(name, choices)
+    return checks.closest(name, choices)
 
 
 def to_plain(cfg: Any) -> dict[str, Any]:
@@ -81,16 +86,12 @@ def to_plain(cfg: Any) -> dict[str, Any]:
         try:
             cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), dict(cfg))
         except OmegaConfBaseException as exc:
-            from memopt.config.errors import explain_omegaconf_error
-
             raise ConfigError(explain_omegaconf_error(exc)) from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError([f"a plan config must be a mapping, got {type(cfg).__name__}"])
     try:
         data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
-        from memopt.config.errors import explain_omegaconf_error
-
         raise ConfigError(explain_omegaconf_error(exc)) from None
     assert isinstance(data, dict)
     data.pop("hydra", None)
@@ -109,10 +110,6 @@ def validate(cfg: Any) -> list[str]:
 def resolve(cfg: Any) -> PlanRequest:
     """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem. The
     checks are those of the Python API (:mod:`memopt.plan.checks`), with the config's key names."""
-    from memopt.plan import checks
-    from memopt.plan.calibrate import CALIBRATION_MODES
-    from memopt.units import format_bytes
-
     data = to_plain(cfg)
     problems: list[str] = []
     model = data.get("model") or {}
@@ -171,10 +168,6 @@ def resolve(cfg: Any) -> PlanRequest:
 
 
 def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
-    from memopt.hardware import hardware_names, load_hardware
-    from memopt.plan import checks
-    from memopt.plan.context import resolve_hardware
-
     node = dict(node)
     extra = {k: v for k, v in (node.get("extra") or {}).items() if v is not None}
     node["extra"] = extra
@@ -205,8 +198,6 @@ def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
 
 
 def _policy(node: dict[str, Any], training: dict[str, Any], problems: list[str]) -> Any:
-    from memopt.plan.policy import Policy
-
     pins = {k: v for k, v in (node.get("pins") or {}).items() if v is not None}
     forbid = {k: v for k, v in (node.get("forbid") or {}).items() if v is not None and v != []}
     optimizer = training.get("optimizer") or "auto"
@@ -234,8 +225,6 @@ def _policy(node: dict[str, Any], training: dict[str, Any], problems: list[str])
 
 def _model(node: dict[str, Any], problems: list[str]) -> tuple[Any, Any, str, Callable[..., Any] | None]:
     """(model spec or None, the planner's model argument, a label, loss_fn)."""
-    from memopt.models import load_model_spec, model_names
-
     loss_fn = None
     if node.get("loss_fn"):
         loss_fn = _locate(node["loss_fn"], "model.loss_fn", problems)
@@ -271,8 +260,6 @@ def _model(node: dict[str, Any], problems: list[str]) -> tuple[Any, Any, str, Ca
 
 
 def _sample(spec: Any, model: dict[str, Any], training: dict[str, Any], problems: list[str]) -> Any:
-    from memopt.models import SampleSpec
-
     shapes = {k: training.get(k) for k in _SHAPE_KEYS if training.get(k) is not None}
     if spec is not None:
         try:

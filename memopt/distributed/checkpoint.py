@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.distributed.torch_engines import apply_fsdp2
+from memopt.techniques.sharding import ShardingSetting
+
 __all__ = ["load_checkpoint", "load_sharded", "save_checkpoint"]
 
 
@@ -109,9 +112,6 @@ def load_sharded(model_on_meta: nn.Module, safetensors_paths: Sequence[str | os.
     """
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-
-    from memopt.distributed.torch_engines import apply_fsdp2
-    from memopt.techniques.sharding import ShardingSetting
 
     setting = ShardingSetting.from_any(setting)
     if setting.engine != "fsdp2":

@@ -176,6 +176,7 @@ def build_deepspeed(model: nn.Module, setting: ShardingSetting, precision: str =
         validate_offload(setting, machine_host_memory_bytes(),
                          num_params=sum(p.numel() for p in model.parameters() if p.requires_grad), precision=precision)
     if checkpoint is not None:
+        # lazy: keeps memopt.distributed.ds_load out of import memopt
         from memopt.distributed.ds_load import load_into_deepspeed_layout
 
         prepare_deepspeed_build_env()

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.techniques.quantization import QuantSetting
+from memopt.techniques.quantized_load import load_quantized
+
 __all__ = ["load_into_deepspeed_layout"]
 
 
@@ -31,9 +34,6 @@ def load_into_deepspeed_layout(model: nn.Module, paths: Sequence[str | os.PathLi
         torch.float16 if config.get("fp16", {}).get("enabled") else
         next((p.dtype for p in model.parameters() if p.is_floating_point()), None))
     if int(config.get("zero_optimization", {}).get("stage", 0)) != 3:
-        from memopt.techniques.quantization import QuantSetting
-        from memopt.techniques.quantized_load import load_quantized
-
         # every rank holds the whole model on its device: memopt's layer-by-layer loader, nothing quantized, each
         # tensor from the mapped file to the device (no host copy of the model)
         return load_quantized(model, [str(p) for p in paths], QuantSetting(), torch.device(device), dtype=dtype,

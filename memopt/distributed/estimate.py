@@ -26,9 +26,12 @@ from memopt.distributed.engine_bytes import EngineRun, engine_bytes_at, side_poo
 from memopt.distributed.memory import sharded_memory
 from memopt.distributed.model_states import state_bytes
 from memopt.distributed.timeline import TimelinePoint, activation_timeline, timeline_grads
+from memopt.distributed.timing import sharded_step_time
+from memopt.estimate.estimator import estimate_strategy, step_plan
 from memopt.profile.engine_facts import ModelFacts
+from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
-from memopt.units import MiB
+from memopt.units import MiB, allocator_size
 
 __all__ = [
     "ENGINE_PRECISION",
@@ -75,10 +78,6 @@ def default_pool_slack(profile: Any, strategy: Strategy) -> int:
     GiB at 4 x 2048, 1.96 GiB at 2 x 2048) the default pool's reserved exceeded its predicted allocated peak by 2.02
     and 2.38 GiB (one GPU, 4 x 1), 1.12 GiB (one GPU, 2 x 2) and 2.14 GiB (two GPUs, 4 x 1): 0.52 to 0.61 of the
     largest tensor (raw/session6_x1, raw/session8_x2)."""
-    from memopt.estimate.estimator import step_plan
-    from memopt.profile.tracker import ALLOC
-    from memopt.units import allocator_size
-
     b = strategy.micro_batch_size
     base = step_plan(profile, strategy).base
     memo = profile.derived
@@ -144,10 +143,8 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
 def compute_estimate(profile: Any, strategy: Strategy, hw: Any) -> Any:
     """memopt's single-GPU estimate of ``strategy`` in the engines' precision: the compute ``sharded_time`` adds the
     engine's work to (the same for every engine at one micro-batch and checkpointing)."""
-    import memopt
-
-    return memopt.estimate(profile, strategy.replace(precision=ENGINE_PRECISION), hardware=hw, exact_reserved=False,
-                           num_steps=2)
+    return estimate_strategy(profile, strategy.replace(precision=ENGINE_PRECISION), hardware=hw, exact_reserved=False,
+                             num_steps=2)
 
 
 def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelFacts, hw: Any,
@@ -155,8 +152,6 @@ def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelF
     """The step's ``memopt.distributed.timing.ShardedTime``: memopt's single-GPU compute per micro-batch (forward,
     backward with recomputation; ``compute``: ``compute_estimate``'s result, when the caller has it) with the
     engine's collectives, host copies, CPU optimizer and fixed work."""
-    from memopt.distributed.timing import sharded_step_time
-
     s = run.setting
     est = compute if compute is not None else compute_estimate(profile, strategy, hw)
     m = run.grad_accum

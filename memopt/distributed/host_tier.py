@@ -18,6 +18,7 @@ from pathlib import Path
 from memopt.distributed.memory import sharded_memory
 from memopt.distributed.model_states import state_bytes
 from memopt.techniques.sharding import ShardingSetting
+from memopt.units import parse_bytes
 
 __all__ = [
     "nvme_swap_bytes",
@@ -28,8 +29,6 @@ __all__ = [
 def machine_host_memory_bytes() -> int:
     """This machine's RAM: ``MEMOPT_HOST_MEMORY`` (e.g. "128GiB", for VMs whose reported memory grows on use) or
     the OS's physical pages (0 when the OS does not say)."""
-    from memopt.units import parse_bytes
-
     if os.environ.get("MEMOPT_HOST_MEMORY"):
         return parse_bytes(os.environ["MEMOPT_HOST_MEMORY"])
     try:

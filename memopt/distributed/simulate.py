@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.distributed.torch_engines import apply_fsdp2
+from memopt.techniques.sharding import ShardingSetting
+
 __all__ = ["STATE_KEYS", "simulate_fsdp2"]
 
 #: the tracker's categories counted as model states and buffers
@@ -53,9 +56,6 @@ def simulate_fsdp2(build_model: Callable[[], nn.Module], make_batch: Callable[[]
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from memopt.distributed.torch_engines import apply_fsdp2
-    from memopt.techniques.sharding import ShardingSetting
 
     setting = ShardingSetting.from_any(setting or {"engine": "fsdp2", "stage": 3})
     setting = dataclasses.replace(setting, world_size=world_size, nodes=1, replicate_size=1)

@@ -15,8 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from memopt.estimate.compose import deferred_for, pass_layout, trace_index
+from memopt.estimate.estimator import input_size_bytes, step_plan
+from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
 from memopt.techniques.sharding import ShardingSetting
+from memopt.units import allocator_size
 
 __all__ = [
     "TimelinePoint",
@@ -41,9 +45,6 @@ def _fold(trace: Any, events: Sequence[tuple[int, int, int, int]], b: int, grads
           inserted: Sequence[tuple[int, int]] = ()) -> tuple[int, int]:
     """(net, peak above start) of a segment's events at micro-batch ``b``; gradient allocations are
     ``"transient"`` (allocated and freed at once) or ``"skip"``."""
-    from memopt.profile.tracker import ALLOC
-    from memopt.units import allocator_size
-
     cur = peak = 0
     j = 0
     for pos, (kind, key, lo, hi) in enumerate(events):
@@ -76,10 +77,6 @@ def activation_timeline(profile: Any, strategy: Strategy, *, grads: str = "trans
     per-block checkpointing modes); parameters, gradients kept across micro-batches and optimizer states are not
     included (the engine model adds them).
     """
-    from memopt.estimate.compose import deferred_for, pass_layout, trace_index
-    from memopt.estimate.estimator import input_size_bytes, step_plan
-    from memopt.units import allocator_size
-
     if grads not in ("transient", "skip"):
         raise ValueError(f"grads must be 'transient' or 'skip', got {grads!r}")
     b = strategy.micro_batch_size

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import find_block_stacks
 from memopt.techniques.sharding import ShardingSetting
 
 __all__ = [
@@ -73,8 +74,6 @@ def apply_fsdp2(model: nn.Module, setting: ShardingSetting, mp_policy: Any = Non
         mesh = _mesh(setting, device_type)
     offload = CPUOffloadPolicy(pin_memory=setting.pin_memory) if setting.offload_params == "cpu" else OffloadPolicy()
     if not block_stacks:
-        from memopt.blocks import find_block_stacks
-
         block_stacks = find_block_stacks(model)
     blocks: list[nn.Module] = []
     for stack in block_stacks:

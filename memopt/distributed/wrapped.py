@@ -28,10 +28,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import find_block_stacks
+from memopt.distributed.checkpoint import load_checkpoint, load_sharded, save_checkpoint
 from memopt.distributed.deepspeed_engine import build_deepspeed
+from memopt.distributed.ds_checkpoint import CHECKPOINT_META, load_deepspeed, save_deepspeed
+from memopt.distributed.ds_load import load_into_deepspeed_layout
 from memopt.distributed.torch_engines import apply_ddp, apply_fsdp2, mp_policy_for
 from memopt.distributed.train_step import DistributedTrainStep, shard_batch
+from memopt.models.hf_task import is_causal_lm
+from memopt.step.batch import check_batch
 from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
+from memopt.step.prepare import disable_kv_cache
+from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.sharding import ShardingSetting, sharding_of
 
 __all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
@@ -109,11 +117,6 @@ class ShardedWrapped:
             set_expandable_segments(strategy.expandable_segments)
             self.cap_fraction = cap_to_plan(cap_budget_bytes or plan.budget_bytes,
                                             int(plan.prediction.get("runtime_bytes", 0)), self.device)
-        from memopt.blocks import find_block_stacks
-        from memopt.models.hf_task import is_causal_lm
-        from memopt.step.prepare import disable_kv_cache
-        from memopt.techniques.checkpointing import apply_checkpointing
-
         self._causal_lm = is_causal_lm(model)  # before an engine wraps it
         # no KV cache in training, as in memopt's one-GPU step and in the profile the plan was traced from: a
         # checkpointed block would otherwise keep its keys and values alive until the loss
@@ -148,15 +151,11 @@ class ShardedWrapped:
                                                 checkpoint=self._checkpoint, load_device=self.device)
             return engine, optimizer, {"engine": engine}
         if self._checkpoint is not None and setting.engine == "fsdp2":
-            from memopt.distributed.checkpoint import load_sharded
-
             # each rank reads only its shard's rows; with CPUOffloadPolicy the shards live in host memory
             load_sharded(model, self._checkpoint, setting, mp_policy=mp_policy_for(strategy.precision),
                          block_stacks=stacks, device="cpu" if setting.offload_params == "cpu" else self.device)
             return model, self._adamw(model), {"kind": "fsdp2"}
         if self._checkpoint is not None:  # DDP: every rank holds the whole model on its device anyway
-            from memopt.distributed.ds_load import load_into_deepspeed_layout
-
             load_into_deepspeed_layout(model, self._checkpoint, {}, self.device)
         if setting.engine == "ddp":
             model = apply_ddp(model.to(self.device), setting,
@@ -175,8 +174,6 @@ class ShardedWrapped:
     def step(self, batch: Any) -> float:
         """One optimizer step; ``batch`` (any structure of ``memopt.step.batch``) is this rank's share of the
         global batch, or the whole global batch."""
-        from memopt.step.batch import check_batch
-
         global_batch = int(getattr(self.plan, "global_batch", 0))
         if self.setting.world_size > 1 and check_batch(batch) == global_batch:
             batch = shard_batch(batch, self.rank, self.setting.world_size)
@@ -208,21 +205,15 @@ class ShardedWrapped:
         own checkpoint (``memopt.distributed.ds_checkpoint``). Returns the checkpoint folder."""
         out = Path(path)
         if self.setting.engine == "deepspeed":
-            from memopt.distributed.ds_checkpoint import save_deepspeed
-
             save_deepspeed(self.model, out, stage=self.setting.stage, world_size=self.setting.world_size,
                            steps_done=self.steps_done, samples_seen=self.samples_seen)
         else:
-            from memopt.distributed.checkpoint import save_checkpoint
-
             save_checkpoint(out, self.model, self.optimizer, self._step, lr_scheduler=self._step.lr_scheduler)
         return out
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, int]:
         """Resume from ``save``'s checkpoint, written at this or another world size (and, for DeepSpeed, ZeRO
         stage). Returns and restores ``steps_done`` and ``samples_seen``: feed the data from there."""
-        from memopt.distributed.ds_checkpoint import CHECKPOINT_META
-
         written_by_deepspeed = (Path(path) / CHECKPOINT_META).is_file()
         if written_by_deepspeed != (self.setting.engine == "deepspeed"):
             theirs = "DeepSpeed" if written_by_deepspeed else "FSDP2/DDP (torch.distributed.checkpoint)"
@@ -231,12 +222,8 @@ class ShardedWrapped:
                              "(memopt.wrap(model, plan='<that plan>.json')) or another plan on the same engine; "
                              "DeepSpeed plans may change ZeRO stage and world size, FSDP2 plans the world size")
         if self.setting.engine == "deepspeed":
-            from memopt.distributed.ds_checkpoint import load_deepspeed
-
             counters = load_deepspeed(self.model, path, stage=self.setting.stage, world_size=self.setting.world_size)
             self._step.steps_done = counters["steps_done"]
             self._step.samples_seen = counters["samples_seen"]
             return counters
-        from memopt.distributed.checkpoint import load_checkpoint
-
         return load_checkpoint(path, self.model, self.optimizer, self._step, lr_scheduler=self._step.lr_scheduler)

@@ -24,9 +24,11 @@ from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
 from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
+from memopt.estimate.estimator import estimate_strategy, static_bytes, step_plan
 from memopt.estimate.event_levels import first_step_length, level_at, levels, live_at, step_timeline
 from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, block_pattern, group_of
 from memopt.profile.model_state import traced_unit
+from memopt.profile.optimizer_trace import trace_optimizer
 from memopt.profile.tracker import ALLOC
 from memopt.profile.variant_trace import VariantTrace
 from memopt.strategy import Strategy
@@ -179,8 +181,6 @@ def _states_by_group(profile: Any, strategy: Strategy,
                      params: dict[str, list[tuple[list[tuple[tuple[int, ...], str]], int]]]) -> dict[str, int]:
     """Optimizer-state bytes each group's parameters make (traced per group; by parameter bytes without a
     tracing policy at hand)."""
-    from memopt.profile.optimizer_trace import trace_optimizer
-
     policy = getattr(profile, "_policy", None)
     out: dict[str, int] = {}
     memo = profile.derived.setdefault("attribution_states", {})
@@ -206,8 +206,6 @@ def predict_attribution(profile: Any, strategy: Strategy, *, hardware: Any = Non
     module and category, with the ``top`` largest live tensors and the predicted memory over the second step
     (``timeline``) and the first (``timeline_first_step``). ``prediction``: the strategy's
     ``Estimate.to_dict()`` when known (else estimated here)."""
-    from memopt.estimate.estimator import estimate_strategy, static_bytes, step_plan
-
     if prediction is None:
         prediction = estimate_strategy(profile, strategy, hardware=hardware).to_dict()
     sp = step_plan(profile, strategy)

@@ -34,9 +34,18 @@ from memopt.categories import MemoryCategory
 from memopt.estimate.attribution import AttributionTable
 from memopt.estimate.event_levels import downsample
 from memopt.guard.allocator_history import AllocatorHistory, cuda_allocated_bytes
-from memopt.profile.attribution import EMBEDDING, OPTIMIZER, RUNTIME, ModuleAttribution, block_pattern, group_of
+from memopt.profile.attribution import (
+    EMBEDDING,
+    OPTIMIZER,
+    RUNTIME,
+    ModuleAttribution,
+    block_pattern,
+    group_of,
+    iter_tensors_shallow,
+)
 from memopt.profile.markers import install_markers
 from memopt.profile.tracker import ALLOC, MemoryTracker
+from memopt.units import allocator_size
 
 __all__ = ["MEASURED_FILE", "OOM_FILE", "StepAttribution"]
 
@@ -152,8 +161,6 @@ class StepAttribution:
                 owner = owners.get(id(master_of.get(id(p), p)), "")
                 for v in state.values():
                     static(v, owner, Cat.OPTIMIZER_STATES, "optimizer state")
-        from memopt.profile.attribution import iter_tensors_shallow
-
         for v in iter_tensors_shallow(self.batch):
             static(v, "(input batch)", Cat.ACTIVATIONS, "input")
         self._start_bytes = t.current_bytes
@@ -256,8 +263,6 @@ class StepAttribution:
 
     def _table(self, live: dict[int, tuple[int, int, int]], cats: dict[int, MemoryCategory],
                modules: dict[int, str]) -> dict[str, Any]:
-        from memopt.units import allocator_size
-
         run = self.tracker.run
         table = AttributionTable()
         first = self.attrib.first_phase
@@ -298,8 +303,6 @@ class StepAttribution:
         return table.result(groups, self.top)
 
     def _tabulate(self) -> dict[str, Any]:
-        from memopt.units import allocator_size
-
         run = self.tracker.run
         level = self._start_bytes
         at = self._first_event - 1
@@ -318,8 +321,6 @@ class StepAttribution:
         return out
 
     def _timeline(self) -> dict[str, Any]:
-        from memopt.units import allocator_size
-
         run = self.tracker.run
         level = self._start_bytes + self._untracked_start
         levels: list[int] = []

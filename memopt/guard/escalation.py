@@ -24,9 +24,11 @@ from torch import nn
 
 from memopt.estimate.calibration import calibration_for
 from memopt.guard.oom import OOMMeasurement
+from memopt.plan.planner import make_plan
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.quantization import extras_pins
 from memopt.units import format_bytes
 
 __all__ = [
@@ -108,7 +110,7 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     asks for strictly less. Fidelity stays the user's (lossy techniques only when the policy allows them)
     unless ``extra_allowances`` adds some; the allocator mode (expandable segments) stays the running one.
     """
-    from memopt.guard.foreign import remaining_budget
+    from memopt.guard.foreign import remaining_budget  # lazy: keeps memopt.guard.foreign out of import memopt
 
     pol = policy_from_plan(plan)
     budget = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
@@ -126,8 +128,6 @@ def escalation_policy(plan: Plan, measured: OOMMeasurement | None, attempt: int,
     # the running process keeps its allocator mode: its segments exist already, and switching mid-run is not
     # what the planner's allocator simulation (a fresh process) predicts
     # nor its training method: an OOM never turns full fine-tuning into LoRA, or LoRA into QLoRA, mid-run
-    from memopt.techniques.quantization import extras_pins
-
     # and its engine: a process training on one GPU cannot move its states into an offload engine mid-run (the
     # re-plans of a run that found foreign memory were offload plans, applied on top of the old plan's states)
     engine = {"offload": False} if plan.strategy.extra("sharding") is None else {}
@@ -153,15 +153,13 @@ class PlanEscalator:
     extra_allowances: tuple[str, ...] = ()
 
     def __call__(self, plan: Plan, measured: OOMMeasurement | None, attempt: int) -> Plan:
-        from memopt.plan.planner import make_plan
-
         ratio = self.calibration_ratio
         if ratio is None:
             cal = calibration_for(getattr(self.profile, "key", ""), plan.hardware)
             ratio = cal.ratio_total if cal is not None else None
         policy = escalation_policy(plan, measured, attempt, step_fraction=self.step_fraction,
                                    calibration_ratio=ratio, extra_allowances=self.extra_allowances)
-        from memopt.guard.foreign import remaining_budget
+        from memopt.guard.foreign import remaining_budget  # lazy: keeps memopt.guard.foreign out of import memopt
 
         left = remaining_budget(plan, measured) if measured is not None else plan.budget_bytes
         try:

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from memopt.profile.tracker import MemoryTracker
+from memopt.step.hard_cap import process_device_bytes
 from memopt.units import MiB, allocator_size, round_up
 
 __all__ = [
@@ -144,8 +145,6 @@ class CudaMemorySource:
         allocated, reserved = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
         # this process's own share: beside other jobs on the device, their memory is not this plan's runtime
         # (a calibration from the device-wide figure was refused as "more than 50% off", or learnt it)
-        from memopt.step.hard_cap import process_device_bytes
-
         return MemorySample(allocated_bytes=int(allocated["current"]), reserved_bytes=int(reserved["current"]),
                             peak_allocated_bytes=int(allocated["peak"]), peak_reserved_bytes=int(reserved["peak"]),
                             device_used_bytes=int(total - free), device_total_bytes=int(total),

@@ -16,6 +16,7 @@ import torch
 from memopt.guard.escalation import ApplyFn, EscalateFn, EscalationFailed, Steppable, step_down
 from memopt.guard.oom import OOMMeasurement, release_cache
 from memopt.plan.schema import Plan
+from memopt.step.prepare import Prepared, prepare
 from memopt.strategy import Strategy
 
 __all__ = ["PreparedReplanner", "reprepare"]
@@ -50,8 +51,6 @@ def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
     gradient scaler, LR scheduler and step counter are loaded into the new objects. Changing precision
     across bf16_master keeps what the weights hold (the masters' extra bits are lost).
     """
-    from memopt.step.prepare import Prepared, prepare
-
     old = prepared.step
     if _batching_only(old.strategy, strategy):
         old.strategy = strategy

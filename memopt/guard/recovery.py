@@ -134,6 +134,7 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
                  on_retry: Callable[[Any], None] | None = None, empty_cache: bool = True,
                  leak_check: Callable[[OOMMeasurement], LeakReport | None] | None = None,
                  foreign_threshold_bytes: int | None = None) -> None:
+        # lazy: keeps memopt.guard.foreign out of import memopt
         from memopt.guard.foreign import DEFAULT_FOREIGN_THRESHOLD
 
         self.plan = plan
@@ -251,6 +252,7 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
                 self.report.final = (f"still out of memory after {self.escalations} re-plan(s) "
                                      f"(max_escalations={self.max_escalations}); stopping")
                 if failure.foreign_bytes:
+                    # lazy: keeps memopt.guard.foreign out of import memopt
                     from memopt.guard.foreign import foreign_message
 
                     self.report.final = foreign_message(failure, self.plan, self.report.final)
@@ -315,6 +317,7 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
         if plan is None:
             self.report.final = f"out of memory and no smaller plan: {error}"
             if failure.foreign_bytes:
+                # lazy: keeps memopt.guard.foreign out of import memopt
                 from memopt.guard.foreign import foreign_message
 
                 self.report.final = foreign_message(failure, self.plan, f"no smaller plan: {error}")

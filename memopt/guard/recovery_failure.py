@@ -33,7 +33,7 @@ class FailedAttemptMixin:
         """Measure memory the plan does not own (the failed step is freed by now); on every rank alike."""
         if self.foreign_threshold_bytes is None or self.foreign_threshold_bytes <= 0:
             return
-        from memopt.guard.foreign import measure_foreign
+        from memopt.guard.foreign import measure_foreign  # lazy: keeps memopt.guard.foreign out of import memopt
 
         found = None
         try:

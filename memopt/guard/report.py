@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memopt.guard.attribution_postmortem import oom_verdict  # the module, when the failing step was recorded
 from memopt.guard.report_plots import categories_plot, modules_plot, timeline_plot
 from memopt.units import format_bytes
 
@@ -188,8 +189,6 @@ def postmortem(run: RunData) -> list[dict[str, Any]]:
                         f"{format_bytes(total)} ({needed / total - 1:+.1%})")
         if e.get("budget_bytes"):
             verdict += f", budget {format_bytes(e['budget_bytes'])}"
-        from memopt.guard.attribution_postmortem import oom_verdict  # the module, when the failing step was recorded
-
         where = oom_verdict(run.run_dir, e, run.events, _plan_for(run, e))
         out.append({"step": e.get("step"), "attempt": e.get("attempt"), "phase": e.get("phase"),
                     "location": e.get("location"), "strategy": e.get("strategy"), "rank": e.get("rank"),

@@ -13,14 +13,14 @@ from typing import Any
 
 from torch import nn
 
+from memopt.blocks import find_block_stacks
+
 __all__ = ["ForwardHooksMixin", "top_modules"]
 
 
 def top_modules(model: nn.Module, max_depth: int = 2) -> list[tuple[str, nn.Module]]:
     """The repeated blocks (``memopt.blocks``) and the deepest modules with parameters of depth <= ``max_depth``
     outside them (embeddings, final norm, head), in the model's order."""
-    from memopt.blocks import find_block_stacks
-
     stacks = find_block_stacks(model)
     blocks = {id(b): f"{s.path}.{i}" for s in stacks for i, b in enumerate(s.blocks)}
     containers = [s.path for s in stacks]

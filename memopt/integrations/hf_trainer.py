@@ -23,10 +23,21 @@ from typing import Any
 import torch
 
 from memopt import progress
+from memopt.guard.attribution_hooks import TrainerStepAttribution
+from memopt.guard.transaction import StepTransaction
+from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
+from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
-from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
+from memopt.profile.api import profile_model, spec_from_module
+from memopt.step.hard_cap import (
+    allocator_mode_in_force,
+    cap_allocator,
+    outside_allocator_bytes,
+    set_expandable_segments,
+    warn_allocator_mode_fixed,
+)
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes
@@ -84,8 +95,6 @@ class MemoptCallback:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_available() and self.enforce_budget:
-            from memopt.step.hard_cap import cap_allocator, outside_allocator_bytes
-
             outside = max(outside_allocator_bytes(), int(self.plan.prediction.get("runtime_bytes", 0)))
             self.cap_fraction = cap_allocator(self.plan.budget_bytes, outside)
         return control
@@ -107,8 +116,6 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
     """The sample to plan for: the user's, else shapes (a model memopt makes batches for: a causal, masked or
     seq2seq LM, an image classifier) sized by the dataset's longest rows, else one global batch of the Trainer's own
     data, collated by its collator from its longest rows (any model: a classifier, a model with extra inputs)."""
-    from memopt.profile.api import spec_from_module
-
     args = trainer.args
     world = max(1, getattr(args, "world_size", 1))
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -229,9 +236,6 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
         sample = _sample_from_trainer(trainer, sample)
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
-            from memopt.plan.context import resolve_hardware
-            from memopt.profile.api import profile_model
-
             hardware = resolve_hardware(hardware)
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
@@ -251,8 +255,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     all-or-nothing under an OOM and retried (``memopt.integrations.trainer_optimizer_step``; ``transaction``:
     when parameters and states are copied before the step, "auto", "always" or "never").
     ``trainer.memopt_recovery`` holds the report."""
-    from memopt.guard.transaction import StepTransaction
-
     StepTransaction.check_mode(transaction)
     if plan is None:
         progress.start(f"profiling {type(trainer.model).__name__} for the Trainer (fake-tensor traces of the "
@@ -265,8 +267,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
         progress.done("no Trainer configuration fits the budget")
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
-    from memopt.step.hard_cap import set_expandable_segments
-
     set_expandable_segments(plan.strategy.expandable_segments)
     world = max(1, getattr(trainer.args, "world_size", 1))
     for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world,
@@ -284,8 +284,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     trainer.memopt_checkpointing = checkpointing
     callback = MemoptCallback(plan, enforce_budget)
     trainer.add_callback(callback)
-    from memopt.guard.attribution_hooks import TrainerStepAttribution
-
     attribution = TrainerStepAttribution(plan)  # the first step by module: <output_dir>/memopt
     trainer.add_callback(attribution)
     _close_when_train_raises(trainer, attribution)
@@ -295,8 +293,6 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
                   f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step); the Trainer is set up with it")
     trainer.memopt_recovery = None
     if recover:
-        from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
-
         trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile),
                                                            transaction=transaction).install()
     return trainer

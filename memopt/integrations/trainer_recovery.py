@@ -38,7 +38,7 @@ from memopt.guard.oom import (
     release_cache,
 )
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
-from memopt.integrations.trainer_setup import preserved_random_state
+from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.step.train_step import count_loss_items, split_batch
@@ -221,8 +221,6 @@ class MicroBatchedTrainingStep:
 
     def _checkpoint(self, model: torch.nn.Module, setting: Checkpointing) -> None:
         """memopt's checkpointing on the Trainer's model (``wrap`` put a ``TrainerCheckpointing`` there)."""
-        from memopt.integrations.trainer_setup import TrainerCheckpointing
-
         current = getattr(self.trainer, "memopt_checkpointing", None)
         if current is None:
             current = TrainerCheckpointing(getattr(model, "module", model))

@@ -26,7 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import find_block_stacks
+from memopt.step.prepare import disable_kv_cache
 from memopt.strategy import Checkpointing
+from memopt.techniques.checkpointing import apply_checkpointing
 
 __all__ = ["TrainerCheckpointing", "preserved_random_state", "set_trainer_precision"]
 
@@ -96,8 +99,6 @@ class TrainerCheckpointing:
     """memopt's activation checkpointing on a Trainer's model, for any setting (every block, some, selective)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from memopt.blocks import find_block_stacks
-
         self.model = model
         self.stacks = find_block_stacks(model)
         self.setting = Checkpointing(mode="none")
@@ -111,9 +112,6 @@ class TrainerCheckpointing:
             raise ValueError(f"the plan checkpoints activations, but {type(self.model).__name__} has no repeated "
                              "blocks (an nn.ModuleList of identical layers) to checkpoint: plan with "
                              "pins={'checkpointing': 'none'}")
-        from memopt.step.prepare import disable_kv_cache
-        from memopt.techniques.checkpointing import apply_checkpointing
-
         self.remove()
         if setting.mode != "none":
             undo_checkpointing = apply_checkpointing(self.stacks, setting)

@@ -29,7 +29,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from memopt.cli_render import make_console, render_errors, render_plan
+from memopt.config.errors import diagnose, explain_hydra_error
 from memopt.config.store import register
+from memopt.config.validate import ConfigError, resolve
 from memopt.resources import configs_dir
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INFEASIBLE", "EXIT_OK", "main", "run"]
@@ -67,9 +70,6 @@ def _save_path(save_plan: str | None, multirun: bool, job_dir: Path | None) -> P
 
 def run(cfg: Any) -> int:
     """Plan one composed config and print the report; returns the exit status. Bad input -> 2, no fit -> 3."""
-    from memopt.cli_render import make_console, render_errors, render_plan
-    from memopt.config.validate import ConfigError, resolve
-
     multirun, job_dir, label = _job_context()
     out, err = make_console(), make_console(stderr=True)
     title = f"invalid input ({label})" if label else "invalid input"
@@ -136,9 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the dry run as Hydra does from ``sys.argv`` (or ``argv``); returns the exit status."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from memopt.cli_render import render_errors
-    from memopt.config.errors import diagnose, explain_hydra_error
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]

@@ -21,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memopt.estimate.estimator import OFFLOAD_RUNTIME_BYTES
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile, is_float_dtype
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import VARIANTS
+from memopt.techniques.precision import weight_dtype
 from memopt.units import allocator_size
 
 __all__ = ["FLOOR_REASON", "StateFloor", "state_floor"]
@@ -58,9 +60,6 @@ class StateFloor:
 
 def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | None = None) -> StateFloor:
     """The least ``s``'s model states take (see the module doc); ``cache``: a dict shared over calls."""
-    from memopt.estimate.estimator import OFFLOAD_RUNTIME_BYTES
-    from memopt.techniques.precision import weight_dtype
-
     q = s.extra("quantization")
     bits = int(dict(q).get("bits", 4)) if q is not None else 0
     frozen_base = bits or s.extra("adapters") is not None  # only the adapters train (their bytes counted as 0)

@@ -15,6 +15,7 @@ from memopt.plan.schema import Plan
 from memopt.plan.search import Evaluated, SearchResult, unestimated_notes
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.quantization import extras_label, method_change_note
 from memopt.techniques.registry import TECHNIQUES
 from memopt.units import format_bytes
 
@@ -74,16 +75,12 @@ def _key(value: Any) -> str:
 
 
 def _level_name(level: tuple[tuple[str, Any], ...]) -> str:
-    from memopt.techniques.quantization import extras_label
-
     return extras_label(Strategy(extras=level)) if level else "full fine-tuning"
 
 
 def _method_notes(best: Evaluated, result: SearchResult, budget: int, notes: list[str],
                   rejected: dict[str, str]) -> None:
     """Say that the training method changed, and why each higher-fidelity level was passed over."""
-    from memopt.techniques.quantization import method_change_note
-
     reasons = []
     for level in result.levels_tried[:-1]:
         group = [e.total_bytes for e in result.evaluated + result.floored if e.strategy.extras == level]

@@ -10,6 +10,7 @@ from torch import nn
 
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec, default_hardware_note
+from memopt.models import load_model_spec
 from memopt.plan import checks
 from memopt.plan.calibrate import CALIBRATION_MODES, calibrated
 from memopt.plan.checks import check_pins_honoured, profile_fingerprint
@@ -22,6 +23,7 @@ from memopt.plan.search import search
 from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
+from memopt.step.batch import as_loss
 from memopt.units import format_bytes, parse_bytes
 
 __all__ = ["make_plan"]
@@ -56,8 +58,6 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     """
     start = time.perf_counter()
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
-        from memopt.step.batch import as_loss
-
         loss_fn = as_loss(loss_fn, training_step)
     if loss_fn is not None and profile is None:  # chunked cross-entropy replaces the model's own loss, not the user's
         pins = {"chunked_ce": 0, **(pins or {})}
@@ -118,6 +118,7 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                               floors_only=offload is not None and offload.fits)
             if offload is not None:
                 plan = _with_offload(plan, offload)
+            # lazy: keeps memopt.estimate.attribution out of import memopt
             from memopt.estimate.attribution import attach_to_plan
 
             attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
@@ -176,8 +177,6 @@ def _spec_of(model: Any) -> Any:
     if isinstance(model, (str, dict)) or type(model).__name__ == "ModelSpec":
         if isinstance(model, dict) and "_target_" in model:
             return None
-        from memopt.models import load_model_spec
-
         try:
             return load_model_spec(model)
         except (ValueError, TypeError, OSError):

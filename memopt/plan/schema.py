@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from memopt.errors import InputError
-from memopt.strategy import Strategy
+from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS, Strategy
+from memopt.techniques.optimizers import OPTIMIZER_NAMES
 
 __all__ = ["PLAN_SCHEMA_VERSION", "Plan", "plan_problems"]
 
@@ -133,9 +134,6 @@ def _is_int(v: Any, low: int = 0) -> bool:
 def plan_problems(data: dict[str, Any]) -> list[str]:
     """Every field of a plan's JSON that memopt could not apply as written (a hand edit such as
     ``"precision": "fp8"``), one line each with what would be valid."""
-    from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS
-    from memopt.techniques.optimizers import OPTIMIZER_NAMES
-
     problems: list[str] = []
     if not isinstance(data.get("fits"), bool):
         problems.append(f"fits={data.get('fits')!r} must be true or false")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from memopt.categories import MemoryCategory
+from memopt.estimate.compose import pass_layout, trace_index
 from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile
-from memopt.profile.variant_trace import VariantKey
+from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes
 
@@ -26,8 +28,6 @@ _TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls", "library_ke
 
 
 def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:
-    from memopt.estimate.compose import pass_layout
-
     trace = profile.variant(key, b)
     modes = [[key] * n for n in profile.full_block_counts]
     layout = pass_layout({key: trace}, key, modes, profile.full_block_counts)
@@ -45,9 +45,6 @@ def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> 
 
 def _saved_activation_bytes(trace: Any, layout: Any, b: int) -> int:
     """Bytes the blocks keep for backward in tensors of 1 MiB and more: what offload would move."""
-    from memopt.categories import MemoryCategory
-    from memopt.estimate.compose import trace_index
-
     cats = trace_index(trace).categories
     total = 0
     for inst in layout.forward:
@@ -75,8 +72,6 @@ def _rescale(terms: dict[str, float], group: str, base_group: str, hw: HardwareS
 
 
 def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
-    from memopt.profile.variant_trace import PRECISION_GROUP
-
     b = s.micro_batch_size
     if b not in cache:
         cache[b] = _pass_terms(profile, VariantKey(precision=base_group, checkpointing="none"), b, hw)

@@ -14,13 +14,19 @@ import torch
 from torch import nn
 
 from memopt.hardware import HardwareSpec, load_hardware
+from memopt.models import ModelSpec, SampleSpec, build_model, load_model_spec, make_batch
+from memopt.models.hf_task import hf_task
+from memopt.models.sample import BATCH_KEYS, config_vocab_size
 from memopt.profile.cache_keys import cache_dir, spec_key, structure_key
 from memopt.profile.cuda_semantics import kernel_policy_for
+from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
+from memopt.step import batch as batch_contract
+from memopt.step.batch import as_loss
 from memopt.techniques.liger_ce import liger_installed, liger_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
 
@@ -30,8 +36,6 @@ __all__ = ["default_variant", "profile_model", "resolve_model"]
 def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
     """(module on meta or as given, model spec or None, display name) from a module, a shipped config name,
     a YAML path, a spec dict, or a Hydra ``{'_target_': ...}`` node."""
-    from memopt.models import ModelSpec, build_model, load_model_spec
-
     if isinstance(model, nn.Module):
         return model, None, type(model).__name__
     if isinstance(model, dict) and "_target_" in model:
@@ -53,9 +57,6 @@ def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
 
 def spec_from_module(module: nn.Module) -> Any:
     """A model spec for a Hugging Face model instance (so shape samples work for it), or None."""
-    from memopt.models import ModelSpec
-    from memopt.models.hf_task import hf_task
-
     config = getattr(module, "config", None)
     name = type(module).__name__
     family = hf_task(module)
@@ -82,16 +83,12 @@ def _is_shapes(sample: Any) -> bool:
 def _is_model_batch(sample: Any) -> bool:
     """A dict batch of the model's own inputs (made again by ``make_batch`` at any size); a batch with other keys
     (a target beside the inputs) is traced with its own structure."""
-    from memopt.models.sample import BATCH_KEYS
-
     return isinstance(sample, dict) and ("input_ids" in sample or "pixel_values" in sample) and set(sample) <= set(
         BATCH_KEYS)
 
 
 def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
-    from memopt.models import SampleSpec, make_batch
-
     if spec is None and (_is_shapes(sample) or isinstance(sample, dict)):
         derived = spec_from_module(module)
         if derived is not None and (_is_shapes(sample) or _is_model_batch(sample)):
@@ -119,8 +116,6 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
     ``memopt.step.batch``), ``b`` samples each."""
-    from memopt.step import batch as batch_contract
-
     if not isinstance(sample, (torch.Tensor, dict, list, tuple)) or not batch_contract.tensors(sample):
         raise ValueError(
             "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list or dict of tensors shaped like "
@@ -148,8 +143,6 @@ def default_variant(hardware: HardwareSpec) -> VariantKey:
 def _shipped_spec(model: Any) -> Any:
     """The model spec when ``model`` names one (a shipped name, a YAML path, a spec dict or ``ModelSpec``), else
     None (a module or a Hydra ``_target_`` node: those are keyed on the built module's structure)."""
-    from memopt.models import ModelSpec, load_model_spec
-
     if isinstance(model, (ModelSpec, str)) or (isinstance(model, dict) and "_target_" not in model):
         return load_model_spec(model)
     return None
@@ -157,8 +150,6 @@ def _shipped_spec(model: Any) -> Any:
 
 def _lazy_builder(spec: Any) -> Callable[[], nn.Module]:
     """Builds the spec's model on meta the first time it is called (tracing needs it; a cached profile does not)."""
-    from memopt.models import build_model
-
     built: list[nn.Module] = []
 
     def build() -> nn.Module:
@@ -173,8 +164,6 @@ def _spec_batch_factory(spec: Any, sample: Any, config: Callable[[], Any]
                         ) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """As :func:`_batch_factory_for` for a model spec, without building the model (``config`` is called when
     a batch is made)."""
-    from memopt.models import SampleSpec, make_batch
-
     parsed = SampleSpec.parse(sample, spec)
 
     def factory(b: int, device: str) -> dict[str, Any]:
@@ -193,8 +182,6 @@ def _load_cached(path: Path) -> Profile | None:
 
 def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict: dict[str, Any],
                  tokens: int | None, hw: HardwareSpec, policy_key: str) -> Profile:
-    from memopt.models.hf_task import hf_task
-
     facts = static_facts(module)
     prof = Profile(key=key, model_name=name, model_class=type(module).__name__,
                    family=spec.family if spec is not None else hf_task(module), sample=sample_dict,
@@ -219,8 +206,6 @@ def _engine_facts(module: nn.Module) -> dict[str, Any] | None:
     """The parameter counts the sharding planner needs (so it never rebuilds the model from a cached profile)."""
     import dataclasses
 
-    from memopt.profile.engine_facts import facts_of_module
-
     try:
         return dataclasses.asdict(facts_of_module(module))
     except ValueError:  # no parameters: nothing to shard
@@ -228,8 +213,6 @@ def _engine_facts(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _vocab_size(module: nn.Module) -> int | None:
-    from memopt.models.sample import config_vocab_size
-
     config = getattr(module, "config", None)
     return None if config is None else config_vocab_size(config)
 
@@ -254,8 +237,6 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     building the model, which is built (on meta) only when a trace is missing.
     """
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
-        from memopt.step.batch import as_loss
-
         loss_fn = as_loss(loss_fn, training_step)
     hw = load_hardware(hardware)
     policy = kernel_policy_for(hw)

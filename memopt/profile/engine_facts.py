@@ -12,6 +12,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from memopt.blocks import find_block_stacks
+from memopt.models import build_model
+
 __all__ = [
     "ModelFacts",
     "facts_of_module",
@@ -39,8 +42,6 @@ class ModelFacts:
 
 def facts_of_module(m: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelFacts:
     """``ModelFacts`` of a module (real or on the meta device)."""
-    from memopt.blocks import find_block_stacks
-
     params = list(m.parameters())  # unique
     if not params:
         raise ValueError(f"{type(m).__name__} has no parameters: there is nothing to shard")
@@ -64,8 +65,6 @@ def facts_of_module(m: Any, persistence_threshold: int = PERSISTENCE_THRESHOLD) 
 @functools.lru_cache(maxsize=8)
 def model_facts(model: str, persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ModelFacts:
     """``ModelFacts`` of a shipped model config, built on the meta device."""
-    from memopt.models import build_model
-
     return facts_of_module(build_model(model, device="meta"), persistence_threshold)
 
 

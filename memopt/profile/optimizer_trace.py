@@ -14,10 +14,13 @@ from memopt.categories import MemoryCategory
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.simulate import trace_device
+from memopt.profile.stand_ins import FakeGradScaler
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
 from memopt.step.train_step import TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import build_optimizer
+from memopt.techniques.precision import MasterWeights, weight_dtype
+from memopt.units import allocator_size
 
 __all__ = ["OptimizerTrace", "trace_optimizer"]
 
@@ -64,8 +67,6 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
     """Trace two optimizer steps over fake parameters (with gradients) shaped like ``model``'s trainable ones
     (floating ones in the precision's weight dtype), or, with ``params``, of exactly these (shape, dtype) (the
     trainable parameters of a transformed model, already in their final dtypes; ``model`` is not used)."""
-    from memopt.techniques.precision import MasterWeights, weight_dtype
-
     device, emulate = trace_device(policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     wdtype = weight_dtype(precision)
@@ -96,8 +97,6 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
             opt = build_optimizer(optimizer, opt_params, trace_on=host, **(optimizer_kwargs or {}))
         scaler = None
         if precision == "fp16_autocast":
-            from memopt.profile.stand_ins import FakeGradScaler
-
             scaler = FakeGradScaler(device)
         step = TrainStep(model=holder, optimizer=opt, strategy=strategy, device_type=device, scaler=scaler,
                          master=master)
@@ -141,8 +140,6 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
         allocated = {key for kind, key, _ in events if kind == ALLOC}
         freed = {key for kind, key, _ in events if kind == FREE}
         grad_keys |= {key for key in freed if key not in allocated}
-    from memopt.units import allocator_size
-
     state_bytes = 0
     live: dict[int, int] = {}
     for kind, key, size in first:

@@ -33,6 +33,7 @@ from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trac
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
 from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
+from memopt.techniques.precision import uses_grad_scaler, weight_dtype
 from memopt.units import allocator_size
 
 __all__ = ["Profile", "VariantFailed"]
@@ -215,8 +216,6 @@ class Profile:
                 if model is None or self._policy is None:
                     raise ValueError(f"the profile has no trace of the optimizer {optimizer!r} with {precision}; "
                                      "profile the model again to trace it")
-                from memopt.techniques.precision import weight_dtype
-
                 layout = model_layout(model, weight_dtype(precision)) if optimizer != "user" else None
                 self.optimizers[key] = (trace_optimizer(model, precision, optimizer, self._policy,
                                                         optimizer_spec=self._optimizer_spec)
@@ -365,8 +364,6 @@ def optimizer_step_class(precision: str) -> tuple[str, bool, bool]:
     """What of the precision the optimizer step sees: the weights' dtype, a gradient scaler, fp32 master weights.
     Precisions of one class run the same optimizer step on the same tensors (``trace_optimizer`` reads nothing
     else of the precision), so one trace serves them all (fp32 and bf16 autocast: fp32 weights, no scaler)."""
-    from memopt.techniques.precision import uses_grad_scaler, weight_dtype
-
     return str(weight_dtype(precision)), uses_grad_scaler(precision), precision == "bf16_master"
 
 

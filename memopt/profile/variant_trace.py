@@ -14,6 +14,8 @@ from typing import Any
 
 from memopt.profile.costs import PhaseCost
 from memopt.strategy import Checkpointing, Strategy
+from memopt.techniques.adapters import AdapterSetting
+from memopt.techniques.quantization import QuantSetting, with_extra
 
 __all__ = ["PRECISION_GROUP", "Segment", "VariantKey", "VariantTrace", "variant_key"]
 
@@ -42,9 +44,6 @@ class VariantKey:
                 f"/offload={int(self.activation_offload)}{self._extras_label()}{mb}")
 
     def _extras_label(self) -> str:
-        from memopt.techniques.adapters import AdapterSetting
-        from memopt.techniques.quantization import QuantSetting
-
         out = ""
         if self.quantization:
             q = QuantSetting.parse(json.loads(self.quantization))
@@ -74,8 +73,6 @@ class VariantKey:
                      attention=self.attention, chunked_ce=self.chunked_ce, ce_kernel=self.ce_kernel,
                      activation_offload=self.activation_offload, optimizer="sgd")
         if self.has_extras:
-            from memopt.techniques.quantization import with_extra
-
             if self.quantization:
                 s = with_extra(s, "quantization", json.loads(self.quantization))
             if self.adapters:
@@ -88,11 +85,7 @@ def _extra_json(strategy: Strategy, name: str) -> str:
     if value is None:
         return ""
     if name == "quantization":
-        from memopt.techniques.quantization import QuantSetting
-
         return json.dumps(QuantSetting.parse(value).to_dict(), sort_keys=True)
-    from memopt.techniques.adapters import AdapterSetting
-
     return json.dumps(AdapterSetting.parse(value).to_dict(), sort_keys=True)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.models.hf_task import hf_forward_kwargs, is_hf_model
+
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
            "forward_kwargs", "leaves", "like", "shard", "split", "structure", "tensors", "to_device", "token_labels",
            "tree_map"]
@@ -215,8 +217,6 @@ def _accepts(model: nn.Module) -> set[str] | None:
         return None
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if any(p.kind is p.VAR_KEYWORD for p in params):
-        from memopt.models.hf_task import hf_forward_kwargs, is_hf_model
-
         if not is_hf_model(model):
             return None
         names |= hf_forward_kwargs()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memopt.techniques.liger_ce import liger_linear_cross_entropy
 from memopt.techniques.lm_head import HeadTransform, head_transform, static_head_refusal
 
 __all__ = ["causal_lm_chunked_loss", "fused_linear_cross_entropy"]
@@ -89,8 +90,6 @@ def causal_lm_chunked_loss(model: nn.Module, batch: dict[str, Any], *, chunks: i
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
     weight = model.get_output_embeddings().weight
     if kernel == "liger":
-        from memopt.techniques.liger_ce import liger_linear_cross_entropy
-
         return liger_linear_cross_entropy(hidden, weight, shifted, transform=transform)
     if kernel != "memopt":
         raise ValueError(f"unknown cross-entropy kernel {kernel!r}; choose 'memopt' or 'liger'")

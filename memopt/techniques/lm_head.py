@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memopt.models.hf_task import hf_task
+
 __all__ = ["HeadTransform", "head_transform", "static_head_refusal"]
 
 # config fields that scale the logits: the aten op the head applies with the field's value
@@ -93,8 +95,6 @@ def head_transform(model: nn.Module) -> HeadTransform | str:
 
 def static_head_refusal(model: nn.Module) -> str | None:
     """Why no fused loss reproduces ``model``'s head, from its classes and config alone (None: none found)."""
-    from memopt.models.hf_task import hf_task
-
     name = type(model).__name__
     if hf_task(model) != "causal_lm":
         return f"{name} is not a Hugging Face causal LM"

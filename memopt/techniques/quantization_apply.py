@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.techniques.adapters import AdapterSetting, find_target_linears
+from memopt.techniques.adapters import AdapterSetting, apply_adapters, find_target_linears
 from memopt.techniques.model_change import ModelChange, Undo, no_change
+from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.quantization import QuantSetting
 
 __all__ = [
@@ -193,9 +194,6 @@ def apply_qlora(model: nn.Module, quantization: QuantSetting | dict[str, Any] | 
     (default paged 8-bit AdamW, ``memopt.techniques.optimizers.build_optimizer``).
 
     Returns (the peft model, the optimizer, undo); the undo removes the adapters, then the quantization."""
-    from memopt.techniques.adapters import apply_adapters
-    from memopt.techniques.optimizers import build_optimizer
-
     undo_quant = apply_quantization(model, quantization if quantization is not None else QuantSetting())
     try:
         peft_model, undo_adapters = apply_adapters(model, adapters if adapters is not None else AdapterSetting())

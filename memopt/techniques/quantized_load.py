@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from memopt.blocks import tied_parameter_groups
+from memopt.models import build_model
 from memopt.techniques.quantization import QuantSetting
 from memopt.techniques.quantization_apply import flag_name, quantization_targets, quantize_linear, set_module
 from memopt.techniques.quantized_bytes import quantized_weight_bytes
@@ -29,8 +30,6 @@ def model_skeleton(spec: Any) -> nn.Module:
     """The model of ``spec`` with parameters on meta and buffers real (non-persistent buffers such as rotary
     ``inv_freq`` are not in checkpoints): what ``load_quantized`` fills."""
     from accelerate import init_empty_weights
-
-    from memopt.models import build_model
 
     with init_empty_weights(include_buffers=False):
         model = build_model(spec, device="cpu")

@@ -18,13 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import memopt
+from memopt.models import SampleSpec, build_model, load_model_spec, make_batch
+from memopt.units import format_bytes
+
 __all__ = ["main", "train"]
 
 
 def _batches(spec: Any, sample: Any, seed: int, start: int):
     import torch
-
-    from memopt.models import make_batch
 
     step = start
     while True:
@@ -38,10 +40,6 @@ def train(model_name: str, *, budget: str, steps: int, batch_size: int, seq_len:
           plan_path: str | None) -> dict[str, Any]:
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    import memopt
-    from memopt.models import SampleSpec, build_model, load_model_spec
-    from memopt.units import format_bytes
 
     spec = load_model_spec(model_name)
     shapes: dict[str, Any] = {"batch_size": batch_size}
@@ -119,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
             print("no GPU here: planning for h100_80gb and training on the CPU (the budget is not enforced)")
         seq_len = args.seq_len
         if seq_len is None and args.image_size is None:
-            from memopt.models import load_model_spec
-
             spec = load_model_spec(args.model)
             seq_len = None if not spec.is_token_model else 64
         result = train(args.model, budget=args.budget, steps=args.steps, batch_size=args.batch_size, seq_len=seq_len,

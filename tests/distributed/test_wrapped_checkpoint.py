@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from memopt.distributed import ds_checkpoint
+from memopt.distributed import wrapped as wrapped_module
 from memopt.distributed.wrapped import ShardedWrapped
 from memopt.techniques.sharding import ShardingSetting
 
@@ -34,8 +35,8 @@ def test_deepspeed_save_and_load_carry_the_counters(tmp_path, monkeypatch):
         meta = json.loads((path / ds_checkpoint.CHECKPOINT_META).read_text())
         return {"steps_done": meta["steps_done"], "samples_seen": meta["samples_seen"]}
 
-    monkeypatch.setattr(ds_checkpoint, "save_deepspeed", fake_save)
-    monkeypatch.setattr(ds_checkpoint, "load_deepspeed", fake_load)
+    monkeypatch.setattr(wrapped_module, "save_deepspeed", fake_save)  # where ShardedWrapped looks them up
+    monkeypatch.setattr(wrapped_module, "load_deepspeed", fake_load)
     _wrapped("deepspeed", 2).save(tmp_path / "ck")
     assert calls["save"] == {"stage": 2, "world_size": 1, "steps_done": 7, "samples_seen": 56}
     resumed = _wrapped("deepspeed", 3)

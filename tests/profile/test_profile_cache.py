@@ -1,5 +1,7 @@
 """The profile cache keyed on model specs (no model built for a cached profile) and shared optimizer traces."""
 
+import sys
+
 import pytest
 
 import memopt
@@ -15,14 +17,23 @@ SAMPLE = {"batch_size": 2, "seq_len": 32}
 HW = load_hardware("h200")
 
 
+def _forbid_building(monkeypatch, message: str) -> None:
+    """``build_model`` replaced in every memopt module that holds it (``memopt.models`` and the modules that
+    import it at module level), so any build raises ``message``."""
+
+    def no_build(*args, **kwargs):
+        raise AssertionError(message)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("memopt") and getattr(module, "build_model", None) is build_model:
+            monkeypatch.setattr(module, "build_model", no_build)
+
+
 def test_a_cached_spec_profile_is_loaded_without_building_the_model(monkeypatch):
     first = memopt.profile(SPEC, sample=SAMPLE, hardware=HW)
     assert first.vocab_size == 512
 
-    def no_build(*args, **kwargs):
-        raise AssertionError("a cached profile must not build the model")
-
-    monkeypatch.setattr("memopt.models.build_model", no_build)
+    _forbid_building(monkeypatch, "a cached profile must not build the model")
     again = memopt.profile(SPEC, sample=SAMPLE, hardware=HW)
     assert again.key == first.key
     assert again.to_dict()["variants"] == first.to_dict()["variants"]
@@ -41,11 +52,7 @@ def test_a_sharded_plan_from_a_cached_profile_does_not_build_the_model(monkeypat
     assert facts_of_profile(first).tied_params == 512 * 64
     cold = memopt.plan(tied, SAMPLE, budget="40GB", hardware=HW, world_size=2)  # traces what it needs
 
-    def no_build(*args, **kwargs):
-        raise AssertionError("the sharded plan built the model")
-
-    monkeypatch.setattr("memopt.models.build_model", no_build)
-    monkeypatch.setattr("memopt.models.build.build_model", no_build)
+    _forbid_building(monkeypatch, "the sharded plan built the model")
     plan = memopt.plan(tied, SAMPLE, budget="40GB", hardware=HW, world_size=2)
     assert plan.fits and plan.techniques["extras"]["sharding"]["world_size"] == 2
     assert plan.strategy == cold.strategy and plan.prediction == cold.prediction
