@@ -110,10 +110,12 @@ class Wrapped:
                        "training step)")
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
-        self._replan = lambda pins: make_plan(  # autotune re-plans with extra pins
+        self._hw = hw
+        self._replan = lambda pins, attribute=True: make_plan(  # autotune re-plans with extra pins
             self._user_model, sample, budget=self._plan_budget, hardware=hw, policy=self._policy_args["policy"],
             fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
-            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration)
+            optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration,
+            attribute=attribute)
         self._plan_pins = merged_pins
         plan = self._replan(merged_pins)
         if plan.fits and self.device.type == "cuda" and self._enforce_budget:
@@ -216,8 +218,8 @@ class Wrapped:
         chosen = self.plan
         candidates = [chosen]
         for pins in candidate_pins(chosen, self._plan_pins):
-            try:
-                candidates.append(self._replan(pins))
+            try:  # unattributed: most candidates are thrown away (the one kept is attributed below)
+                candidates.append(self._replan(pins, attribute=False))
             except ValueError:
                 continue  # a mode the policy forbids
         candidates = frontier(chosen, candidates[1:])
@@ -230,6 +232,11 @@ class Wrapped:
         self._prepared = None
         progress.report(f"autotune: timing {len(candidates)} candidate plans on the first batch")
         best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
+        if best is not chosen:
+            # lazy: keeps memopt.estimate.attribution out of import memopt
+            from memopt.estimate.attribution import attach_to_plan
+
+            attach_to_plan(best, self._profile, self._hw)
         best.notes.append(describe(trials, best))
         self.autotune_trials = [t.to_dict() for t in trials]
         self.plan = best

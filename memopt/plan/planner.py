@@ -34,7 +34,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
               forbid: dict[str, Any] | None = None, optimizer: Any = None, loss_fn: Any = None,
               training_step: Any = None, profile: Profile | None = None, use_cache: bool = True,
               use_calibration: bool = True, calibration: str = "use", world_size: int | None = None,
-              nodes: int | None = None, host_memory: str | int | None = None, nvme_path: str | None = None) -> Plan:
+              nodes: int | None = None, host_memory: str | int | None = None, nvme_path: str | None = None,
+              attribute: bool = True) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
@@ -55,6 +56,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     NVMe offload, the engine chosen by predicted speed; on one GPU, offload is planned when nothing else fits.
     ``host_memory``: RAM per node (default: the spec's ``host_memory_bytes``, else this machine's); ``nvme_path``: a
     directory on a local NVMe drive for ZeRO-Infinity (default: the spec's ``extra["nvme_path"]``; none: no NVMe).
+    ``attribute``: put where every byte of the chosen plan goes into ``prediction["attribution"]`` (False for a
+    candidate that may be thrown away: the autotune's re-plans attribute only the plan they keep).
     """
     start = time.perf_counter()
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
@@ -118,10 +121,11 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                               floors_only=offload is not None and offload.fits)
             if offload is not None:
                 plan = _with_offload(plan, offload)
-            # lazy: keeps memopt.estimate.attribution out of import memopt
-            from memopt.estimate.attribution import attach_to_plan
+            if attribute:
+                # lazy: keeps memopt.estimate.attribution out of import memopt
+                from memopt.estimate.attribution import attach_to_plan
 
-            attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
+                attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
     if store is not None:
         store.save()
     plan.model["fingerprint"] = profile_fingerprint(prof)

@@ -84,6 +84,12 @@ def test_wrap_with_autotune_trains_the_same_as_its_chosen_plan(monkeypatch):
     # is about training after the autotune, not about which candidates it measures
     real = at.frontier
     monkeypatch.setattr(at, "frontier", lambda chosen, others: real(chosen, others, tolerance=10.0))
+    import memopt.estimate.attribution as attribution
+
+    attributed = []
+    real_attach = attribution.attach_to_plan
+    monkeypatch.setattr(attribution, "attach_to_plan",
+                        lambda plan, *a: (attributed.append(plan), real_attach(plan, *a))[1])
     torch.manual_seed(0)
     model = build_model(SPEC, device="cpu")
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -93,6 +99,9 @@ def test_wrap_with_autotune_trains_the_same_as_its_chosen_plan(monkeypatch):
     losses = [w.step(b) for b in batches]
     assert any(n.startswith("autotune measured") for n in w.plan.notes)
     assert len(w.autotune_trials) >= 2 and w.steps_done == 3
+    # the autotune's re-plans are not attributed (most are thrown away); the plan it keeps is, once
+    assert "attribution" in w.plan.prediction
+    assert len(attributed) <= 2 and attributed[-1] is w.plan
     chosen = w.plan
     w.unwrap()
     # the same plan applied unchanged from the same initial weights gives the same losses: autotune changed nothing
