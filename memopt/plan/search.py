@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.estimate.allocator_sim import EventStreamError
-from memopt.estimate.estimator import Estimate, estimate_strategy
+from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
-from memopt.plan.policy import Policy
+from memopt.plan.policy import DEFAULT_ADAPTER_RANK, Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.optimizers import optimizer_fidelity
+from memopt.techniques.quantization import planner_extras
 from memopt.techniques.registry import TECHNIQUES, SearchContext
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
@@ -73,9 +74,6 @@ def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, A
     LoRA on an 8-bit base, LoRA on a 4-bit NF4 base. Pins ``adapter_rank`` (0: none) and ``quant_bits``
     (0: unquantized) select levels; the rank is the pinned one or ``DEFAULT_ADAPTER_RANK``. Raises
     ``ValueError`` when a pin asks for adapters or quantization that is not installed."""
-    from memopt.plan.policy import DEFAULT_ADAPTER_RANK
-    from memopt.techniques.quantization import planner_extras
-
     rank = policy.pins.get("adapter_rank")
     bits = policy.pins.get("quant_bits")
     allow = set(policy.allow) | ({"adapters"} if rank else set()) | ({"quantized_weights"} if bits else set())
@@ -338,7 +336,6 @@ def _under_cap(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: in
     the H200, bert-large at 12 GiB trained at micro-batch 32 with 10.8 GiB reserved and 5 retries where the
     uncapped replay reserves 11.9 GiB). Replayed under the cap less the margin: it fits if the replay never runs
     out, with the capped run's reserved bytes and the retries' cost in its step time."""
-    from memopt.estimate.estimator import CappedOOM
 
     cap = budget_bytes - margin - uncapped.estimate.runtime_bytes
     try:
