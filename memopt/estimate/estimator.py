@@ -16,7 +16,7 @@ from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.estimate.compose import pass_layout
 from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
-from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, segment_terms, step_time
+from memopt.estimate.timing import TimingModel, segment_terms, step_time, timing_for
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.profile.profile import Profile
 from memopt.profile.tracker import ALLOC
@@ -182,7 +182,7 @@ class TotalAbove(Exception):
 
 
 def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | HardwareSpec | None = None,
-                      exact_reserved: bool = True, timing: TimingModel = DEFAULT_TIMING,
+                      exact_reserved: bool = True, timing: TimingModel | None = None,
                       num_steps: int = 3, stop_above: int | None = None, cap_bytes: int | None = None) -> Estimate:
     """Predict the peak memory and step time of ``strategy`` from ``profile``.
 
@@ -195,6 +195,7 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     it took (each costs ``TimingModel.alloc_retry_s``), and an allocation the cap cannot serve raises
     :class:`CappedOOM`."""
     hw = load_hardware(hardware or profile.hardware)
+    timing = timing or timing_for(hw)
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}
     layout = pass_layout(traces, sp.base, sp.block_modes, profile.full_block_counts)

@@ -8,7 +8,8 @@ its op count. Its time is::
       + max(library_kernels * recurrent_step_s, library_flops / (peak * matmul_efficiency))
 
 The efficiencies and the host constants are fitted to step times measured on an H200 (see
-``benchmarks/plan_quality/``). fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
+``benchmarks/plan_quality/``); a GPU kind measured since overrides some in its hardware config (:func:`timing_for`).
+fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
 Activation offload moves the saved tensors over the host link on a side stream: the forward waits for its copies
 once 256 MiB are in flight, and the copies back run on the compute stream as backward unpacks them.
 
@@ -30,12 +31,12 @@ The bytes its dequantization moves stay in the GPU time (``memory_bytes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from memopt.hardware import HardwareSpec
 from memopt.profile.costs import PhaseCost
 
-__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time", "step_time"]
+__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time", "step_time", "timing_for"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,27 @@ class TimingModel:
 
 
 DEFAULT_TIMING = TimingModel()
+
+
+def timing_for(hw: HardwareSpec) -> TimingModel:
+    """The clock's constants for a GPU kind: :data:`DEFAULT_TIMING` (fitted on an H200) with the constants its
+    hardware config calibrated on that GPU (``extra.timing`` in ``configs/hardware/<name>.yaml``). A GPU measured
+    by nobody keeps the H200's. Raises ``ValueError`` naming an unknown constant or a value that is not a number."""
+    given = hw.extra.get("timing") or {}
+    if not given:
+        return DEFAULT_TIMING
+    known = {f.name for f in fields(TimingModel)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"hardware {hw.name!r}: unknown timing constants {unknown} in extra.timing; "
+                         f"valid: {sorted(known)}")
+    try:
+        values = {k: float(v) for k, v in given.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"hardware {hw.name!r}: extra.timing values must be numbers, got {dict(given)}") from None
+    if any(v < 0 for v in values.values()):
+        raise ValueError(f"hardware {hw.name!r}: extra.timing values must be >= 0, got {values}")
+    return replace(DEFAULT_TIMING, **values)
 
 
 def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo: int = 1, hi: int = 2

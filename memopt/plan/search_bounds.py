@@ -11,7 +11,7 @@ from typing import Any
 
 from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
-from memopt.estimate.timing import DEFAULT_TIMING, segment_terms, terms_time
+from memopt.estimate.timing import segment_terms, terms_time, timing_for
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey
@@ -80,8 +80,9 @@ def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group:
     fwd = _rescale(terms["fwd"], group, base_group, hw)
     bwd = _rescale(terms["bwd"], group, base_group, hw)
     blk = _rescale(terms["blk"], group, base_group, hw)
-    tm = DEFAULT_TIMING
-    base = BaseTimes(forward_s=terms_time(fwd), backward_s=terms_time(bwd), block_forward_s=terms_time(blk),
+    tm = timing_for(hw)
+    base = BaseTimes(forward_s=terms_time(fwd, tm), backward_s=terms_time(bwd, tm),
+                     block_forward_s=terms_time(blk, tm),
                      block_forward_matmul_s=blk["matmul"] / tm.matmul_efficiency,
                      attention_s=(fwd["attention"] + bwd["attention"]) / tm.attention_efficiency,
                      extra={"blocks": float(max(profile.full_block_counts, default=1)),
