@@ -26,8 +26,8 @@ from memopt.models.sample_shapes import (
 )
 from memopt.models.spec import SAMPLE_KEYS, ModelSpec, load_model_spec
 
-__all__ = ["BATCH_KEYS", "MLM_PROBABILITY", "SampleSpec", "config_vocab_size", "expected_token_count", "make_batch",
-           "token_count"]
+__all__ = ["BATCH_KEYS", "MLM_PROBABILITY", "SampleSpec", "config_vocab_size", "expected_token_count",
+           "is_decoder_only", "make_batch", "token_count"]
 
 #: Fraction of positions that carry a masked-LM label (BERT's 15%).
 MLM_PROBABILITY = 0.15
@@ -144,6 +144,21 @@ def config_vocab_size(cfg: Any) -> int | None:
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
+def is_decoder_only(spec: ModelSpec | str | dict[str, Any], config: Any = None) -> bool:
+    """A ``seq2seq_lm`` model that is no encoder-decoder (``is_encoder_decoder`` false: the speech LLMs of that
+    mapping, an audio encoder in front of a decoder-only LM): its loss is a causal LM's, over labels shaped like
+    ``input_ids``. ``config`` is the model's config when at hand (else the spec's, from its config class)."""
+    from memopt.models.build import config_class
+
+    model = load_model_spec(spec)
+    if model.family != "seq2seq_lm":
+        return False
+    if config is not None:
+        return getattr(config, "is_encoder_decoder", True) is False
+    default = getattr(config_class(model.model_type), "is_encoder_decoder", True)
+    return model.hf_config.get("is_encoder_decoder", default) is False
+
+
 def make_batch(
     spec: ModelSpec | str | dict[str, Any],
     sample: SampleSpec | Mapping[str, Any] | None = None,
@@ -158,10 +173,16 @@ def make_batch(
     * ``masked_lm``: ``input_ids`` and ``labels`` with exactly ``round(0.15 * seq_len)`` (at least one) labelled
       positions per sequence, ``-100`` elsewhere (``token_type_ids`` default to zeros inside the model);
     * ``seq2seq_lm``: ``input_ids`` and ``labels`` of the decoder length (the model derives
-      ``decoder_input_ids`` by shifting the labels right);
-    * ``image_classification``: float32 ``pixel_values`` and ``labels`` (class ids).
+      ``decoder_input_ids`` by shifting the labels right); a decoder-only model of that mapping (a speech LLM:
+      ``is_encoder_decoder`` false, its audio tower fed by ``input_features``) computes a causal-LM loss over its
+      text, so it gets causal-LM labels (a copy of ``input_ids``) and no audio: the text-only case;
+    * ``image_classification``: float32 ``pixel_values`` and ``labels`` (class ids); a model that reads images as
+      token ids (ImageGPT: a vocabulary, no channels) gets ``input_ids``, ``image_size ** 2`` a row, instead.
 
-    Token ids are uniform in ``[0, vocab_size)``. No ``attention_mask`` is included (see the module docstring).
+    Token ids are uniform in ``[0, vocab_size)`` (``[0, num_hash_buckets)`` for a model that hashes its ids and has
+    no vocabulary: CANINE). Models that refuse to run on ids alone get what their config says they need: ``bbox``
+    (BROS's ``dim_bbox``), ``lang_ids`` (X-MOD without a ``default_language``). No ``attention_mask`` is included
+    (see the module docstring).
     Works inside ``FakeTensorMode`` (only torch factory functions are used); ``generator``, if given, must be on
     ``device``. ``config`` is the model's config when it was built with overrides (default: ``hf_config(spec)``).
     A variable-length sample gives a full-length batch (its longest case).
@@ -174,16 +195,55 @@ def make_batch(
     b = sample.batch_size
     if model.family == "image_classification":
         size = int(sample.image_size)  # type: ignore[arg-type]
+        if _pixels_as_tokens(cfg):
+            ids = torch.randint(0, int(cfg.vocab_size), (b, size * size), generator=generator, device=device)
+            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
+            return {"input_ids": ids, "labels": labels}
         channels = int(getattr(cfg, "num_channels", 3))
         pixels = torch.randn(b, channels, size, size, generator=generator, device=device, dtype=torch.float32)
         labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
         return {"pixel_values": pixels, "labels": labels}
 
-    vocab = config_vocab_size(cfg)
+    vocab = config_vocab_size(cfg) or _hashed_id_range(cfg)
     if vocab is None:
         raise ValueError(f"cannot make token batches for {type(cfg).__name__}: it has no vocab_size (nor its text "
                          "config); pass a batch of your own as sample=")
     s = int(sample.seq_len)  # type: ignore[arg-type]
+    batch = _token_batch(model, cfg, sample, vocab, generator, device)
+    return {**batch, **_extra_inputs(cfg, b, s, generator, device)}
+
+
+def _pixels_as_tokens(cfg: Any) -> bool:
+    """An image classifier that reads an image as token ids, one a pixel (ImageGPT's colour clusters): its config
+    has a vocabulary and neither channels nor an image size."""
+    vocab = getattr(cfg, "vocab_size", None)
+    return isinstance(vocab, int) and not hasattr(cfg, "num_channels") and not hasattr(cfg, "image_size")
+
+
+def _hashed_id_range(cfg: Any) -> int | None:
+    """A model without a vocabulary that hashes its ids into ``num_hash_buckets`` (CANINE's Unicode code points)
+    takes any id: they are drawn from ``[0, num_hash_buckets)``."""
+    buckets = getattr(cfg, "num_hash_buckets", None)
+    return buckets if isinstance(buckets, int) and not isinstance(buckets, bool) and buckets > 0 else None
+
+
+def _extra_inputs(cfg: Any, b: int, s: int, generator: torch.Generator | None,
+                  device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Inputs besides the ids that a model refuses to run without, by its config: a layout model's word boxes
+    (``dim_bbox`` coordinates in ``[0, 1)`` per token: BROS), and the language of an X-MOD batch when the config
+    names no ``default_language`` (the first of its ``languages``)."""
+    extra: dict[str, torch.Tensor] = {}
+    dim_bbox = getattr(cfg, "dim_bbox", None)
+    if isinstance(dim_bbox, int) and dim_bbox > 0:
+        extra["bbox"] = torch.rand(b, s, dim_bbox, generator=generator, device=device)
+    if getattr(cfg, "languages", None) and getattr(cfg, "default_language", "") is None:
+        extra["lang_ids"] = torch.zeros(b, dtype=torch.long, device=device)
+    return extra
+
+
+def _token_batch(model: ModelSpec, cfg: Any, sample: SampleSpec, vocab: int, generator: torch.Generator | None,
+                 device: str | torch.device) -> dict[str, torch.Tensor]:
+    b, s = sample.batch_size, int(sample.seq_len)  # type: ignore[arg-type]
     input_ids = torch.randint(0, vocab, (b, s), generator=generator, device=device)
     if model.family == "causal_lm":
         return {"input_ids": input_ids, "labels": input_ids.clone()}
@@ -201,6 +261,8 @@ def make_batch(
         labels.scatter_(1, positions, input_ids.gather(1, positions))
         return {"input_ids": input_ids, "labels": labels}
     # seq2seq_lm
+    if is_decoder_only(model, cfg):
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
     t = int(sample.decoder_len)  # type: ignore[arg-type]
     labels = torch.randint(0, vocab, (b, t), generator=generator, device=device)
     return {"input_ids": input_ids, "labels": labels}
@@ -210,11 +272,14 @@ def token_count(batch: Mapping[str, torch.Tensor], spec: ModelSpec | str | dict[
     """How many items of ``batch`` contribute to the loss: the ``num_items_in_batch`` for exact gradient accumulation.
 
     Token batches: labels that are not ``-100``. Causal LMs predict token ``i+1`` from position ``i``, so with
-    ``spec`` of family ``causal_lm`` the first label of each row is not counted (as transformers' loss and Trainer
-    do); a ``shift_labels`` entry, when present, is counted as given. Image batches: the number of samples.
+    ``spec`` of family ``causal_lm`` (or a decoder-only ``seq2seq_lm``: :func:`is_decoder_only`) the first label
+    of each row is not counted (as transformers' loss and Trainer do); a ``shift_labels`` entry, when present, is
+    counted as given. Image batches: the number of samples.
     Needs real tensors (the count depends on values).
     """
     family = load_model_spec(spec).family if spec is not None else None
+    if family == "seq2seq_lm" and is_decoder_only(spec):  # type: ignore[arg-type]
+        family = "causal_lm"
     if "shift_labels" in batch:
         return int((batch["shift_labels"] != -100).sum())
     if family in ("image_classification", "sequence_classification") or ("pixel_values" in batch and family is None):
@@ -238,7 +303,7 @@ def expected_token_count(spec: ModelSpec | str | dict[str, Any], sample: SampleS
     if model.family in ("image_classification", "sequence_classification"):
         return b
     s = int(sample.seq_len)  # type: ignore[arg-type]
-    if model.family == "causal_lm":
+    if model.family == "causal_lm" or is_decoder_only(model):
         return b * (s - 1)
     if model.family == "token_classification":
         return b * s

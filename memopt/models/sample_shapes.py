@@ -23,6 +23,8 @@ BATCH_KEYS: tuple[str, ...] = (
     "pixel_values",
     "decoder_input_ids",
     "decoder_attention_mask",
+    "bbox",
+    "lang_ids",
 )
 _TOKEN_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 _DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask")

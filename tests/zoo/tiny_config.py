@@ -20,7 +20,8 @@ _SIZES: list[tuple[int, tuple[str, ...]]] = [
              "d_latents", "projection_dim", "attention_hidden_size", "hidden_size_global", "pooler_hidden_size",
              "true_hidden_size", "intra_bottleneck_size", "encoder_hidden_size", "decoder_hidden_size",
              "emb_dim", "embedding_dim", "entity_emb_size", "input_embedding_size", "output_embedding_size",
-             "lru_width", "audio_hidden_size", "cross_attention_hidden_size", "out_hidden_size", "n_embed")),
+             "lru_width", "audio_hidden_size", "cross_attention_hidden_size", "out_hidden_size", "n_embed",
+             "adapter_in_dim", "adapter_out_dim", "adapter_input_size")),
     (FFN, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "shared_experts_intermediate_size",
           "moe_shared_expert_intermediate_size", "hidden_dim", "d_inner", "dim_ff", "ffn_hidden_size",
@@ -38,7 +39,7 @@ _SIZES: list[tuple[int, tuple[str, ...]]] = [
                "index_head_dim", "swa_head_dim", "dim_head", "d_head", "attention_head_size", "kv_channels",
                "mamba_d_head", "mamba_head_dim", "mamba_headdim", "attention_head_dim", "linear_head_dim",
                "kv_lora_rank", "q_lora_rank", "mamba_d_state", "ssm_state_size", "state_size", "rotary_dim",
-               "d_rel", "time_step_rank", "mamba_dt_rank")),
+               "d_rel", "time_step_rank", "mamba_dt_rank", "dim_bbox_projection")),
     (8, ("qk_rope_head_dim", "patch_size", "hidden_size_per_layer_input", "laurel_rank", "local_attention",
         "sliding_window", "attention_window", "window_size", "chunk_size", "mamba_chunk_size", "block_size",
         "local_attn_chunk_length", "lsh_attn_chunk_length", "attention_chunk_size", "sliding_window_size",
@@ -51,15 +52,21 @@ _SIZES: list[tuple[int, tuple[str, ...]]] = [
                 "max_decoder_position_embeddings", "original_max_position_embeddings", "model_max_length",
                 "max_length", "context_length", "max_seq_length")),
     (IMAGE, ("image_size",)),
+    (2, ("num_groups",)),  # group norm's groups divide the narrowest width (8)
     (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
     (2, ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token")),
     (1, ("n_group", "topk_group", "num_expert_group", "n_shared_experts", "num_shared_experts",
-        "moe_num_shared_experts", "first_k_dense_replace", "num_dense_layers", "max_window_layers")),
+        "moe_num_shared_experts", "first_k_dense_replace", "num_dense_layers", "max_window_layers", "n_groups",
+        "mamba_n_groups", "mamba_ngroups")),
 ]
 _SIZE_OF = {name: size for size, names in _SIZES for name in names}
 _LAYER_NAMES = _SIZES[2][1]
 # counts that keep a smaller default (a model with one expert per token stays so)
-_CLAMPED = {name for size, names in _SIZES[-3:] for name in names}
+_CLAMPED = {name for size, names in _SIZES[-4:] for name in names}
+# sizes that some config classes leave unset (None) for a checkpoint to give, and whose model reads them as
+# given (``head_dim ** -0.5``, ``heads // num_key_value_heads``, ``nn.Embedding(vocab_size, ...)``); the tiny
+# values are what the other fields imply (HIDDEN // HEADS, HEADS)
+_UNSET_SIZES = ("head_dim", "num_key_value_heads", "vocab_size")
 # per-stage lists of convolutional / hierarchical vision backbones: widths double per stage, one block a stage,
 # one head a stage
 _STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes", "stage_out_channels",
@@ -69,12 +76,68 @@ _STAGE_ONES = ("depths", "num_heads", "num_attention_heads", "depth", "stage_num
 
 #: what a family needs beyond the name rules (model_type -> fields set after shrinking, a dotted key for a
 #: sub-config's field)
-OVERRIDES: dict[str, dict[str, Any]] = {}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # the sliding-window layers' query head is head_dim wide (qk_nope_head_dim + qk_rope_head_dim, their own
+    # no-rope part in per_layer_config: HEAD_DIM + 8), the indexed layers' rope part is head_dim for others' MLA
+    "dots3_note_text": {"head_dim": HEAD_DIM + 8},
+    "dots3_note": {"text_config.head_dim": HEAD_DIM + 8},
+    # the stem is four stride-2 convolutions whatever patch_size says, and the attention biases are sized by
+    # image_size // patch_size: the two must agree
+    "levit": {"patch_size": 16},
+    # the masked-LM decoder has one query per position: its logits are max_position_embeddings long, and the
+    # labels the input's length (the zoo's seq_len, 16)
+    "perceiver": {"max_position_embeddings": 16},
+    # its transformer blocks unfold the feature map into patch_size patches: the last stage's map of a 64-pixel
+    # image is 4x4, so the default 2 stays (the name rule's 8 is a ViT's patch)
+    "mobilevitv2": {"patch_size": 2},
+    # it reads an image as one token a pixel: the zoo's 64-pixel images are 4096 positions
+    "imagegpt": {"n_positions": IMAGE * IMAGE},
+    # axial position embeddings: their widths add up to the hidden size, and in training the sequence is exactly
+    # the product of the axial shape (the zoo's seq_len, 16)
+    # the default leaves the indexed-attention layers' query-sparse indexer unset (a checkpoint gives it) although
+    # its layer_types name such layers
+    **{key: {f"{prefix}indexer_{name}": value for name, value in
+             {"n_heads": HEADS, "kv_heads": 1, "head_dim": HEAD_DIM, "budget": 8, "compress_ratio": 4}.items()}
+       for key, prefix in (("qwen4_exp_text", ""), ("qwen4_exp", "text_config."))},
+    # the hybrid layers share one transformer, tied from the first to the others: it takes two of them
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "reformer": {"axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2], "axial_pos_shape": [4, 4]},
+}
 
 
-def _shrink_list(key: str, value: list[Any], layers_before: int | None) -> list[Any]:
-    if layers_before and len(value) == layers_before and layers_before != LAYERS:
-        return value[:LAYERS]  # a per-layer list (layer_types, mlp_only_layers, ...) follows the new depth
+def _kept_layers(d: dict[str, Any], layers_before: int | None) -> list[int]:
+    """The original layers the tiny config keeps: the first ``LAYERS``, and the first layer of every kind a
+    per-layer list names that those miss (a model with sliding and full attention layers keeps one of each: some
+    refuse a config without a full-attention layer); where the last ``num_kv_shared_layers`` reuse earlier layers'
+    keys and values, the same again among those (each kind they reuse must be among the earlier ones)."""
+    if not layers_before or layers_before <= LAYERS:
+        return list(range(LAYERS))  # (a shallower default grows to LAYERS; its per-layer lists stay)
+    kinds = [v for v in d.values()
+             if isinstance(v, list) and len(v) == layers_before and all(isinstance(k, str) for k in v)]
+    shared = d.get("num_kv_shared_layers")
+    split = layers_before - shared if isinstance(shared, int) and 0 < shared < layers_before else layers_before
+    keep: list[int] = []
+    for start, stop in ((0, split), (split, layers_before)):
+        part = list(range(start, min(stop, start + LAYERS)))
+        for value in kinds:
+            for i in range(start, stop):
+                if value[i] not in {value[j] for j in part}:
+                    part.append(i)
+        keep += part[:4]
+    return sorted(keep)
+
+
+def _per_layer_dict(value: Any, layers_before: int | None) -> bool:
+    """A dict keyed by layer index (``per_layer_config``: ``{"05": {"head_dim": 512}, ...}``)."""
+    return (isinstance(value, dict) and bool(value) and (layers_before or 0) > LAYERS
+            and all(str(k).isdigit() and int(k) < layers_before for k in value))
+
+
+def _shrink_list(key: str, value: list[Any], layers_before: int | None, keep: list[int]) -> list[Any]:
+    if layers_before and len(value) == layers_before and layers_before > LAYERS:
+        if key in _SIZE_OF and all(isinstance(v, int) for v in value):  # a per-layer width
+            return [_SIZE_OF[key]] * len(keep)
+        return [value[i] for i in keep]  # a per-layer list (layer_types, mlp_only_layers, ...) follows the new depth
     if not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return value
     if key in _STAGE_WIDTHS:
@@ -90,22 +153,47 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
     """``d`` (a config's ``to_dict()``) with its sizes shrunk, recursively into sub-config dicts."""
     out = dict(d)
     layers_before = next((d[k] for k in _LAYER_NAMES if isinstance(d.get(k), int)), None)
+    keep = _kept_layers(d, layers_before)
     for key, value in d.items():
+        if value is None and key in _UNSET_SIZES:
+            out[key] = _SIZE_OF[key]
         if isinstance(value, bool) or value is None:
             continue
-        if isinstance(value, dict):
+        if _per_layer_dict(value, layers_before):  # the kept layers' entries, renumbered and shrunk
+            width = len(str(next(iter(value))))
+            out[key] = {type(k)(str(new).zfill(width)): shrink(value[k], vocab) if isinstance(value[k], dict)
+                        else value[k] for new, i in enumerate(keep) for k in value if int(k) == i}
+        elif isinstance(value, dict):
             is_sub = "model_type" in value or key.endswith(("_config", "encoder", "decoder"))
             out[key] = shrink(value, vocab) if is_sub else value
+        elif isinstance(value, int) and key in _LAYER_NAMES:
+            out[key] = len(keep) if value == layers_before and value > LAYERS else LAYERS
+        elif key == "num_kv_shared_layers" and isinstance(value, int) and (layers_before or 0) > LAYERS:
+            out[key] = len(keep) if value == layers_before else sum(i >= layers_before - value for i in keep)
         elif isinstance(value, int) and key in _SIZE_OF:
             out[key] = min(value, _SIZE_OF[key]) if key in _CLAMPED else _SIZE_OF[key]
         elif isinstance(value, list):
-            out[key] = _shrink_list(key, value, layers_before)
+            out[key] = _shrink_list(key, value, layers_before, keep)
         elif isinstance(value, float) and ("drop" in key or key in ("attention_probs_dropout_prob",)):
             out[key] = 0.0
     if "qk_nope_head_dim" in out and "qk_rope_head_dim" in out and "qk_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention ropes qk_rope_head_dim
         out["head_dim"] = out["qk_rope_head_dim"]
+    ratio = d.get("attention_hidden_size"), d.get("hidden_size")  # attention over [hidden, embeddings] (Zamba)
+    if all(isinstance(v, int) and v > 0 for v in ratio) and ratio[0] % ratio[1] == 0:
+        out["attention_hidden_size"] = out["hidden_size"] * (ratio[0] // ratio[1])
+    for expand, heads, head in (("mamba_expand", "mamba_n_heads", "mamba_d_head"), ("expand", "num_heads", "head_dim"),
+                                ("mamba_expand", "n_mamba_heads", "mamba_headdim")):
+        if all(isinstance(out.get(k), int) for k in (expand, heads, head, "hidden_size")):  # Mamba-2 heads split
+            inner = out[expand] * out["hidden_size"]                                     # the expanded width
+            out[head] = inner // out[heads]
+            if isinstance(out.get("mamba_d_ssm"), int):
+                out["mamba_d_ssm"] = inner
+    depths = out.get("depths")
+    if isinstance(out.get("window_size"), int) and isinstance(out.get("patch_size"), int) and isinstance(
+            depths, list) and depths:  # a hierarchical vision model's window fits its last stage's map
+        out["window_size"] = min(out["window_size"], max(1, IMAGE // out["patch_size"] // 2 ** (len(depths) - 1)))
     _rope_lists(out)
     _token_ids(out, int(out.get("vocab_size") or vocab))
     for key in ("pad_token_id", "decoder_start_token_id"):  # classifiers pool at the padding token, seq2seq
@@ -115,7 +203,12 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
 
 
 def _rope_lists(d: dict[str, Any]) -> None:
-    """Longrope's per-frequency factors have one entry per rotary pair of the (new) head dim."""
+    """Longrope's per-frequency factors have one entry per rotary pair of the (new) head dim; a config class whose
+    default leaves per-layer-type rope parameters empty for a checkpoint to fill (its model reads
+    ``rope_parameters[layer_type]``) gets the default rope for each type."""
+    if d.get("rope_parameters") == {} and isinstance(d.get("layer_types"), list):
+        d["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                for kind in dict.fromkeys(d["layer_types"])}
     for key in ("rope_parameters", "rope_scaling"):
         rope = d.get(key)
         if not isinstance(rope, dict):
@@ -163,6 +256,8 @@ def tiny_config(model_type: str, num_labels: int = 3) -> Any:
             node = node[part]
         node[last] = copy.deepcopy(value)
     d["num_labels"] = num_labels
+    if d.get("architectures") is None:  # the auto classes iterate it where a mapping lists several classes
+        d["architectures"] = []
     for derived in ("out_features", "out_indices", "stage_names"):  # backbone stage names follow the new depth
         d.pop(derived, None)
     d.pop("id2label", None)
