@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from memopt.models.build import config_class, hf_config
 from memopt.models.sample_shapes import (
     BATCH_KEYS,
     collate_rows,
@@ -148,8 +149,6 @@ def is_decoder_only(spec: ModelSpec | str | dict[str, Any], config: Any = None) 
     """A ``seq2seq_lm`` model that is no encoder-decoder (``is_encoder_decoder`` false: the speech LLMs of that
     mapping, an audio encoder in front of a decoder-only LM): its loss is a causal LM's, over labels shaped like
     ``input_ids``. ``config`` is the model's config when at hand (else the spec's, from its config class)."""
-    from memopt.models.build import config_class
-
     model = load_model_spec(spec)
     if model.family != "seq2seq_lm":
         return False
@@ -187,8 +186,6 @@ def make_batch(
     ``device``. ``config`` is the model's config when it was built with overrides (default: ``hf_config(spec)``).
     A variable-length sample gives a full-length batch (its longest case).
     """
-    from memopt.models.build import hf_config
-
     model = load_model_spec(spec)
     sample = SampleSpec.parse(sample, model)
     cfg = config if config is not None else hf_config(model)
