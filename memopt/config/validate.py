@@ -185,13 +185,13 @@ def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
                 problems.append(f"unknown hardware {name!r}{closest(name, names)}; shipped: {', '.join(names)} "
                                 "(hardware=<name>), or hardware=auto for the local GPU")
                 return None
-            return resolve_hardware(name)
+            return checks.check_hardware_timing(resolve_hardware(name), problems)
         missing = [k for k in _HW_REQUIRED if k not in given]
         if missing:
             problems.append(f"hardware {name!r} is missing {', '.join(missing)}: start from a shipped spec "
                             f"(hardware=h100_80gb hardware.memory_bytes=...) or give every field")
             return None
-        return load_hardware(given)
+        return checks.check_hardware_timing(load_hardware(given), problems)
     except (ValueError, TypeError) as exc:
         problems.append(f"hardware: {exc}")
         return None

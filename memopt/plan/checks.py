@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from memopt.errors import InputError, raise_problems
+from memopt.estimate.timing import timing_for
 from memopt.hardware import HardwareSpec, hardware_names
 from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
 from memopt.plan.calibrate import CALIBRATION_MODES
@@ -133,7 +134,7 @@ def check_nvme_path(path: Any, problems: list[str], *, key: str = "nvme_path") -
 def check_hardware(hardware: Any, problems: list[str]) -> Any:
     """A ``HardwareSpec`` for a name / dict / spec (``auto`` or None: the local GPU), or None with a problem."""
     if isinstance(hardware, HardwareSpec):
-        return hardware
+        return check_hardware_timing(hardware, problems)
     if hardware is not None and not isinstance(hardware, (str, dict)):
         problems.append(f"hardware must be a shipped name ({', '.join(hardware_names())}), 'auto', a dict or a "
                         f"HardwareSpec, got {type(hardware).__name__}")
@@ -144,10 +145,22 @@ def check_hardware(hardware: Any, problems: list[str]) -> Any:
                         "or 'auto' for the local GPU")
         return None
     try:
-        return resolve_hardware(hardware)
+        spec = resolve_hardware(hardware)
     except (ValueError, TypeError, KeyError) as exc:
         problems.append(f"hardware: {str(exc).splitlines()[0]}")
         return None
+    return check_hardware_timing(spec, problems)
+
+
+def check_hardware_timing(hw: HardwareSpec, problems: list[str]) -> HardwareSpec | None:
+    """``hw``, or None with a problem where its clock constants (``extra.timing``) are not ones the clock has:
+    found before anything is traced, not as every candidate of the search failing to estimate."""
+    try:
+        timing_for(hw)
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+    return hw
 
 
 # -- optimizer and hyper-parameters ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import memopt
+from memopt.errors import InputError
 from memopt.estimate.timing import DEFAULT_TIMING, step_time, timing_for
 from memopt.hardware import load_hardware
 from memopt.strategy import Strategy
@@ -66,3 +67,19 @@ def test_the_estimate_uses_the_constants_of_the_gpu_it_plans_for():
     assert own.step_time_s == pytest.approx(step_time(terms, timing_for(load_hardware("h100_80gb")))[0])
     assert h200s.step_time_s == pytest.approx(step_time(terms, DEFAULT_TIMING)[0])
     assert own.step_time_s < h200s.step_time_s  # a larger memory efficiency: the same bytes take less time
+
+
+def test_a_bad_constant_is_reported_before_anything_is_traced():
+    """Not as every candidate of the search failing to estimate: the argument checks name it."""
+    hw = load_hardware("h200")
+    bad = replace(hw, extra={**hw.extra, "timing": {"memory_eficiency": 1.0}})
+    with pytest.raises(InputError, match=r"unknown timing constants.*memory_eficiency"):
+        memopt.plan(Mlp(), torch.randn(8, 32, 64), budget="8GiB", hardware=bad)
+
+
+def test_a_config_with_a_bad_constant_fails_validation_by_name():
+    from memopt.config.compose import compose_plan_config
+    from memopt.config.validate import validate
+
+    cfg = compose_plan_config(["model=gpt2", "budget=8GiB", "hardware=h200", "+hardware.extra.timing={launch_s: -1}"])
+    assert validate(cfg) == ["hardware 'h200': extra.timing values must be >= 0, got {'launch_s': -1.0}"]
