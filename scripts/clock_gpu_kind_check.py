@@ -14,7 +14,6 @@ offload that no hand row has, so a check the fit never saw.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import statistics
@@ -78,14 +77,12 @@ def _stats(errs: list[float]) -> dict[str, float]:
             "max_abs_pct": round(100 * max(a), 1), "mean_signed_pct": round(100 * statistics.mean(errs), 1)}
 
 
-def _ordered(data: list[tuple[dict, float]], tm: Any, min_gap: float = 0.05) -> list[int]:
-    """[pairs the clock orders as measured, pairs] over pairs measured more than ``min_gap`` apart."""
-    ok = n = 0
-    for (t1, y1), (t2, y2) in itertools.combinations(data, 2):
-        if abs(y1 - y2) / min(y1, y2) >= min_gap:
-            n += 1
-            ok += (pq.predict(t1, tm) < pq.predict(t2, tm)) == (y1 < y2)
-    return [ok, n]
+def _ordered(data: list[tuple[str, dict, float]], tm: Any) -> list[int]:
+    """[pairs the clock orders as measured, pairs] within each case (``plan_quality_clock.ranking``)."""
+    configs = [{"model_key": case, "sample": case, "timing_valid": True, "measured_step_s": y,
+                "predicted": pq.predict(t, tm)} for case, t, y in data]
+    r = pq.ranking(configs, "predicted")
+    return [r["agree"], r["pairs"]]
 
 
 def main() -> int:
@@ -104,6 +101,7 @@ def main() -> int:
     kind = timing_for(load_hardware(args.hardware))
     only = set(args.fit.split(","))
     data = [(r["time_terms"], r["measured_step_s"]) for r in hand_rows]
+    cased = [(r["case"], r["time_terms"], r["measured_step_s"]) for r in hand_rows]
     models = sorted({r["case"].split("-")[0] for r in hand_rows})
     result: dict[str, Any] = {"hardware": args.hardware, "fitted": sorted(only),
                               "constants": {k: getattr(kind, k) for k in sorted(only)},
@@ -113,15 +111,17 @@ def main() -> int:
     sets: dict[str, Any] = {}
     for name, tm in (("h200_constants", DEFAULT_TIMING), ("kind_constants", kind)):
         sets[f"hand/{name}"] = {**_stats([(pq.predict(t, tm) - y) / y for t, y in data]),
-                                "ordered_pairs": _ordered(data, tm)}
+                                "ordered_pairs": _ordered(cased, tm)}
         plan_data = [(r["time_terms"], r["measured_step_s"]) for r in plan_rows]
         sets[f"memopt_plans/{name}"] = _stats([(pq.predict(t, tm) - y) / y for t, y in plan_data])
     for held in models:  # each model predicted by the constants fitted on the others
         train = [(r["time_terms"], r["measured_step_s"]) for r in hand_rows if not r["case"].startswith(held)]
         test = [(r["time_terms"], r["measured_step_s"]) for r in hand_rows if r["case"].startswith(held)]
+        test_cased = [(r["case"], r["time_terms"], r["measured_step_s"]) for r in hand_rows
+                      if r["case"].startswith(held)]
         tm = pq.fit(train, start=DEFAULT_TIMING, only=only)
         sets[f"hand/{held}_left_out"] = {**_stats([(pq.predict(t, tm) - y) / y for t, y in test]),
-                                         "ordered_pairs": _ordered(test, tm),
+                                         "ordered_pairs": _ordered(test_cased, tm),
                                          "fitted": {k: getattr(tm, k) for k in sorted(only)}}
     result["sets"] = sets
     table = []
