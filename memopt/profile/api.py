@@ -22,6 +22,7 @@ from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.profile import Profile, VariantFailed
+from memopt.profile.sample_axis_probe import sample_axis_refusal
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
@@ -217,9 +218,11 @@ def _vocab_size(module: nn.Module) -> int | None:
     return None if config is None else config_vocab_size(config)
 
 
-def _record_micro_batch_refusal(prof: Profile, module: nn.Module) -> None:
-    """The profile's word on micro-batching (a static fact of the module, so a cached profile gets it too)."""
-    reason = micro_batch_refusal(module)
+def _record_micro_batch_refusal(prof: Profile, module: nn.Module, probed: str | None = None) -> None:
+    """The profile's word on micro-batching: the module's batch-coupled layers (a static fact, so a cached profile
+    gets it too), else what the sample-axis probe found for this batch layout (``probed``; a cached profile, keyed on
+    the same structure and sample, keeps the probe's word)."""
+    reason = micro_batch_refusal(module) or probed
     if reason == prof.micro_batch_refusal:
         return
     prof.micro_batch_refusal = reason
@@ -258,8 +261,10 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     if prof is None:
         module = source if isinstance(source, nn.Module) else source()
         prof = _new_profile(module, spec, name, key, sample_dict, tokens, hw, policy.cache_key)
+        if int(sample_dict.get("batch_size", 1)) > 1:
+            _record_micro_batch_refusal(prof, module, sample_axis_refusal(module, factory, loss_fn))
     elif isinstance(source, nn.Module):
-        _record_micro_batch_refusal(prof, source)
+        _record_micro_batch_refusal(prof, source, prof.micro_batch_refusal)
     prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()

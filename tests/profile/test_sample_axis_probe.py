@@ -1,0 +1,108 @@
+"""Micro-batching splits dim 0 of the batch: a model fed sequence-first batches (the layout PyTorch's recurrent layers
+and multi-head attention take by default) must not be split there, and a model that transposes batch-first input
+itself must stay free to be."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.profile.sample_axis_probe import sample_axis_refusal
+from memopt.step.batch import split
+
+V, T, B = 50, 12, 8
+
+
+class SeqFirstLSTM(nn.Module):
+    """Token ids (T, B) straight into an LSTM with batch_first=False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(V, 16), nn.LSTM(16, 16, num_layers=2), nn.Linear(16, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(x))[0])
+
+
+class TransposesItself(nn.Module):
+    """Batch-first ids (B, T), transposed for a GRU and attention that take (T, B, F)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(V, 16), nn.GRU(16, 16), nn.Linear(16, V)
+        self.att = nn.MultiheadAttention(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rnn(self.emb(x).transpose(0, 1))[0]
+        return self.out(self.att(h, h, h)[0].transpose(0, 1))
+
+
+def _loss(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, V), batch[1].reshape(-1))
+
+
+def _profile(model: nn.Module, batch: object, loss_fn: object = _loss) -> memopt.Profile:
+    return memopt.profile(model, batch, hardware="h100_80gb", loss_fn=loss_fn, use_cache=False)
+
+
+def test_sequence_first_batches_are_not_micro_batched() -> None:
+    torch.manual_seed(0)
+    model = SeqFirstLSTM()
+    x, y = torch.randint(0, V, (T, B)), torch.randint(0, V, (T, B))
+    prof = _profile(model, (x, y))
+    assert prof.micro_batch_refusal is not None and "LSTM rnn" in prof.micro_batch_refusal
+    assert any("micro-batching refused" in n for n in prof.notes)
+    # why: a "micro-batch" of dim 0 is a slice of time steps, and the loss changes
+    full = _loss(model(x), (x, y))
+    parts = [_loss(model(a), (a, b)) for a, b in zip(split(x, 4), split(y, 4))]
+    assert not torch.allclose(full, torch.stack(parts).mean(), atol=1e-6)
+
+
+def test_a_plan_for_sequence_first_batches_keeps_the_whole_batch() -> None:
+    # at 1.2 GB the planner would take two micro-batches of 128 "samples" (time steps) in fp32 over the whole batch
+    # in bf16; refused, it keeps all 256 time steps of every sequence together
+    model = SeqFirstLSTM()
+    x, y = torch.randint(0, V, (256, 64)), torch.randint(0, V, (256, 64))
+    plan = memopt.make_plan(model, (x, y), budget="1.2GB", hardware="h100_80gb", loss_fn=_loss,
+                            profile=_profile(model, (x, y)))
+    assert plan.fits
+    assert plan.strategy.micro_batch_size == 256 and plan.strategy.grad_accum_steps == 1
+
+
+def test_models_that_transpose_batch_first_input_may_be_micro_batched() -> None:
+    model = TransposesItself()
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    assert _profile(model, (x, y)).micro_batch_refusal is None
+    # and splitting it is exact: the per-sample losses do not see the other samples
+    full = _loss(model(x), (x, y))
+    parts = [_loss(model(a), (a, b)) for a, b in zip(split(x, 4), split(y, 4))]
+    torch.testing.assert_close(full, torch.stack(parts).mean(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_encoder_layout_follows_its_flag(batch_first: bool) -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=batch_first)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 1))
+    x = torch.randn(B, T, 16)  # samples along dim 0: right for batch_first=True only
+    reason = sample_axis_refusal(model, lambda b, device: torch.randn(b, T, 16, device=device),
+                                 lambda out, batch: out.mean())
+    assert (reason is None) == batch_first
+    if not batch_first:
+        assert "MultiheadAttention" in reason and "dim 1" in reason
+    copy.deepcopy(model)(x)  # the probe leaves the model untouched and runnable
+
+
+def test_models_without_axis_layers_are_not_probed() -> None:
+    calls = []
+
+    def factory(b: int, device: str) -> torch.Tensor:
+        calls.append(b)
+        return torch.randn(b, 4, device=device)
+
+    assert sample_axis_refusal(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), factory) is None
+    assert calls == []
