@@ -11,11 +11,11 @@ from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
-from memopt.plan.search import Evaluated, candidates, evaluate, extras_saving
+from memopt.plan.search import Evaluated, candidates, evaluate
 from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import states_per_item
-from memopt.techniques.registry import SearchContext
+from memopt.techniques.registry import SearchContext, extras_saving
 
 __all__ = ["Estimates", "level_fits", "min_footprint"]
 

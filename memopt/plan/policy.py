@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS
+from memopt.techniques.adapters import DEFAULT_ADAPTER_RANK
 from memopt.techniques.optimizers import OPTIMIZER_NAMES
-from memopt.techniques.registry import BY_NAME
+from memopt.techniques.registry import BY_NAME, LEVELED
 from memopt.units import GiB, MiB, parse_bytes
 
 __all__ = ["ALLOWANCES", "DEFAULT_ADAPTER_RANK", "FIDELITY_PRESETS", "PINNABLE", "Policy", "fidelity_of"]
@@ -53,11 +54,9 @@ FIDELITY_PRESETS: dict[str, tuple[str, ...]] = {
     "lora": (*_8BIT, "adapters"),
     "qlora": (*_8BIT, "adapters", "quantized_weights"),
 }
-#: the default LoRA rank when the planner adds adapters (pin ``adapter_rank`` for another)
-DEFAULT_ADAPTER_RANK = 16
 
-# pins that choose an extras technique's setting by one number (the rank, the bits)
-_PIN_OWNERS = {"adapter_rank": "adapters", "quant_bits": "quantization"}
+# pins that choose an extras technique's setting by one number (the rank, the bits): the leveled techniques' pins
+_PIN_OWNERS = {t.pin: t.name for t in LEVELED}
 
 PINNABLE = {
     "precision": PRECISIONS,

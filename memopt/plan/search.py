@@ -15,8 +15,9 @@ Candidates are evaluated in that order, so nothing is traced that cannot win:
   fit and it would enter the top ``runners_up + 1`` by time.
 
 Adapters and quantized weights (``Strategy.extras``) are searched as a ladder of fidelity levels
-(:func:`extras_levels`): full fine-tuning first, then LoRA, then LoRA on an 8-bit base, then on a 4-bit base.
-A level is searched only when no candidate of the levels before it fits.
+(:func:`extras_levels`, which the registry's leveled techniques compose): full fine-tuning first, then LoRA,
+then LoRA on an 8-bit base, then on a 4-bit base. A level is searched only when no candidate of the levels before
+it fits.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ from memopt.estimate.allocator_sim import EventStreamError
 from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
-from memopt.plan.policy import DEFAULT_ADAPTER_RANK, Policy
+from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.optimizers import optimizer_fidelity
-from memopt.techniques.quantization import planner_extras
-from memopt.techniques.registry import TECHNIQUES, SearchContext
+from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
            "unestimated_notes"]
@@ -71,49 +71,11 @@ class SearchResult:
 
 def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, Any], ...]]:
     """The ``Strategy.extras`` levels the policy admits, highest fidelity first: none (full fine-tuning), LoRA,
-    LoRA on an 8-bit base, LoRA on a 4-bit NF4 base. Pins ``adapter_rank`` (0: none) and ``quant_bits``
+    LoRA on an 8-bit base, LoRA on a 4-bit NF4 base, as the registry's leveled techniques compose them
+    (``memopt.techniques.extras.extras_ladder``). Pins ``adapter_rank`` (0: none) and ``quant_bits``
     (0: unquantized) select levels; the rank is the pinned one or ``DEFAULT_ADAPTER_RANK``. Raises
     ``ValueError`` when a pin asks for adapters or quantization that is not installed."""
-    rank = policy.pins.get("adapter_rank")
-    bits = policy.pins.get("quant_bits")
-    allow = set(policy.allow) | ({"adapters"} if rank else set()) | ({"quantized_weights"} if bits else set())
-    if bits:
-        allow.add("adapters")
-    levels = planner_extras(allow, bnb_available=ctx.bnb_available, peft_available=ctx.peft_available,
-                            ranks=(rank or DEFAULT_ADAPTER_RANK,), bits=(bits,) if bits else (8, 4))
-    if rank == 0:
-        levels = [lv for lv in levels if not lv]
-    elif rank or bits:
-        levels = [lv for lv in levels if lv]
-    if bits == 0:
-        levels = [lv for lv in levels if "quantization" not in dict(lv)]
-    elif bits:
-        levels = [lv for lv in levels if "quantization" in dict(lv)]
-    levels = [lv for lv in levels if _level_values(lv)[0] not in policy.forbid.get("adapter_rank", ())
-              and _level_values(lv)[1] not in policy.forbid.get("quant_bits", ())]
-    if not levels:
-        missing = [name for name, ok in (("peft", ctx.peft_available), ("bitsandbytes", ctx.bnb_available))
-                   if not ok]
-        raise ValueError(f"the pins adapter_rank={rank!r}, quant_bits={bits!r} leave nothing to plan"
-                         + (f": {' and '.join(missing)} not installed (pip install 'memopt[bnb]' peft)"
-                            if missing else ""))
-    return levels
-
-
-def _level_values(level: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
-    """(adapter rank, quantized bits) of an extras level, 0 where absent: what the pins and forbids name."""
-    d = dict(level)
-    return (int(dict(d["adapters"])["r"]) if "adapters" in d else 0,
-            int(dict(d["quantization"])["bits"]) if "quantization" in d else 0)
-
-
-def extras_saving(s: Strategy) -> int:
-    """How much memory a strategy's extras level saves, by rank: 3 for a 4-bit base, 2 for 8-bit, 1 for
-    adapters on an unquantized base, 0 for full fine-tuning."""
-    q = s.extra("quantization")
-    if q is not None:
-        return 3 if dict(q).get("bits", 4) == 4 else 2
-    return 1 if s.extra("adapters") is not None else 0
+    return extras_ladder(ctx, policy)
 
 
 def candidates(ctx: SearchContext, policy: Policy,
@@ -141,13 +103,8 @@ def candidates(ctx: SearchContext, policy: Policy,
     out = []
     for level in levels:
         for combo in itertools.product(*(options[n] for n in names)):
-            d = dict(zip(names, combo))
-            b = d["micro_batch_size"]
-            s = Strategy(precision=d["precision"], checkpointing=d["checkpointing"],
-                         activation_offload=d["activation_offload"], attention=d["attention"],
-                         chunked_ce=d["chunked_ce"], ce_kernel=d["ce_kernel"], optimizer=d["optimizer"],
-                         micro_batch_size=b, grad_accum_steps=ctx.global_batch // b,
-                         expandable_segments=d["expandable_segments"], extras=level)
+            d = dict(zip(names, combo))  # each searched technique owns the Strategy field of its name
+            s = Strategy(**d, grad_accum_steps=ctx.global_batch // d["micro_batch_size"], extras=level)
             if all(tech.admits(s, ctx) for tech in TECHNIQUES):
                 out.append(s)
     return out

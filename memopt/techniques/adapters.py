@@ -30,6 +30,7 @@ from memopt.techniques.model_change import ModelChange, Undo, no_change
 
 __all__ = [
     "ADAPTER_KINDS",
+    "DEFAULT_ADAPTER_RANK",
     "AdapterSetting",
     "ExtraSettings",
     "adapter_state_dict",
@@ -50,6 +51,8 @@ def peft_installed() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 ADAPTER_FIDELITY = "adapters"  # the policy allowance this technique needs
+#: the LoRA rank the planner adds when it adds adapters (pin ``adapter_rank`` for another)
+DEFAULT_ADAPTER_RANK = 16
 
 
 class ExtraSettings(dict):

@@ -1,5 +1,6 @@
 """Quantized frozen base weights (bitsandbytes NF4/FP4 4-bit, LLM.int8 8-bit) and QLoRA: the settings, and the
-extras the planner may try.
+bases the planner may try (``QUANT_BITS_LADDER``; the registry entry in :mod:`memopt.techniques.extras` offers
+them, only under adapters).
 
 ==================== ========================================= ===========================================
 setting              stored per weight of N x K values          the forward / backward pass
@@ -27,7 +28,6 @@ quantized as they load, :mod:`memopt.techniques.quantized_load`; the storage, te
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,14 +37,12 @@ from memopt.strategy import Strategy
 from memopt.techniques.adapters import AdapterSetting, ExtraSettings, setting_fields
 
 __all__ = [
-    "ADAPTER_RANK_OPTIONS",
-    "QUANT_BITS_OPTIONS",
+    "QUANT_BITS_LADDER",
     "QuantSetting",
     "extras_label",
     "extras_pins",
     "fidelity_needs",
     "method_change_note",
-    "planner_extras",
     "qlora",
     "with_extra",
 ]
@@ -52,9 +50,9 @@ __all__ = [
 QUANT_FIDELITY = "quantized_weights"  # the policy allowance quantization needs
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# what the planner may choose (see planner_extras)
-ADAPTER_RANK_OPTIONS: tuple[int, ...] = (8, 16, 64)
-QUANT_BITS_OPTIONS: tuple[int, ...] = (4, 8)
+# the quantized bases the planner tries under adapters, highest fidelity first (8-bit LLM.int8, then 4-bit NF4 with
+# double quantization); FP4 and other settings only when a strategy names them
+QUANT_BITS_LADDER: tuple[int, ...] = (8, 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,28 +174,6 @@ def method_change_note(strategy: Strategy) -> str | None:
         if a is None:
             parts.append("with no adapters the quantized layers do not train at all")
     return "Training method changed: " + "; ".join(parts) + "."
-
-
-def planner_extras(allow: Iterable[str], *, bnb_available: bool, peft_available: bool,
-                   ranks: Sequence[int] = ADAPTER_RANK_OPTIONS,
-                   bits: Sequence[int] = QUANT_BITS_OPTIONS) -> list[tuple[tuple[str, Any], ...]]:
-    """The ``Strategy.extras`` values the planner may try under the allowances ``allow``.
-
-    No extras; with "adapters" (and peft), LoRA of each rank in ``ranks`` (alpha = 2 r, dropout 0, targets
-    found automatically); with "quantized_weights" too (and bitsandbytes), each of those over each base in
-    ``bits`` (4: NF4 + double quantization, bf16 compute; 8: LLM.int8). Quantization alone is never proposed:
-    a quantized frozen base trains nothing in its linear layers. DoRA and FP4 only when pinned."""
-    allow = set(allow)
-    out: list[tuple[tuple[str, Any], ...]] = [()]
-    if "adapters" not in allow or not peft_available:
-        return out
-    for r in ranks:
-        adapters = AdapterSetting(kind="lora", r=r, alpha=2 * r).as_extra()
-        out.append((("adapters", adapters),))
-        if QUANT_FIDELITY in allow and bnb_available:
-            for b in bits:
-                out.append((("adapters", adapters), ("quantization", QuantSetting(bits=b).as_extra())))
-    return out
 
 
 def extras_pins(strategy: Strategy) -> dict[str, int]:

@@ -8,9 +8,9 @@ A technique that changes the model is a ``ModelTechnique``: its ``apply(change)`
 ``change_model``) returns the undo, and ``memopt.step.prepare`` calls them in one documented order
 (``APPLY_ORDER`` there); the others change how the step runs, and the train step reads them from the strategy.
 Each entry also names and renders its value for the dry run, writes its part of a strategy's label, and names the
-policy allowance (fidelity class) a value needs; the extras (adapters, quantization, sharding:
-``memopt.techniques.extras``) answer those as well, though the planner still searches them as a ladder of
-``Strategy.extras`` values.
+policy allowance (fidelity class) a value needs; so do the extras (adapters, quantization, sharding:
+``memopt.techniques.extras``). Adapters and quantization are ``LeveledTechnique``s (``LEVELED``), searched as a
+ladder of ``Strategy.extras`` levels, highest fidelity first, that ``extras_ladder`` composes from them.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Any, Protocol
 
 from memopt.strategy import Checkpointing, Strategy, register_labeller
 from memopt.techniques import attention, checkpointing, precision
-from memopt.techniques.extras import EXTRAS
+from memopt.techniques.extras import EXTRAS, LEVELED, extras_ladder, extras_saving
 from memopt.techniques.model_change import ModelChange, Undo
 from memopt.techniques.optimizers import USER, VARIANTS, optimizer_fidelity
 
-__all__ = ["BY_NAME", "LABEL_ORDER", "TECHNIQUES", "BaseTimes", "ModelTechnique", "SearchContext", "SearchedTechnique",
-           "Technique", "model_technique", "strategy_label"]
+__all__ = ["BY_NAME", "LABEL_ORDER", "LEVELED", "TECHNIQUES", "BaseTimes", "LeveledTechnique", "ModelTechnique",
+           "SearchContext", "SearchedTechnique", "Technique", "extras_ladder", "extras_saving", "model_technique",
+           "strategy_label"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,23 @@ class SearchedTechnique(Technique, Protocol):
     def time_lower_bound(self, value: Any, base: BaseTimes) -> float:
         """Seconds this value adds to one micro-batch pass, at least (0 when it may add nothing)."""
         ...
+
+
+class LeveledTechnique(Technique, Protocol):
+    """An extras technique searched as fidelity levels (``LEVELED``, composed by ``extras_ladder``)."""
+
+    needs: str  # the policy allowance its values need
+    pin: str  # the pin and forbid key naming its value by one number, 0 for off ("adapter_rank", "quant_bits")
+    under: str | None  # the leveled technique whose levels its values extend (None: the level without extras)
+    package: str  # what must be installed to plan it; installed(ctx) says whether it is
+
+    def installed(self, ctx: SearchContext) -> bool: ...
+    # its values under the allowances and its pin (None: not pinned), highest fidelity first
+    def levels(self, ctx: SearchContext, allow: frozenset[str], pinned: Any) -> list[Any]: ...
+
+    def number(self, value: Any) -> int: ...  # what its pin and forbids name a value by (None, off: 0)
+
+    def saving(self, value: Any) -> int: ...  # how much memory a value saves, ranked across the leveled techniques
 
 
 # what each precision needs

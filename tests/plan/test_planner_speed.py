@@ -17,8 +17,9 @@ from memopt.plan.context import search_context
 from memopt.plan.floors import state_floor
 from memopt.plan.footprint import Estimates, min_footprint
 from memopt.plan.policy import ALLOWANCES
-from memopt.plan.search import candidates, evaluate, extras_saving
+from memopt.plan.search import candidates, evaluate
 from memopt.techniques.optimizers import states_per_item
+from memopt.techniques.registry import extras_saving
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40960})

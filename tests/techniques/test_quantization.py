@@ -23,7 +23,6 @@ from memopt.techniques.quantization import (
     extras_label,
     fidelity_needs,
     method_change_note,
-    planner_extras,
     qlora,
     with_extra,
 )
@@ -81,7 +80,7 @@ def test_settings_parse_validate_and_round_trip_through_strategy():
         with_extra(Strategy(), "adapters", {"kind": "ia3"})
 
 
-def test_method_change_note_fidelity_and_planner_options():
+def test_method_change_note_and_fidelity():
     assert method_change_note(Strategy()) is None
     note = method_change_note(qlora(r=16))
     assert note.startswith("Training method changed:")
@@ -90,13 +89,6 @@ def test_method_change_note_fidelity_and_planner_options():
     assert "do not train" in method_change_note(with_extra(Strategy(), "quantization", QuantSetting()))
     assert fidelity_needs(qlora()) == {"quantized_weights", "adapters"}
     assert fidelity_needs(with_extra(Strategy(), "adapters", {"r": 8})) == {"adapters"}
-    assert planner_extras({"exact"}, bnb_available=True, peft_available=True) == [()]
-    only_adapters = planner_extras({"adapters"}, bnb_available=True, peft_available=True)
-    assert [dict(e)["adapters"]["r"] for e in only_adapters[1:]] == [8, 16, 64]
-    both = planner_extras({"adapters", "quantized_weights"}, bnb_available=True, peft_available=True)
-    assert len(both) == 1 + 3 * 3  # none; per rank: adapters alone, over 4-bit, over 8-bit
-    assert all("adapters" in dict(e) for e in both[1:])  # quantization alone is never proposed
-    assert len(planner_extras({"adapters", "quantized_weights"}, bnb_available=False, peft_available=True)) == 4
 
 
 def test_quantization_targets_follow_hugging_face():
