@@ -33,6 +33,7 @@ from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trac
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
 from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
+from memopt.techniques.micro_batching import MicroBatchTooSmall
 from memopt.techniques.precision import uses_grad_scaler, weight_dtype
 from memopt.units import allocator_size
 
@@ -80,6 +81,9 @@ class Profile:
     liger_ce_refusal: str | None = None  # why Liger's fused loss would not be exact (memopt.techniques.liger_ce)
     # why micro-batches would not be exact for this model (memopt.techniques.micro_batching; None: they are)
     micro_batch_refusal: str | None = None
+    # the aten ops the training forward draws random numbers with (memopt.profile.sample_axis_probe; empty: none;
+    # None: not probed, as in profiles cached before it was recorded)
+    forward_random_ops: list[str] | None = None
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -169,7 +173,7 @@ class Profile:
         except TraceAlignmentError as exc:
             raise ValueError(f"memopt cannot extrapolate this model's memory over micro-batch sizes ({exc}); "
                              "its forward pass takes different code paths at micro-batch 1 and 2") from exc
-        except (RuntimeError, TypeError) as exc:
+        except (RuntimeError, TypeError, MicroBatchTooSmall) as exc:
             # the model's own step fails under this variant (an fp32 input meeting bf16 weights, say): the
             # candidates that need it cannot run, which is the planner's to report, not a crash
             first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -278,7 +282,7 @@ class Profile:
             "moe": self.moe, "analytic": self.analytic, "notes": self.notes, "trace_s": self.trace_s,
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
             "chunked_ce_refusal": self.chunked_ce_refusal, "liger_ce_refusal": self.liger_ce_refusal,
-            "micro_batch_refusal": self.micro_batch_refusal,
+            "micro_batch_refusal": self.micro_batch_refusal, "forward_random_ops": self.forward_random_ops,
         }
 
     @classmethod
@@ -301,7 +305,8 @@ class Profile:
                    variants=variants, optimizers=optimizers, moe=d.get("moe"), analytic=d.get("analytic", False),
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
                    engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"),
-                   liger_ce_refusal=d.get("liger_ce_refusal"), micro_batch_refusal=d.get("micro_batch_refusal"))
+                   liger_ce_refusal=d.get("liger_ce_refusal"), micro_batch_refusal=d.get("micro_batch_refusal"),
+                   forward_random_ops=d.get("forward_random_ops"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ from memopt.step.batch import tensors as batch_tensors
 from memopt.step.prepare import prepare
 from memopt.step.train_step import TrainStep
 from memopt.strategy import Strategy
+from memopt.techniques.micro_batching import batch_statistics_guard
 
 __all__ = ["TRACED_BLOCKS", "BatchFactory", "TraceAlignmentError", "trace_variant"]
 
@@ -112,7 +113,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
 
             off.pack = counting_pack
         try:
-            with tracker, ShadowFormatting(tracker.shadows):
+            with tracker, ShadowFormatting(tracker.shadows), batch_statistics_guard(clone):
                 for p in clone.parameters():
                     tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
                 for b in clone.buffers():

@@ -3,13 +3,28 @@ the gradients accumulated exactly (``memopt.step.train_step``). The split is exa
 gradients do not depend on the other samples of its forward: BatchNorm in training normalizes with the statistics of
 the batch it sees, so on a micro-batch it computes other activations and updates its running statistics more often.
 Such a model is not micro-batched unless the user pins a micro-batch size (the plan and ``memopt.wrap`` say so).
+
+A BatchNorm layer that sees one value per channel of each sample (``BatchNorm1d`` over ``(batch, features)``, a
+``1x1`` map) cannot train on a micro-batch of one sample at all (torch refuses statistics of one value):
+:func:`batch_statistics_guard` names the layer when a traced step would, and the plan refuses that micro-batch size
+with the reason (:class:`MicroBatchTooSmall`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
 from torch import nn
 
-__all__ = ["batch_coupled_modules", "micro_batch_refusal"]
+__all__ = ["MicroBatchTooSmall", "batch_coupled_modules", "batch_statistics_guard", "micro_batch_refusal"]
+
+
+class MicroBatchTooSmall(ValueError):
+    """A training forward at this micro-batch size would give a BatchNorm layer one value per channel."""
 
 
 def batch_coupled_modules(model: nn.Module) -> list[str]:
@@ -25,3 +40,32 @@ def micro_batch_refusal(model: nn.Module) -> str | None:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"its BatchNorm layers ({shown}) normalize with the statistics of the batch they see, so micro-batches "
             "would change training")
+
+
+@contextmanager
+def batch_statistics_guard(model: nn.Module) -> Iterator[None]:
+    """While active, a training forward that would give one of ``model``'s BatchNorm layers a single value per
+    channel raises :class:`MicroBatchTooSmall` naming the layer and the micro-batch size (instead of torch's
+    anonymous "Expected more than 1 value per channel"); works on fake tensors (only shapes are read)."""
+
+    def guard(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            batch_stats = module.training or getattr(module, "running_mean", None) is None
+            if not batch_stats or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] < 1:
+                return
+            per_sample = math.prod(x.shape[2:])
+            if x.shape[0] * per_sample == 1:
+                raise MicroBatchTooSmall(
+                    f"a micro-batch of {x.shape[0]} sample cannot train this model: its BatchNorm layer {name} gets "
+                    f"an input of shape {tuple(x.shape)}, one value per channel, and training normalizes over the "
+                    f"values of each channel; each micro-batch needs at least 2 samples")
+        return hook
+
+    handles = [m.register_forward_pre_hook(guard(name or "(root)")) for name, m in model.named_modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

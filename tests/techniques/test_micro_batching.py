@@ -85,3 +85,31 @@ def test_a_trainer_that_accumulates_keeps_its_own_micro_batch(tmp_path, accumula
                           hardware="h200", pins={"precision": "fp32"})
     plan = trainer.memopt_plan
     assert plan.global_batch == 8 and plan.strategy.micro_batch_size == 8 // accumulation
+
+
+class PooledBN(nn.Module):
+    """A BatchNorm1d over pooled features (one value per channel of each sample), as classifier heads have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.conv(x).mean((2, 3))))
+
+
+def test_a_micro_batch_too_small_for_batchnorm_is_refused_naming_the_layer():
+    """One sample per micro-batch gives the BatchNorm1d one value per channel (torch refuses to train on it): the
+    plan says which layer and why, instead of torch's anonymous error from inside the trace."""
+    plan = memopt.plan(PooledBN(), _batch(4), budget="8GB", hardware="h200", loss_fn=_loss,
+                       pins={"precision": "fp32"}, use_cache=False)
+    assert plan.strategy.micro_batch_size == 4  # unpinned: the whole batch, as for any BatchNorm model
+    with pytest.raises(ValueError, match=r"micro-batch of 1 sample cannot train this model: its BatchNorm layer bn "
+                                         r"gets an input of shape \(1, 8\)"):
+        memopt.plan(PooledBN(), _batch(4), budget="8GB", hardware="h200", loss_fn=_loss,
+                    pins={"precision": "fp32", "micro_batch_size": 1}, use_cache=False)
+    with pytest.raises(ValueError, match="each micro-batch needs at least 2 samples"):
+        memopt.plan(PooledBN(), _batch(1), budget="8GB", hardware="h200", loss_fn=_loss,
+                    pins={"precision": "fp32"}, use_cache=False)
