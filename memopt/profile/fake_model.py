@@ -4,7 +4,9 @@
 (so a real 70B model costs nothing to copy), then materializes them as fake tensors on the traced
 device inside ``FakeTensorMode``. ``to_empty`` unties shared weights; ties are recorded first and
 restored after. Optionally a stack of identical blocks is truncated to a few blocks: the profile
-traces those and composes the rest.
+traces those and composes the rest. A model that reads a truncated stack's blocks by position past the kept ones
+(MarkupLM's per-depth embeddings, ``for i in range(config.max_depth)``) gets :class:`TruncatedStackIndexed`
+naming the stack, which the trace then keeps whole.
 
 What the copy cannot reach is the process: caches in the model's code (``memopt.profile.process_caches``).
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +24,34 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memopt.blocks import BlockStack, find_block_stacks, tied_parameter_groups
 
-__all__ = ["fake_copy", "truncate_stacks"]
+__all__ = ["TruncatedStackIndexed", "fake_copy", "truncate_stacks"]
+
+
+class TruncatedStackIndexed(IndexError):
+    """The model read block ``index`` of a stack that the copy truncated to ``kept`` blocks: that stack has to be
+    copied whole (``fake_copy(..., keep_whole=...)``)."""
+
+    def __init__(self, path: str, index: int, kept: int) -> None:
+        super().__init__(f"block {index} of {path!r} read by position, past the {kept} blocks kept for tracing")
+        self.path = path
+
+
+class _TruncatedModuleList(nn.ModuleList):
+    _memopt_path = ""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, int) and not -len(self) <= idx < len(self):
+            raise TruncatedStackIndexed(self._memopt_path, idx, len(self))
+        return super().__getitem__(idx)
+
+
+class _TruncatedSequential(nn.Sequential):
+    _memopt_path = ""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, int) and not -len(self) <= idx < len(self):
+            raise TruncatedStackIndexed(self._memopt_path, idx, len(self))
+        return super().__getitem__(idx)
 
 def _meta_memo(model: nn.Module) -> dict[int, object]:
     memo: dict[int, object] = {}
@@ -105,12 +135,14 @@ def _copy_modules(model: nn.Module, memo: dict[int, object]) -> nn.Module:
 
 
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device,
-              keep_blocks: int | None = None) -> nn.Module:
+              keep_blocks: int | None = None, keep_whole: Collection[str] = ()) -> nn.Module:
     """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
 
     No real memory is taken, wherever the model lives (a model already on the GPU included). With
     ``keep_blocks``, stacks of interchangeable blocks keep only their first ``keep_blocks`` blocks; the
-    others are never copied (an 80-block model costs what a 4-block one does).
+    others are never copied (an 80-block model costs what a 4-block one does); the stacks named in ``keep_whole``
+    keep all their blocks. Reading a truncated stack's block past the kept ones raises
+    :class:`TruncatedStackIndexed`.
     """
     groups = tied_parameter_groups(model)
     memo = _meta_memo(model)
@@ -118,7 +150,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
     if keep_blocks is not None:
         dropped = _Dropped()
         for stack in find_block_stacks(model):
-            if len(stack) > keep_blocks and stack.uniform_tail:
+            if len(stack) > keep_blocks and stack.uniform_tail and stack.path not in keep_whole:
                 cut.append(stack.path)
                 for block in stack.blocks[keep_blocks:]:
                     memo[id(block)] = dropped
@@ -135,7 +167,12 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
         parent = clone.get_submodule(parent_name) if parent_name else clone
         container = getattr(parent, attr)
         kept = [b for b in container if not isinstance(b, _Dropped)]
-        setattr(parent, attr, type(container)(*kept) if isinstance(container, nn.Sequential) else nn.ModuleList(kept))
+        if isinstance(container, nn.Sequential):
+            short: nn.Module = _TruncatedSequential(*kept)
+        else:
+            short = _TruncatedModuleList(kept)
+        short._memopt_path = path
+        setattr(parent, attr, short)
     if cut:
         groups = [[n for n in names if _resolvable(clone, n)] for names in groups]
         groups = [g for g in groups if len(g) > 1]

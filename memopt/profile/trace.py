@@ -33,7 +33,7 @@ from memopt.profile.attention_select import UnsupportedAttention as UnsupportedA
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import fake_copy
+from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
@@ -80,10 +80,24 @@ BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch 
 
 
 def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strategy: Strategy,
-              policy: KernelPolicy, keep_blocks: int, loss_fn: Any) -> _RawTrace:
+              policy: KernelPolicy, keep_blocks: int, loss_fn: Any, whole: set[str] | None = None) -> _RawTrace:
+    """One traced step at ``micro_batch``. A stack that the model reads by position past the kept blocks is
+    traced whole (added to ``whole``, which the other passes of the variant share)."""
+    whole = set() if whole is None else whole
+    while True:
+        try:
+            return _pass(model, batch_factory, micro_batch, strategy, policy, keep_blocks, loss_fn, whole)
+        except TruncatedStackIndexed as exc:
+            if exc.path in whole:
+                raise
+            whole.add(exc.path)
+
+
+def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strategy: Strategy,
+          policy: KernelPolicy, keep_blocks: int, loss_fn: Any, whole: set[str]) -> _RawTrace:
     device, emulate = trace_device(policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    clone = fake_copy(model, fake_mode, device, keep_blocks=keep_blocks)
+    clone = fake_copy(model, fake_mode, device, keep_blocks=keep_blocks, keep_whole=whole)
     clone.train()
     tracker = MemoryTracker(device)
     costs = CostRecorder(lambda: tracker._phase)
@@ -247,6 +261,7 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
     into one linear trace; when a size-1 batch dimension changed the ops (a reshape skipped a copy), the
     linear trace holds from micro-batch 2 on and an exact micro-batch-1 trace is returned as well."""
     strategy = key.strategy()
+    whole: set[str] = set()  # stacks the model reads by position past the kept blocks: traced whole
 
     def build(segments: list[Segment], raw1: _RawTrace, raw2: _RawTrace, k: VariantKey, lo: int, hi: int,
               min_b: int) -> VariantTrace:
@@ -261,18 +276,18 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                             bounded_ops=sorted(set(raw1.bounded_ops) | set(raw2.bounded_ops)))
 
     if key.micro_batch is not None:
-        raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn)
+        raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn, whole)
         return [build(_exact_segments(raw), raw, raw, key, key.micro_batch, key.micro_batch, key.micro_batch)]
     try:
-        one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn)
+        one = _one_pass(model, batch_factory, 1, strategy, policy, keep_blocks, loss_fn, whole)
     except (UnsupportedAttentionError, TraceAlignmentError):
         raise
     except Exception:
-        two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
-        three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
+        two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn, whole)
+        three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn, whole)
         segments, status = _align(two, three)
         return [build(segments, two, three, key, 2, 3, {"exact": 2, "inserts": 3}.get(status, _NEVER))]
-    two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn)
+    two = _one_pass(model, batch_factory, 2, strategy, policy, keep_blocks, loss_fn, whole)
     segments, status = _align(one, two)
     if status == "exact":
         return [build(segments, one, two, key, 1, 2, 1)]
@@ -281,7 +296,7 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
         return [build(segments, one, two, key, 1, 2, 2), exact_one]
     # micro-batch 1 took other code paths (a recurrent kernel, a fast path for one sample): the linear trace
     # comes from micro-batches 2 and 3, and micro-batch 1 is traced exactly
-    three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn)
+    three = _one_pass(model, batch_factory, 3, strategy, policy, keep_blocks, loss_fn, whole)
     segments, status = _align(two, three)
     if status != "mismatch":
         return [build(segments, two, three, key, 2, 3, 2 if status == "exact" else 3), exact_one,

@@ -86,3 +86,40 @@ def test_clone_runs_and_references_only_clones():
     with mode:
         out = clone(torch.empty(2, 8))
     assert isinstance(out, FakeTensor) and out.shape == (2, 8)
+
+
+class _Stack(nn.Module):
+    """Eight interchangeable blocks, read in order (``indexed``: by position, as MarkupLM reads its per-depth
+    embeddings with ``for i in range(config.max_depth)``)."""
+
+    def __init__(self, indexed: bool) -> None:
+        super().__init__()
+        self.indexed = indexed
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.indexed:
+            for i in range(8):
+                x = torch.relu(self.layers[i](x))
+        else:
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_stack_read_by_position_is_traced_whole_with_the_same_estimate():
+    """The trace keeps a few blocks of a stack; a model that reads block 5 by position would hit the end of the
+    truncated list (an IndexError from inside the trace): that stack is traced whole instead, and the plan
+    predicts what it predicts for the same model reading its blocks in order."""
+    import memopt
+
+    def loss(out, batch):
+        return nn.functional.cross_entropy(out, batch[1])
+
+    batch = (torch.randn(8, 64), torch.randint(0, 4, (8,)))
+    plans = [memopt.plan(_Stack(indexed), batch, budget="8GB", hardware="h200", loss_fn=loss,
+                         pins={"precision": "fp32", "micro_batch_size": 8, "checkpointing": "none"}, use_cache=False)
+             for indexed in (False, True)]
+    assert plans[1].strategy == plans[0].strategy
+    assert plans[1].peak_allocated_bytes == plans[0].peak_allocated_bytes > 0
