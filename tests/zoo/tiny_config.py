@@ -21,7 +21,8 @@ _SIZES: list[tuple[int, tuple[str, ...]]] = [
              "true_hidden_size", "intra_bottleneck_size", "encoder_hidden_size", "decoder_hidden_size",
              "emb_dim", "embedding_dim", "entity_emb_size", "input_embedding_size", "output_embedding_size",
              "lru_width", "audio_hidden_size", "cross_attention_hidden_size", "out_hidden_size", "n_embed",
-             "adapter_in_dim", "adapter_out_dim", "adapter_input_size")),
+             "adapter_in_dim", "adapter_out_dim", "adapter_input_size", "nemo_conv_channels", "ext_pw_out_channel",
+             "depthwise_separable_out_channel")),
     (FFN, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
           "moe_intermediate_size", "shared_expert_intermediate_size", "shared_experts_intermediate_size",
           "moe_shared_expert_intermediate_size", "hidden_dim", "d_inner", "dim_ff", "ffn_hidden_size",
@@ -46,7 +47,8 @@ _SIZES: list[tuple[int, tuple[str, ...]]] = [
         "local_attention_window_len", "global_block_size", "local_radius", "num_latents", "d_rel")),
     (VOCAB, ("vocab_size", "vocab_size_per_layer_input", "decoder_vocab_size", "entity_vocab_size",
             "src_vocab_size", "tgt_vocab_size", "char_vocab_size", "pronunciation_vocab_size", "shape_vocab_size",
-            "unpadded_vocab_size", "audio_vocab_size", "num_buckets", "num_hash_buckets")),
+            "unpadded_vocab_size", "audio_vocab_size", "num_buckets", "num_hash_buckets",
+            "encoder_hash_byte_group_vocab")),
     (POSITIONS, ("max_position_embeddings", "n_positions", "n_ctx", "max_source_positions", "max_target_positions",
                 "max_seq_len", "max_2d_position_embeddings", "max_encoder_position_embeddings",
                 "max_decoder_position_embeddings", "original_max_position_embeddings", "model_max_length",
@@ -67,6 +69,13 @@ _CLAMPED = {name for size, names in _SIZES[-4:] for name in names}
 # given (``head_dim ** -0.5``, ``heads // num_key_value_heads``, ``nn.Embedding(vocab_size, ...)``); the tiny
 # values are what the other fields imply (HIDDEN // HEADS, HEADS)
 _UNSET_SIZES = ("head_dim", "num_key_value_heads", "vocab_size")
+# the expert counts a mixture-of-experts config (one with an expert width) may leave unset for a checkpoint to give
+# (its model builds ``num_local_experts`` experts, routes each token to ``num_experts_per_tok`` and sizes its shared
+# expert ``moe_intermediate_size * n_shared_experts``)
+_UNSET_EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts")
+# compound-scaling coefficients of a scaled family (EfficientNet's B0-B7 scale the base widths and depths): the
+# tiny model is a quarter of the base model's widths, one block a stage
+_SCALING = {"width_coefficient": 0.25, "depth_coefficient": 0.25}
 # per-stage lists of convolutional / hierarchical vision backbones: widths double per stage, one block a stage,
 # one head a stage
 _STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes", "stage_out_channels",
@@ -101,6 +110,19 @@ OVERRIDES: dict[str, dict[str, Any]] = {
        for key, prefix in (("qwen4_exp_text", ""), ("qwen4_exp", "text_config."))},
     # the hybrid layers share one transformer, tied from the first to the others: it takes two of them
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # the attention layers read their sub-config's rope_theta, which the sub-config class does not define (the
+    # rotary embedding itself reads the top-level rope_parameters), and clamp q, k, v to clip_qkv, whose default
+    # (None) torch's clamp refuses (the released checkpoints clip at 8)
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
+    # the config class leaves layer_types to a checkpoint (its model reads layer_types[i]; Lfm2's class derives
+    # them from full_attn_idxs): one convolution layer, one attention layer
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # the layout embeddings concatenate six 2-D position embeddings (x0, y0, x1, y1 of coordinate_size, h, w of
+    # shape_size; LiLT's each hidden_size // 6) into the hidden size: it is a multiple of 6 (48), and theirs add up
+    "lilt": {"hidden_size": 48},
+    "layoutlmv3": {"hidden_size": 48, "coordinate_size": 8, "shape_size": 8},
+    # each stage's stochastic depth rates are indexed by the stage's number: stage i has more than i blocks
+    "cvt": {"depth": [1, 2, 3]},
     "reformer": {"axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2], "axial_pos_shape": [4, 4]},
 }
 
@@ -138,6 +160,10 @@ def _shrink_list(key: str, value: list[Any], layers_before: int | None, keep: li
         if key in _SIZE_OF and all(isinstance(v, int) for v in value):  # a per-layer width
             return [_SIZE_OF[key]] * len(keep)
         return [value[i] for i in keep]  # a per-layer list (layer_types, mlp_only_layers, ...) follows the new depth
+    if (layers_before and layers_before > LAYERS and ("layer" in key or "idx" in key)
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers_before for v in value)
+            and any(v in keep for v in value)):  # layer indices of a kind the kept layers have (hybrid_layer_ids):
+        return [keep.index(v) for v in value if v in keep]  # the kept ones, renumbered
     if not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return value
     if key in _STAGE_WIDTHS:
@@ -174,8 +200,14 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
             out[key] = min(value, _SIZE_OF[key]) if key in _CLAMPED else _SIZE_OF[key]
         elif isinstance(value, list):
             out[key] = _shrink_list(key, value, layers_before, keep)
+        elif isinstance(value, float) and key in _SCALING:  # compound scaling: below the base model's widths
+            out[key] = _SCALING[key]
         elif isinstance(value, float) and ("drop" in key or key in ("attention_probs_dropout_prob",)):
             out[key] = 0.0
+    if isinstance(out.get("moe_intermediate_size"), int):
+        for key in _UNSET_EXPERT_COUNTS:
+            if key in out and out[key] is None:
+                out[key] = _SIZE_OF[key]
     if "qk_nope_head_dim" in out and "qk_rope_head_dim" in out and "qk_head_dim" in out:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention ropes qk_rope_head_dim
@@ -194,12 +226,33 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
     if isinstance(out.get("window_size"), int) and isinstance(out.get("patch_size"), int) and isinstance(
             depths, list) and depths:  # a hierarchical vision model's window fits its last stage's map
         out["window_size"] = min(out["window_size"], max(1, IMAGE // out["patch_size"] // 2 ** (len(depths) - 1)))
+    _stage_chain(d, out)
+    width = d.get("width_coefficient")
+    if isinstance(width, float) and width > 0 and isinstance(d.get("hidden_dim"), int):  # the head's width is
+        out["hidden_dim"] = round(d["hidden_dim"] * _SCALING["width_coefficient"] / width)  # scaled as the rest
     _rope_lists(out)
     _token_ids(out, int(out.get("vocab_size") or vocab))
     for key in ("pad_token_id", "decoder_start_token_id"):  # classifiers pool at the padding token, seq2seq
         if key in out and out[key] is None:                  # heads shift labels right from the start token
             out[key] = 0
     return out
+
+
+def _stage_chain(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """A convolutional backbone's stem and stages stay chained after their widths shrink: a stem channel list that
+    starts at the image's channels keeps that first entry, a stem width equal to the first stage's width stays so,
+    and each stage takes what the one before gives (the stem's output for the first)."""
+    stem = out.get("stem_channels")
+    if isinstance(stem, list) and len(stem) > 1 and d["stem_channels"][0] == d.get("num_channels"):
+        out["stem_channels"] = [d["stem_channels"][0], *(8 * 2**i for i in range(len(stem) - 1))]
+    sizes, before = out.get("hidden_sizes"), d.get("hidden_sizes")
+    if isinstance(d.get("stem_out_channels"), int) and isinstance(before, list) and before and isinstance(
+            sizes, list) and d["stem_out_channels"] == before[0]:
+        out["stem_out_channels"] = sizes[0]
+    ins, outs = out.get("stage_in_channels"), out.get("stage_out_channels")
+    if isinstance(ins, list) and isinstance(outs, list) and len(ins) == len(outs) and ins:
+        first = out["stem_channels"][-1] if isinstance(out.get("stem_channels"), list) else ins[0]
+        out["stage_in_channels"] = [first, *outs[:-1]]
 
 
 def _rope_lists(d: dict[str, Any]) -> None:
