@@ -8,13 +8,14 @@ from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile
+from memopt.profile.sample_axis_probe import BatchProbe
 from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.liger_ce import liger_installed
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.registry import SearchContext
 
-__all__ = ["resolve_hardware", "resolve_policy", "search_context"]
+__all__ = ["micro_batch_refusal_for", "resolve_hardware", "resolve_policy", "search_context"]
 
 
 def resolve_hardware(hardware: str | HardwareSpec | dict | None) -> HardwareSpec:
@@ -49,6 +50,16 @@ def liger_ce_unavailable(profile: Profile, hw: HardwareSpec) -> str | None:
     return profile.chunked_ce_refusal or profile.liger_ce_refusal
 
 
+def micro_batch_refusal_for(profile: Profile, policy: Policy) -> str | None:
+    """Why micro-batches would not be exact for this model under ``policy``: the profile's word (batch-coupled
+    layers, a batch whose dim 0 is not the samples), and under the "exact" fidelity alone also random draws in the
+    training forward (micro-batches draw other masks than one pass over the whole batch; the fidelities that allow
+    bf16 autocast already trade bitwise equality for speed)."""
+    if profile.micro_batch_refusal or policy.allow != {"exact"} or not profile.forward_random_ops:
+        return profile.micro_batch_refusal
+    return BatchProbe(random_ops=tuple(profile.forward_random_ops)).random_draws()
+
+
 def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,
                    user_optimizer: bool) -> SearchContext:
     vocab = profile.vocab_size
@@ -68,4 +79,4 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
                          liger_ce=liger is None,
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch,
-                         micro_batch_refusal=profile.micro_batch_refusal)
+                         micro_batch_refusal=micro_batch_refusal_for(profile, policy))

@@ -91,6 +91,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     global_batch = int(prof.sample["batch_size"])
     _check_batch(pol, global_batch, world_size or world_of(hw)[0])
     ctx = search_context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
+    if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
+        notes.append(f"micro-batching refused under fidelity 'exact': {ctx.micro_batch_refusal}; allow bf16 "
+                     "autocast (fidelity 'default') or pin micro_batch_size to split the batch anyway")
     store = EstimateStore(prof) if use_cache else None
     estimates = Estimates(prof, hw, store=store)
 

@@ -32,6 +32,7 @@ from memopt.distributed.host_tier import machine_host_memory_bytes, machine_host
 from memopt.distributed.memory import fit_advice
 from memopt.distributed.timeline import activation_timeline, timeline_grads
 from memopt.hardware import HardwareSpec
+from memopt.plan.context import micro_batch_refusal_for
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.plan.search import bisect_blocks
@@ -277,7 +278,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
 
     coarse: dict[tuple[int, int], dict[int, ShardedCandidate]] = {}
     for i, setting in enumerate(settings):
-        for mb in _micro_batches(per_rank, policy, profile.micro_batch_refusal):
+        for mb in _micro_batches(per_rank, policy, micro_batch_refusal_for(profile, policy)):
             coarse[i, mb] = {ck.count(n_blocks): evaluate(setting, mb, ck)
                              for ck in _checkpointings(n_blocks, policy)}
     for c in candidates:

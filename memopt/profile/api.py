@@ -22,7 +22,7 @@ from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.profile import Profile, VariantFailed
-from memopt.profile.sample_axis_probe import sample_axis_refusal
+from memopt.profile.sample_axis_probe import probe_batch
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
@@ -231,6 +231,18 @@ def _record_micro_batch_refusal(prof: Profile, module: nn.Module, probed: str | 
                           "split the batch anyway")
 
 
+def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_fn: Any) -> None:
+    """What splitting the batch does to the model (``memopt.profile.sample_axis_probe``), for a batch that can be
+    split."""
+    if int(prof.sample.get("batch_size", 1)) < 2:
+        return
+    probe = probe_batch(module, factory, loss_fn)
+    if probe is None:
+        return
+    prof.forward_random_ops = list(probe.random_ops)
+    _record_micro_batch_refusal(prof, module, probe.axis_refusal)
+
+
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
                   loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
                   variants: list[VariantKey] | None = None, training_step: Any = None) -> Profile:
@@ -261,10 +273,12 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     if prof is None:
         module = source if isinstance(source, nn.Module) else source()
         prof = _new_profile(module, spec, name, key, sample_dict, tokens, hw, policy.cache_key)
-        if int(sample_dict.get("batch_size", 1)) > 1:
-            _record_micro_batch_refusal(prof, module, sample_axis_refusal(module, factory, loss_fn))
-    elif isinstance(source, nn.Module):
-        _record_micro_batch_refusal(prof, source, prof.micro_batch_refusal)
+        _probe_batch(prof, module, factory, loss_fn)
+    else:
+        if isinstance(source, nn.Module):
+            _record_micro_batch_refusal(prof, source, prof.micro_batch_refusal)
+        if prof.forward_random_ops is None:  # cached before the batch probe was recorded
+            _probe_batch(prof, source if isinstance(source, nn.Module) else source(), factory, loss_fn)
     prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()

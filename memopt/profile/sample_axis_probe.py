@@ -7,16 +7,24 @@ micro-batch would then be a slice of time steps: the recurrence restarts and att
 so the loss changes silently. Such a model may also transpose a batch-first input itself, so the layer's flag alone
 says nothing; what does is how the layer's batch axis grows with the number of samples fed. One forward of a fake
 copy (no memory, no values) at 1 and at 2 samples: a layer whose batch axis does not double is not fed samples along
-the batch's dim 0, and micro-batching is refused with that reason. Only models that have such layers pay for it.
+the batch's dim 0, and micro-batching is refused with that reason.
+
+The same forward records whether the training forward draws random numbers (dropout, stochastic depth, LayerDrop,
+attention dropout inside a fused kernel). Micro-batches draw their masks one after another, so they are not the
+masks one pass over the whole batch would draw: the same distribution, not the same numbers. Under the "exact"
+fidelity that refuses micro-batching (``memopt.plan.context``); the other fidelities, which already trade bitwise
+equality for speed (bf16 autocast), allow it. The forward runs on a fake copy that keeps one block of each stack.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
@@ -24,9 +32,59 @@ from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
-__all__ = ["axis_layers", "sample_axis_refusal"]
+__all__ = ["BatchProbe", "axis_layers", "probe_batch", "sample_axis_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
+# aten ops that draw from a random generator
+_RANDOM_OPS = frozenset({"bernoulli", "bernoulli_", "native_dropout", "_fused_dropout", "rand", "rand_like", "randn",
+                         "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal", "normal_",
+                         "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+                         "rrelu_with_noise", "poisson"})
+# fused attention kernels that draw their dropout inside: the position of dropout_p among their arguments
+_ATTENTION_DROPOUT_ARG = {"_scaled_dot_product_flash_attention": 3, "_scaled_dot_product_flash_attention_for_cpu": 3,
+                          "_scaled_dot_product_efficient_attention": 5, "_scaled_dot_product_cudnn_attention": 5,
+                          "_flash_attention_forward": 5, "_efficient_attention_forward": 6}
+
+
+@dataclass
+class BatchProbe:
+    """What one fake forward says about splitting the batch: ``axis_refusal`` (a layer whose batch axis is not the
+    batch's dim 0, or None) and ``random_ops`` (the aten ops that drew random numbers, sorted; empty: none)."""
+
+    axis_refusal: str | None = None
+    random_ops: tuple[str, ...] = ()
+
+    def random_draws(self) -> str | None:
+        """Why micro-batches would not draw the masks one pass over the whole batch draws (None: nothing is drawn)."""
+        if not self.random_ops:
+            return None
+        return (f"its training forward draws random numbers ({', '.join(self.random_ops)}: dropout, stochastic depth "
+                "or the like), and micro-batches draw them one after another, so they are not the numbers one pass "
+                "over the whole batch draws (the same distribution, not the same masks)")
+
+
+class _RandomOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = getattr(func, "_overloadpacket", None)
+        name = packet.__name__ if packet is not None else str(func)
+        out = func(*args, **(kwargs or {}))
+        if name in _RANDOM_OPS:
+            # a single number drawn is a per-step decision (LayerDrop's "skip this layer?"), which OPT and BART
+            # draw even at layerdrop 0, where nothing depends on it; per-element masks are what micro-batches change
+            drawn = out if isinstance(out, torch.Tensor) else next((a for a in args if isinstance(a, torch.Tensor)),
+                                                                     None)
+            if drawn is None or drawn.numel() > 1:
+                self.seen.add(name)
+        elif name in _ATTENTION_DROPOUT_ARG:
+            i = _ATTENTION_DROPOUT_ARG[name]
+            p = args[i] if len(args) > i else (kwargs or {}).get("dropout_p", 0.0)
+            if isinstance(p, (int, float)) and p > 0:
+                self.seen.add(f"{name}(dropout_p={p:g})")
+        return out
 
 
 def axis_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -44,9 +102,11 @@ def _batch_axis_size(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return int(x.shape[0] if getattr(module, "batch_first", False) else x.shape[1])
 
 
-def _seen_sizes(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> dict[str, int]:
+def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> tuple[dict[str, int], set[str]]:
+    """One training forward (and loss) of a fake copy at ``samples`` samples: the batch-axis size each axis layer
+    saw, and the random ops drawn."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    clone = fake_copy(model, mode, "cpu")
+    clone = fake_copy(model, mode, "cpu", keep_blocks=1)
     clone.train()
     seen: dict[str, int] = {}
     hooks = []
@@ -56,31 +116,24 @@ def _seen_sizes(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int
             if size is not None:
                 seen.setdefault(name, size)
         hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+    draws = _RandomOps()
     try:
         # the tracker answers the boolean checks models make on masks (fake tensors have no values)
         with (caches_kept_real(model), mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(),
               MemoryTracker("cpu", record=False)):
-            compute_loss(clone, batch_factory(samples, "cpu"), loss_fn)
+            batch = batch_factory(samples, "cpu")  # outside the op log: a factory may draw random inputs
+            with draws:
+                compute_loss(clone, batch, loss_fn)
     finally:
         for h in hooks:
             h.remove()
-    return seen
+    return seen, draws.seen
 
 
-def sample_axis_refusal(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> str | None:
-    """Why splitting the batch along dim 0 would cut something other than samples for ``model`` (None: every
-    layer that names a batch axis sees it grow with the samples, or the model has no such layer, or the check could
-    not run). ``batch_factory(b, device)`` makes a batch of ``b`` samples."""
-    if not axis_layers(model):
-        return None
-    try:
-        one = _seen_sizes(model, batch_factory, loss_fn, 1)
-        two = _seen_sizes(model, batch_factory, loss_fn, 2)
-    except Exception:  # the trace itself will report a model that cannot run; this check only refuses
-        return None
+def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) -> str | None:
     layers = dict(axis_layers(model))
     for name in one:
-        if name in two and two[name] != 2 * one[name]:
+        if name in two and name in layers and two[name] != 2 * one[name]:
             layer = layers[name]
             axis = 0 if getattr(layer, "batch_first", False) else 1
             return (f"its {type(layer).__name__} {name} (batch_first={getattr(layer, 'batch_first', False)}) reads "
@@ -89,3 +142,25 @@ def sample_axis_refusal(model: nn.Module, batch_factory: Any, loss_fn: Any = Non
                     "micro-batch would be a slice of every sequence; pass batches with the samples along dim 0 "
                     "(batch_first=True) to allow micro-batching")
     return None
+
+
+def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> BatchProbe | None:
+    """What splitting the batch along dim 0 does to ``model``'s training forward; None when the probe could not
+    run (the trace itself reports a model that cannot). ``batch_factory(b, device)`` makes a batch of ``b``
+    samples."""
+    try:
+        one, draws = _forward(model, batch_factory, loss_fn, 1)
+        two = _forward(model, batch_factory, loss_fn, 2)[0] if one else {}
+    except Exception:
+        return None
+    return BatchProbe(axis_refusal=_axis_refusal(model, one, two), random_ops=tuple(sorted(draws)))
+
+
+def sample_axis_refusal(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> str | None:
+    """Why splitting the batch along dim 0 would cut something other than samples for ``model`` (None: every
+    layer that names a batch axis sees it grow with the samples, or the model has no such layer, or the check could
+    not run)."""
+    if not axis_layers(model):
+        return None
+    probe = probe_batch(model, batch_factory, loss_fn)
+    return None if probe is None else probe.axis_refusal

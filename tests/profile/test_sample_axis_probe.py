@@ -106,3 +106,88 @@ def test_models_without_axis_layers_are_not_probed() -> None:
 
     assert sample_axis_refusal(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), factory) is None
     assert calls == []
+
+
+class DropoutMLP(nn.Module):
+    """Residual MLP blocks with dropout over (B, 128, 512) inputs: activations dominate a 1.5 GB budget."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Dropout(p), nn.Linear(2048, 512))
+                                    for _ in range(4))
+        self.head = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+
+def _cls_loss(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+def test_micro_batches_draw_other_dropout_masks() -> None:
+    # why the "exact" fidelity refuses them: same seed, same batch, other masks, other loss
+    model = DropoutMLP(0.1)
+    x, y = torch.randn(8, 4, 512), torch.randint(0, 10, (8,))
+    torch.manual_seed(0)
+    full = _cls_loss(model(x), (x, y))
+    torch.manual_seed(0)
+    parts = [_cls_loss(model(a), (a, b)) for a, b in zip(split(x, 4), split(y, 4))]
+    assert not torch.allclose(full, torch.stack(parts).mean(), atol=1e-4)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_exact_fidelity_refuses_micro_batches_only_where_the_forward_draws(p: float) -> None:
+    model = DropoutMLP(p)
+    x, y = torch.randn(64, 128, 512), torch.randint(0, 10, (64,))
+    prof = _profile(model, (x, y), _cls_loss)
+    assert prof.forward_random_ops == (["bernoulli_"] if p else [])
+    exact = memopt.make_plan(model, (x, y), budget="1.5GB", hardware="h100_80gb", loss_fn=_cls_loss, profile=prof,
+                             fidelity="exact")
+    refused = [n for n in exact.notes if "micro-batching refused under fidelity 'exact'" in n]
+    if p:
+        assert exact.strategy.micro_batch_size == 64 and refused and "bernoulli_" in refused[0]
+    else:  # the same budget is met by splitting the batch
+        assert exact.fits and exact.strategy.micro_batch_size < 64 and not refused
+    default = memopt.make_plan(model, (x, y), budget="1.5GB", hardware="h100_80gb", loss_fn=_cls_loss, profile=prof)
+    assert default.fits and not any("micro-batching refused" in n for n in default.notes)
+
+
+def test_dropout_inside_a_fused_attention_kernel_is_a_random_draw() -> None:
+    class Attn(nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.qkv, self.p = nn.Linear(16, 48), p
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0).mean()
+
+    def factory(b: int, device: str) -> torch.Tensor:
+        return torch.randn(b, 6, 16, device=device)
+
+    from memopt.profile.sample_axis_probe import probe_batch
+
+    assert probe_batch(Attn(0.0), factory).random_ops == ()
+    drawn = probe_batch(Attn(0.2), factory).random_ops
+    assert drawn and drawn != ("randn",)  # the factory's own random input is not the model's draw
+
+
+def test_a_single_number_drawn_per_step_is_not_a_mask() -> None:
+    # LayerDrop's per-step draw (OPT and BART draw it even at layerdrop 0) leaves the samples' computation alone
+    class LayerDrop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                if not (self.training and torch.rand([]) < 0.0):
+                    x = layer(x)
+            return x.mean()
+
+    from memopt.profile.sample_axis_probe import probe_batch
+
+    assert probe_batch(LayerDrop(), lambda b, device: torch.randn(b, 8, device=device)).random_ops == ()
