@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from memopt import progress
+from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
@@ -382,10 +383,12 @@ class Wrapped:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """A checkpoint of the model, optimizer, step and data position (an offload plan: its engine's folder)."""
+        """A checkpoint of the model, optimizer, step and data position; returns where it is. ``path`` is a file,
+        or a folder (one that exists, or written with a trailing slash) to hold ``CHECKPOINT_FILE``: the offload
+        engines write folders, so a script that saves to a folder works under either kind of plan."""
         if self._sharded is not None:
             return self._sharded.save(path)
-        out = Path(path)
+        out = checkpoint_file(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(out.suffix + ".tmp")
         torch.save(self.state_dict(), tmp)
@@ -397,7 +400,11 @@ class Wrapped:
         if self._sharded is not None:
             self._sharded.load(path)
             return
-        self.load_state_dict(torch.load(path, weights_only=False))
+        file = checkpoint_file(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"no memopt checkpoint at {file}: pass the path wrapped.save returned (a file, or "
+                                    f"the folder holding {CHECKPOINT_FILE})")
+        self.load_state_dict(torch.load(file, weights_only=False))
 
     def describe(self) -> str:
         if self.plan is None:

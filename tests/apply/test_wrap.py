@@ -69,6 +69,30 @@ def test_checkpoint_round_trip(tmp_path):
     assert w2.step(_batch(1)) == pytest.approx(next_loss, rel=1e-6)
 
 
+@pytest.mark.parametrize("where", ["existing folder", "new folder/"])
+def test_checkpoint_to_a_folder_resumes(tmp_path, where):
+    # the offload engines save to folders: a script that saves to one must work under a one-GPU plan too
+    torch.manual_seed(0)
+    w = memopt.wrap(build_model("tiny_llama", device="cpu"), budget="4GB", sample=SAMPLE, hardware="h100_80gb",
+                    lr=1e-3)
+    w.step(_batch(0))
+    folder = tmp_path / "ckpt"
+    if where == "existing folder":
+        folder.mkdir()
+        target = folder
+    else:
+        target = f"{folder}/"
+    path = w.save(target)
+    assert path == folder / "memopt_checkpoint.pt" and path.is_file()
+    next_loss = w.step(_batch(1))
+    w2 = memopt.wrap(build_model("tiny_llama", device="cpu"), plan=w.plan, lr=1e-3)
+    w2.load(folder)
+    assert w2.steps_done == 1
+    assert w2.step(_batch(1)) == pytest.approx(next_loss, rel=1e-6)
+    with pytest.raises(FileNotFoundError, match="no memopt checkpoint at .*memopt_checkpoint.pt"):
+        w2.load(tmp_path / "elsewhere")
+
+
 def test_bad_input_is_explained():
     model = build_model("tiny_llama", device="cpu")
     with pytest.raises(ValueError, match="budget"):
