@@ -7,6 +7,7 @@ with the reason (made by ``python -m tests.zoo.make_unbuildable``); every other 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -63,8 +64,14 @@ def build(pair: str, seed: int = 0) -> nn.Module:
     import transformers
 
     task, model_type = pair.split(":")
+    config = _config(model_type)
+    if task == "causal_lm" and getattr(config, "is_decoder", None) is False:
+        # a causal LM is a decoder, as its checkpoints say (an encoder family's LM head attends causally only so;
+        # Reformer's refuses to be built otherwise); the family's other tasks keep the encoder's config
+        config = copy.deepcopy(config)
+        config.is_decoder = True
     torch.manual_seed(seed)
-    model = getattr(transformers, _AUTO[task]).from_config(_config(model_type))
+    model = getattr(transformers, _AUTO[task]).from_config(config)
     n = sum(p.numel() for p in model.parameters())
     if n > PARAM_LIMIT:
         raise ValueError(f"the tiny config still has {n / 1e6:.1f}M parameters (limit {PARAM_LIMIT / 1e6:.0f}M)")

@@ -123,6 +123,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "layoutlmv3": {"hidden_size": 48, "coordinate_size": 8, "shape_size": 8},
     # each stage's stochastic depth rates are indexed by the stage's number: stage i has more than i blocks
     "cvt": {"depth": [1, 2, 3]},
+    # the sliding-window layers have twice the key/value heads of the others: still no more than the query heads
+    "mimo_v2_flash": {"num_key_value_heads": 1},
     "reformer": {"axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2], "axial_pos_shape": [4, 4]},
 }
 
@@ -212,6 +214,11 @@ def shrink(d: dict[str, Any], vocab: int = VOCAB) -> dict[str, Any]:
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention ropes qk_rope_head_dim
         out["head_dim"] = out["qk_rope_head_dim"]
+        rope = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        if isinstance(partial, float) and 0 < partial < 1 and isinstance(d["head_dim"], int) and isinstance(
+                d["qk_rope_head_dim"], int) and d["head_dim"] * partial == d["qk_rope_head_dim"]:
+            out["head_dim"] = round(out["qk_rope_head_dim"] / partial)  # the rope covers part of head_dim
     ratio = d.get("attention_hidden_size"), d.get("hidden_size")  # attention over [hidden, embeddings] (Zamba)
     if all(isinstance(v, int) and v > 0 for v in ratio) and ratio[0] % ratio[1] == 0:
         out["attention_hidden_size"] = out["hidden_size"] * (ratio[0] // ratio[1])
