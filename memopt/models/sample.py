@@ -176,7 +176,9 @@ def make_batch(
       ``is_encoder_decoder`` false, its audio tower fed by ``input_features``) computes a causal-LM loss over its
       text, so it gets causal-LM labels (a copy of ``input_ids``) and no audio: the text-only case;
     * ``image_classification``: float32 ``pixel_values`` and ``labels`` (class ids); a model that reads images as
-      token ids (ImageGPT: a vocabulary, no channels) gets ``input_ids``, ``image_size ** 2`` a row, instead.
+      token ids (ImageGPT: a vocabulary, no channels) gets ``input_ids``, ``image_size ** 2`` a row, instead; one
+      that reads them as sequences of flattened patches (SigLIP 2's NaFlex) gets those, with ``spatial_shapes``
+      (the patch grid of each image: every patch is real, so no ``pixel_attention_mask``).
 
     Token ids are uniform in ``[0, vocab_size)`` (``[0, num_hash_buckets)`` for a model that hashes its ids and has
     no vocabulary: CANINE). Models that refuse to run on ids alone get what their config says they need: ``bbox``
@@ -196,6 +198,13 @@ def make_batch(
             ids = torch.randint(0, int(cfg.vocab_size), (b, size * size), generator=generator, device=device)
             labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
             return {"input_ids": ids, "labels": labels}
+        patches = _patch_sequence(cfg, size)
+        if patches is not None:
+            grid, width = patches
+            pixels = torch.randn(b, grid * grid, width, generator=generator, device=device, dtype=torch.float32)
+            shapes = torch.full((b, 2), grid, dtype=torch.long, device=device)
+            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
+            return {"pixel_values": pixels, "spatial_shapes": shapes, "labels": labels}
         channels = int(getattr(cfg, "num_channels", 3))
         pixels = torch.randn(b, channels, size, size, generator=generator, device=device, dtype=torch.float32)
         labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
@@ -215,6 +224,18 @@ def _pixels_as_tokens(cfg: Any) -> bool:
     has a vocabulary and neither channels nor an image size."""
     vocab = getattr(cfg, "vocab_size", None)
     return isinstance(vocab, int) and not hasattr(cfg, "num_channels") and not hasattr(cfg, "image_size")
+
+
+def _patch_sequence(cfg: Any, size: int) -> tuple[int, int] | None:
+    """An image classifier that reads an image as a sequence of flattened patches with its patch grid (SigLIP 2's
+    NaFlex: ``pixel_values`` of ``(batch, patches, channels * patch_size ** 2)`` and ``spatial_shapes``): its
+    (vision) config has ``num_patches`` and a ``patch_size`` but no ``image_size``. Returns the grid side of a
+    ``size``-pixel square image and a patch's width, or None."""
+    vision = getattr(cfg, "vision_config", None) or cfg
+    patches, patch = getattr(vision, "num_patches", None), getattr(vision, "patch_size", None)
+    if not isinstance(patches, int) or not isinstance(patch, int) or hasattr(vision, "image_size"):
+        return None
+    return size // patch, int(getattr(vision, "num_channels", 3)) * patch * patch
 
 
 def _hashed_id_range(cfg: Any) -> int | None:
