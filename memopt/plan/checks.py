@@ -33,6 +33,7 @@ __all__ = [
     "OPTIMIZER_NAMES",
     "InputError",
     "check_budget",
+    "check_checkpoint_pins",
     "check_global_batch_pins",
     "check_hardware",
     "check_hyperparameters",
@@ -219,6 +220,24 @@ def check_global_batch_pins(pins: Mapping[str, Any] | None, global_batch: Any, p
         what = "is larger than" if mb > global_batch else "does not divide"
         problems.append(f"{key}={mb} {what} the global batch {global_batch} ({batch_key}); use one of "
                         f"{', '.join(map(str, divisors))}")
+
+
+def check_checkpoint_pins(pins: Mapping[str, Any] | None, profile: Any, problems: list[str]) -> None:
+    """Pinned checkpointing needs blocks to checkpoint: memopt checkpoints the blocks of the model's stacks, and a
+    pinned block count must not exceed what a stack has."""
+    pins = pins or {}
+    mode, blocks = pins.get("checkpointing"), pins.get("checkpoint_blocks")
+    if mode in (None, "none") and blocks is None:
+        return
+    total = max(profile.full_block_counts, default=0)
+    if total == 0:
+        problems.append(f"pin {'checkpointing=' + repr(mode) if mode not in (None, 'none') else 'checkpoint_blocks'} "
+                        f"cannot be honoured: {profile.model_class} has no repeated blocks to checkpoint (memopt "
+                        "checkpoints the blocks of a stack: an nn.ModuleList or nn.Sequential of two or more modules "
+                        "of one class); drop the pin")
+    elif _is_int(blocks) and blocks > total:
+        problems.append(f"pin checkpoint_blocks={blocks} is more than the {total} blocks of {profile.model_class}'s "
+                        f"largest stack; use 1 to {total}")
 
 
 # pins a plan can fail to honour, and how the plan's strategy shows the value

@@ -87,6 +87,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     if prof.sample.get("variable_length"):
         notes.append(f"batches vary in length: planned for the longest (seq_len={prof.sample.get('seq_len')})")
     notes.extend(prof.notes)
+    pin_problems: list[str] = []
+    checks.check_checkpoint_pins(pol.pins, prof, pin_problems)
+    checks.raise_problems(pin_problems, "pins")
     pol = calibrated(pol, prof, hw, budget_bytes, notes, calibration)
     global_batch = int(prof.sample["batch_size"])
     _check_batch(pol, global_batch, world_size or world_of(hw)[0])
