@@ -89,7 +89,7 @@ def test_checkpoint_to_a_folder_resumes(tmp_path, where):
     w2.load(folder)
     assert w2.steps_done == 1
     assert w2.step(_batch(1)) == pytest.approx(next_loss, rel=1e-6)
-    with pytest.raises(FileNotFoundError, match="no memopt checkpoint at .*memopt_checkpoint.pt"):
+    with pytest.raises(FileNotFoundError, match=r"no memopt checkpoint at .*memopt_checkpoint\.pt"):
         w2.load(tmp_path / "elsewhere")
 
 

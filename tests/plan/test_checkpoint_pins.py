@@ -35,12 +35,12 @@ class ThreeBlocks(nn.Module):
 @pytest.mark.parametrize("pins", [{"checkpointing": "full"}, {"checkpointing": "selective"},
                                   {"checkpointing": "full", "checkpoint_blocks": 1}])
 def test_pinned_checkpointing_without_blocks_says_so(pins: dict) -> None:
-    with pytest.raises(InputError, match="NoBlocks has no repeated blocks to checkpoint.*drop the pin"):
+    with pytest.raises(InputError, match=r"NoBlocks has no repeated blocks to checkpoint.*drop the pin"):
         memopt.make_plan(NoBlocks(), torch.randn(4, 3, 8, 8), budget="10GB", hardware="h100_80gb", pins=pins)
 
 
 def test_more_pinned_blocks_than_the_stack_has_are_refused() -> None:
-    with pytest.raises(InputError, match="checkpoint_blocks=5 is more than the 3 blocks.*use 1 to 3"):
+    with pytest.raises(InputError, match=r"checkpoint_blocks=5 is more than the 3 blocks.*use 1 to 3"):
         memopt.make_plan(ThreeBlocks(), torch.randn(4, 8), budget="10GB", hardware="h100_80gb",
                          pins={"checkpointing": "full", "checkpoint_blocks": 5})
     plan = memopt.make_plan(ThreeBlocks(), torch.randn(4, 8), budget="10GB", hardware="h100_80gb",
