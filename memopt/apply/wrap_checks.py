@@ -40,10 +40,11 @@ def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
                          "memopt.plan(...) for a dry run without weights")
 
 
-def batchnorm_warning(model: nn.Module, micro: int, global_batch: int) -> None:
-    """A plan that micro-batches a model with BatchNorm (only when the user pinned the micro-batch: the planner
-    refuses it) changes training: say so where the user runs it."""
-    reason = micro_batch_refusal(model)
+def batchnorm_warning(model: nn.Module, micro: int, global_batch: int, profiled: str | None = None) -> None:
+    """A plan that micro-batches a model the planner would not split (only when the user pinned the micro-batch):
+    BatchNorm, or ``profiled``, the profile's reason (a batch whose dim 0 is not the samples), changes training:
+    say so where the user runs it."""
+    reason = micro_batch_refusal(model) or profiled
     if reason is not None and micro < global_batch:
         warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}, but {reason}; "
                       f"pin micro_batch_size={global_batch} (or leave it unpinned) to keep training exact",

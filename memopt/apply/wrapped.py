@@ -161,7 +161,8 @@ class Wrapped:
         cuda = self.device.type == "cuda"
         if cuda:
             set_expandable_segments(strategy.expandable_segments)
-        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch)
+        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch,
+                          self._profile.micro_batch_refusal if self._profile is not None else None)
         model = self._user_model
         if cuda:
             torch.cuda.init()

@@ -191,3 +191,11 @@ def test_a_single_number_drawn_per_step_is_not_a_mask() -> None:
     from memopt.profile.sample_axis_probe import probe_batch
 
     assert probe_batch(LayerDrop(), lambda b, device: torch.randn(b, 8, device=device)).random_ops == ()
+
+
+def test_a_pinned_split_of_sequence_first_batches_warns_where_it_runs() -> None:
+    model = SeqFirstLSTM()
+    x, y = torch.randint(0, V, (T, B)), torch.randint(0, V, (T, B))
+    with pytest.warns(UserWarning, match="LSTM rnn .* pin micro_batch_size=12"):
+        memopt.wrap(model, budget="20GB", hardware="h100_80gb", sample=(x, y), loss_fn=_loss,
+                    pins={"micro_batch_size": 4})
