@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from memopt import progress
+from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
 from memopt.guard.escalation import PlanEscalator, step_down
@@ -75,6 +76,7 @@ class Wrapped:
         self._transaction = transaction
         self._calibration = calibration
         self._profile: Any = None
+        self._shape_watch: ShapeWatch | None = None
         self.guard: Any = None
         self.plan: Plan | None = plan
         self.device = torch.device(device) if device is not None else (
@@ -291,6 +293,9 @@ class Wrapped:
         if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
+        if self._shape_watch is None:
+            self._shape_watch = ShapeWatch(planned_sample_shapes(getattr(self._profile, "_batch_factory", None)))
+        self._shape_watch.check(batch)
         if self._sharded is not None:
             loss = self._sharded.step(batch)
             self.steps_done += 1
