@@ -15,11 +15,17 @@ This module joins them at the peak's *time*, not as a sum of separate peaks:
 The predicted allocated peak is the maximum over the timeline of activations + engine bytes (and, for engines that
 step on the GPU, the optimizer step's own point). The step time adds to memopt's single-GPU compute per
 micro-batch the engine's collectives, host copies, CPU optimizer and fixed work (``memopt.distributed.timing``).
+
+The sharded planner (``memopt.plan.sharded``) carries a candidate's prediction as a :class:`ShardedEstimate`: the
+per-GPU peaks and tiers from :func:`predict_sharded` (``ShardedEstimate.of``), capped where only the hard cap makes
+it fit (``memopt.plan.sharded_cap``), then timed; ``to_dict`` is the form ``Plan.prediction`` records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from memopt.distributed.engine_bytes import EngineRun, engine_bytes_at, side_pool_bytes, side_pool_growth
@@ -31,18 +37,19 @@ from memopt.estimate.estimator import estimate_strategy, step_plan
 from memopt.profile.engine_facts import ModelFacts
 from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
+from memopt.techniques.sharding import ENGINE_PRECISION, PLAN_PRECISION, ShardingSetting
 from memopt.units import MiB, allocator_size
 
 __all__ = [
     "ENGINE_PRECISION",
+    "CapRetries",
+    "ShardedEstimate",
     "compute_estimate",
     "pooled_reserved",
     "predict_sharded",
     "sharded_time",
 ]
 
-#: the precision memopt's profile is traced in for the engines' compute (bf16 weights, no autocast)
-ENGINE_PRECISION = "bf16_pure"
 #: the allocator's page: small-pool segments and the granularity the allocated figures are rounded to
 PAGE = 2 * MiB
 #: an expandable segment of the large pool grows in steps of this size (c10/cuda/CUDACachingAllocator.cpp)
@@ -115,7 +122,7 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
     pooled.append((step["states"] + step["buffers"], side_pool_bytes(run, facts, None)))
     if step["states"] + step["buffers"] > best["total"]:
         best = {"total": step["states"] + step["buffers"], "where": "optimizer step", "activations": 0, **step}
-    sb = state_bytes(s.engine if s.engine != "ddp" else "fsdp2", "bf16_autocast")
+    sb = state_bytes(s.engine if s.engine != "ddp" else "fsdp2", PLAN_PRECISION)
     sm = sharded_memory(facts.num_params, engine=s.engine, stage=s.stage, world_size=s.world_size, sb=sb,
                         nodes=s.nodes, replicate_size=s.replicate_size, offload_optimizer=s.offload_optimizer,
                         offload_params=s.offload_params, largest_module_params=facts.largest_module_params)
@@ -138,6 +145,86 @@ def predict_sharded(profile: Any, strategy: Strategy, run: EngineRun, facts: Mod
         "predicted_nccl_bytes": int(sm.nccl),
         "num_params": facts.num_params,
     }
+
+
+@dataclass(frozen=True)
+class CapRetries:
+    """How a candidate runs under the hard cap (``memopt.plan.sharded_cap.under_cap``): the reserved peak it would
+    reach without the cap, and the allocator retries (per step, and the seconds they add to it) that keep it there."""
+
+    uncapped_reserved_bytes: int
+    retries_per_step: int
+    retry_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uncapped_reserved_bytes": self.uncapped_reserved_bytes, "retries_per_step": self.retries_per_step,
+                "retry_s": self.retry_s}
+
+
+@dataclass(frozen=True)
+class ShardedEstimate:
+    """The sharded planner's prediction of one candidate, per GPU: allocated and reserved peaks (reserved at the cap
+    when ``capped``), the memory outside the allocator (``runtime_bytes``: the CUDA runtime and NCCL), where the peak
+    is and its parts, the host RAM and NVMe per node, and -- once timed -- the step time and throughput.
+
+    ``total_bytes`` is reserved + runtime; the breakdown's allocator overhead is reserved - allocated. ``to_dict`` is
+    the prediction a ``Plan`` records (and the planner's dicts before this type): its keys and values stay as they
+    are, since recorded plans are compared byte for byte."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    runtime_bytes: int
+    peak_at: str
+    model_states_bytes: int
+    engine_buffers_bytes: int
+    activations_bytes: int
+    host_bytes_per_node: int
+    nvme_bytes_per_node: int
+    world_size: int
+    capped: CapRetries | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+
+    @classmethod
+    def of(cls, pred: dict[str, Any], setting: ShardingSetting, runtime_overhead_bytes: int) -> ShardedEstimate:
+        """From :func:`predict_sharded`'s per-rank dict: the runtime adds NCCL's bytes to the hardware's overhead,
+        and the host RAM is the node's (its ranks together)."""
+        parts = pred["predicted_parts"]
+        return cls(peak_allocated_bytes=pred["predicted_peak_allocated_bytes"],
+                   peak_reserved_bytes=pred["predicted_peak_reserved_bytes"],
+                   runtime_bytes=runtime_overhead_bytes + pred["predicted_nccl_bytes"],
+                   peak_at=pred["predicted_peak_at"], model_states_bytes=parts["model_states"],
+                   engine_buffers_bytes=parts["engine_buffers"], activations_bytes=parts["activations"],
+                   host_bytes_per_node=pred["predicted_host_bytes_per_rank"] * setting.gpus_per_node,
+                   nvme_bytes_per_node=pred["predicted_nvme_bytes_per_node"], world_size=setting.world_size)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_reserved_bytes + self.runtime_bytes
+
+    def replace(self, **changes: Any) -> ShardedEstimate:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As ``Plan.prediction``: the keys in this order, ``capped``, ``step_time_s`` and the throughput only when
+        set (``tokens_per_s`` for a model with tokens, else ``samples_per_s``)."""
+        allocated, reserved, runtime = self.peak_allocated_bytes, self.peak_reserved_bytes, self.runtime_bytes
+        out: dict[str, Any] = {
+            "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, "runtime_bytes": runtime,
+            "total_bytes": self.total_bytes, "peak_at": self.peak_at,
+            "breakdown": {"model_states": self.model_states_bytes, "engine_buffers": self.engine_buffers_bytes,
+                          "activations": self.activations_bytes, "allocator_overhead": reserved - allocated,
+                          "runtime": runtime},
+            "host_bytes_per_node": self.host_bytes_per_node, "nvme_bytes_per_node": self.nvme_bytes_per_node,
+            "world_size": self.world_size, "reserved_exact": False,
+        }
+        if self.capped is not None:
+            out["capped"] = self.capped.to_dict()
+        for key in ("step_time_s", "tokens_per_s", "samples_per_s"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 def compute_estimate(profile: Any, strategy: Strategy, hw: Any) -> Any:

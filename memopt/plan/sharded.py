@@ -1,9 +1,11 @@
 """The planner beyond one GPU's memory: data parallel, ZeRO-1/2/3, FSDP2 (hybrid across nodes), CPU and NVMe offload.
 
-``plan_sharded`` enumerates engine settings (``memopt.techniques.sharding.ShardingSetting``) x checkpointing x
-per-rank micro-batch, predicts each with the sharded estimate (``memopt.distributed.estimate``: the activation
-timeline joined with the engine's bytes, reserved per allocator pool, and the step time with collectives, host
-copies and the CPU optimizer), and returns the fastest candidate that fits every tier of the budget:
+``plan_sharded`` enumerates, through the technique registry, the sharding entry's engine settings
+(``memopt.techniques.extras.SHARDING.options``: ``ShardingSetting``s the policy's offload allowance admits) x the
+checkpointing entry's coarse grid (``coarse``) x the micro-batch entry's options for the batch of one rank, predicts
+each with the sharded estimate (``memopt.distributed.estimate``: the activation timeline joined with the engine's
+bytes, reserved per allocator pool, and the step time with collectives, host copies and the CPU optimizer; a
+``ShardedEstimate``), and returns the fastest candidate that fits every tier of the budget:
 
 * GPU: predicted reserved peak + the memory outside the allocator (CUDA runtime, NCCL) + the policy's margin
   <= the per-GPU budget;
@@ -14,20 +16,20 @@ copies and the CPU optimizer), and returns the fastest candidate that fits every
 
 The engine is chosen by predicted speed where several can run a setting. A setting that fits the GPU but not host
 RAM is not a plan. When nothing fits, the plan is infeasible and says what would (more GPUs, offload, an NVMe path).
-Sharded plans run the engines' own mixed precision (bf16 compute, fp32 master weights and reductions), so they
-need the ``bf16_autocast`` allowance (the default where the GPU has bf16).
+Sharded plans run the precision and optimizer the sharding entry names (the engines' own mixed precision: bf16
+compute, fp32 master weights and reductions; AdamW), so they need the ``bf16_autocast`` allowance (the default where
+the GPU has bf16).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from memopt.distributed.engine_bytes import EngineRun
-from memopt.distributed.estimate import ENGINE_PRECISION, compute_estimate, predict_sharded, sharded_time
+from memopt.distributed.estimate import ShardedEstimate, compute_estimate, predict_sharded, sharded_time
 from memopt.distributed.host_tier import machine_host_memory_bytes, machine_host_taken_bytes
 from memopt.distributed.memory import fit_advice
 from memopt.distributed.timeline import activation_timeline, timeline_grads
@@ -39,11 +41,19 @@ from memopt.plan.search import bisect_blocks
 from memopt.plan.sharded_cap import capped_if_needed
 from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
-from memopt.techniques.sharding import ShardingSetting
+from memopt.techniques.extras import SHARDING
+from memopt.techniques.registry import BY_NAME, SearchContext
+from memopt.techniques.sharding import ENGINE_PRECISION, ShardingSetting, sharding_settings
 from memopt.units import format_bytes
 
-__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "predict_strategy",
-           "sharding_settings", "world_of"]
+# sharding_settings is re-exported: the GPU scripts list the settings from here
+__all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded", "predict_estimate",
+           "predict_strategy", "sharding_settings", "world_of"]
+
+# the registry entries whose values a sharded plan chooses besides the engine setting (Any: their protocols do not
+# name the checkpointing entry's coarse grid)
+_CHECKPOINTING: Any = BY_NAME["checkpointing"]
+_MICRO_BATCH: Any = BY_NAME["micro_batch_size"]
 
 #: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
 HOST_RAM_USABLE = 0.9
@@ -55,49 +65,24 @@ def world_of(hw: HardwareSpec) -> tuple[int, int]:
     return max(1, hw.gpus_per_node) * nodes, nodes
 
 
-def sharding_settings(world_size: int, nodes: int, *, nvme_path: str | None = None) -> Iterator[ShardingSetting]:
-    """Every engine setting worth planning on ``world_size`` GPUs over ``nodes`` nodes.
-
-    One GPU: only the offloading ones (ZeRO-Offload, ZeRO-3 with CPU/NVMe offload, FSDP2 ``CPUOffloadPolicy``);
-    without offload one GPU is the single-GPU search's. Several: DDP, ZeRO-1/2/3 (with and without offload),
-    FSDP2 full shard and, across nodes, hybrid shard (shard within a node, replicate across nodes).
-    """
-    common: dict[str, Any] = {"world_size": world_size, "nodes": nodes}
-    devices = ["cpu"] + (["nvme"] if nvme_path else [])
-    if world_size > 1:
-        yield ShardingSetting(engine="ddp", stage=0, **common)
-        for stage in (1, 2):
-            yield ShardingSetting(engine="deepspeed", stage=stage, **common)
-        yield ShardingSetting(engine="deepspeed", stage=3, **common)
-        yield ShardingSetting(engine="fsdp2", stage=3, **common)
-        if nodes > 1:
-            yield ShardingSetting(engine="fsdp2", stage=3, replicate_size=nodes, **common)
-    yield ShardingSetting(engine="deepspeed", stage=2, offload_optimizer="cpu", **common)
-    for dev in devices:
-        path = nvme_path if dev == "nvme" else None
-        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, nvme_path=path, **common)  # type: ignore[arg-type]
-        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, offload_params=dev,  # type: ignore[arg-type]
-                              nvme_path=path, **common)
-    yield ShardingSetting(engine="fsdp2", stage=3, offload_optimizer="cpu", offload_params="cpu", **common)
-
-
 @dataclass
 class ShardedCandidate:
     """One (setting, checkpointing, micro-batch) with its prediction; ``fits`` over every tier."""
 
     setting: ShardingSetting
     strategy: Strategy
-    prediction: dict[str, Any]
+    prediction: ShardedEstimate  # replaced by its timed copy once the candidate fits
     fits: bool
     reason: str = ""
 
     @property
     def total_bytes(self) -> int:
-        return int(self.prediction["total_bytes"])
+        return int(self.prediction.total_bytes)
 
     @property
     def step_time_s(self) -> float:
-        return float(self.prediction.get("step_time_s", float("inf")))
+        t = self.prediction.step_time_s
+        return float("inf") if t is None else float(t)
 
     def label(self) -> str:
         return self.strategy.label()
@@ -105,23 +90,12 @@ class ShardedCandidate:
     def summary(self) -> dict[str, Any]:
         """As the single-GPU planner's runners-up (``techniques``, ``label``, ``total_bytes``, ``step_time_s``)."""
         return {"techniques": self.strategy.to_dict(), "label": self.label(), "fits": self.fits,
-                "total_bytes": self.total_bytes, "step_time_s": self.prediction.get("step_time_s"),
-                "host_bytes_per_node": self.prediction["host_bytes_per_node"], "reason": self.reason}
-
-
-def _checkpointings(n_blocks: int, policy: Policy) -> list[Checkpointing]:
-    """No checkpointing, and full checkpointing of all, 3/4, 1/2 and 1/4 of the blocks, as the policy allows."""
-    out = []
-    if policy.allows("checkpointing", "none"):
-        out.append(Checkpointing(mode="none"))
-    if policy.allows("checkpointing", "full"):
-        for k in sorted({n_blocks, (3 * n_blocks) // 4, n_blocks // 2, n_blocks // 4} - {0}, reverse=True):
-            out.append(Checkpointing(mode="full", num_blocks=None if k == n_blocks else k))
-    return out
+                "total_bytes": self.total_bytes, "step_time_s": self.prediction.step_time_s,
+                "host_bytes_per_node": self.prediction.host_bytes_per_node, "reason": self.reason}
 
 
 def _fits_uncapped(c: ShardedCandidate) -> bool:
-    return c.fits and "capped" not in c.prediction
+    return c.fits and c.prediction.capped is None
 
 
 def _bisect_blocks(fits_at: dict[int, bool], fits: Any) -> None:
@@ -133,14 +107,25 @@ def _bisect_blocks(fits_at: dict[int, bool], fits: Any) -> None:
         bisect_blocks(max((k for k, ok in fits_at.items() if not ok and k < hi), default=None), hi, fits)
 
 
-def _micro_batches(per_rank: int, policy: Policy, refusal: str | None = None) -> list[int]:
-    pinned = policy.pins.get("micro_batch_size")
-    out = [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and policy.allows("micro_batch_size", b)]
-    if refusal and pinned is None:  # micro-batches would not be exact (memopt.techniques.micro_batching)
-        out = [b for b in out if b == per_rank]
-    if policy.max_micro_batch:
-        out = [b for b in out if b <= policy.max_micro_batch]
-    return [pinned] if pinned in out else out
+def _rank_context(per_rank: int, n_blocks: int, hw: HardwareSpec, policy: Policy, refusal: str | None
+                  ) -> SearchContext:
+    """The search context of one rank's batch, for the registry's micro-batch options: the batch is the rank's
+    share, ``refusal`` why micro-batches would not be exact (``micro_batch_refusal_for``). The fields for what a
+    sharded plan does not search (kernels, losses, packages) name nothing it would use."""
+    # a pinned micro-batch is the user's to choose even where it would not be exact (as in the single-GPU search)
+    pinned = policy.pins.get("micro_batch_size") is not None
+    return SearchContext(global_batch=per_rank, block_counts=(n_blocks,), supports_bf16=hw.supports_bf16,
+                         causal_lm=False, vocab_size=None, bnb_available=False, flash_attn_available=False,
+                         user_optimizer=False, max_micro_batch=policy.max_micro_batch or None,
+                         micro_batch_refusal=None if pinned else refusal)
+
+
+def _micro_batches_of(ctx: SearchContext, policy: Policy) -> list[int]:
+    """The micro-batch entry's options for one rank, largest first (the fastest, tried first), as the policy allows
+    (a pin allows only itself) and capped at ``max_micro_batch``: the entry keeps the whole batch of a model it may
+    not split whatever its size, and the sharded planner has always capped that too."""
+    return [b for b in sorted(_MICRO_BATCH.options(ctx), reverse=True) if policy.allows("micro_batch_size", b)
+            and not (policy.max_micro_batch and b > policy.max_micro_batch)]
 
 
 class _SharedWork:
@@ -168,53 +153,45 @@ class _SharedWork:
         return float(sharded_time(self.profile, strategy, run, self.facts, self.hw, self._compute[key]).step_s)
 
 
-def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) -> dict[str, Any]:
+def _predict(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting) -> ShardedEstimate:
     run = EngineRun.of(setting, strategy.grad_accum_steps)
     pred = predict_sharded(shared.profile, strategy, run, shared.facts, shared.timeline(strategy, setting))
-    hw = shared.hw
-    allocated, reserved = pred["predicted_peak_allocated_bytes"], pred["predicted_peak_reserved_bytes"]
-    runtime = hw.runtime_overhead_bytes + pred["predicted_nccl_bytes"]
-    parts = pred["predicted_parts"]
-    per_node = setting.gpus_per_node
-    return {
-        "peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, "runtime_bytes": runtime,
-        "total_bytes": reserved + runtime, "peak_at": pred["predicted_peak_at"],
-        "breakdown": {"model_states": parts["model_states"], "engine_buffers": parts["engine_buffers"],
-                      "activations": parts["activations"], "allocator_overhead": reserved - allocated,
-                      "runtime": runtime},
-        "host_bytes_per_node": pred["predicted_host_bytes_per_rank"] * per_node,
-        "nvme_bytes_per_node": pred["predicted_nvme_bytes_per_node"], "world_size": setting.world_size,
-        "reserved_exact": False,
-    }
+    return ShardedEstimate.of(pred, setting, shared.hw.runtime_overhead_bytes)
 
 
-def _step_time(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting, pred: dict[str, Any]) -> float:
+def _step_time(shared: _SharedWork, strategy: Strategy, setting: ShardingSetting, pred: ShardedEstimate) -> float:
     """The step time of a (possibly capped) prediction: the engine's step plus the cap's allocator retries."""
-    return shared.step_s(strategy, setting) + pred.get("capped", {}).get("retry_s", 0.0)
+    return shared.step_s(strategy, setting) + (pred.capped.retry_s if pred.capped is not None else 0.0)
+
+
+def predict_estimate(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_bytes: int, margin: int
+                     ) -> ShardedEstimate:
+    """Today's prediction of a sharded ``strategy`` (its ``extra('sharding')``) as the planner makes it: the
+    per-GPU peaks and tiers, capped when only the hard cap makes it fit, and ``step_time_s``."""
+    setting = ShardingSetting.from_any(strategy.extra("sharding"))
+    shared = _SharedWork(profile, facts_of_profile(profile), hw)
+    pred = capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
+    return pred.replace(step_time_s=_step_time(shared, strategy, setting, pred))
 
 
 def predict_strategy(profile: Any, hw: HardwareSpec, strategy: Strategy, budget_bytes: int, margin: int
                      ) -> dict[str, Any]:
-    """Today's prediction of a sharded ``strategy`` (its ``extra('sharding')``) as the planner makes it: the
-    per-GPU peaks and tiers, capped when only the hard cap makes it fit, and ``step_time_s``. For re-predicting
-    saved plans against measurements."""
-    setting = ShardingSetting.from_any(strategy.extra("sharding"))
-    shared = _SharedWork(profile, facts_of_profile(profile), hw)
-    pred = capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
-    return {**pred, "step_time_s": _step_time(shared, strategy, setting, pred)}
+    """:func:`predict_estimate` as the dict a plan records (``ShardedEstimate.to_dict``), for re-predicting saved
+    plans against measurements (the scripts read it as saved plans are read)."""
+    return predict_estimate(profile, hw, strategy, budget_bytes, margin).to_dict()
 
 
-def _tiers_fit(pred: dict[str, Any], budget: int, margin: int, host_ram: int, nvme_free: int | None,
+def _tiers_fit(pred: ShardedEstimate, budget: int, margin: int, host_ram: int, nvme_free: int | None,
                host_taken: int = 0) -> str:
     """'' when the prediction fits every tier, else why not."""
-    if pred["total_bytes"] + margin > budget:
-        return f"needs {format_bytes(pred['total_bytes'])} per GPU (+ margin {format_bytes(margin)})"
-    if pred["host_bytes_per_node"] + host_taken > HOST_RAM_USABLE * host_ram:
+    if pred.total_bytes + margin > budget:
+        return f"needs {format_bytes(pred.total_bytes)} per GPU (+ margin {format_bytes(margin)})"
+    if pred.host_bytes_per_node + host_taken > HOST_RAM_USABLE * host_ram:
         taken = f", less the {format_bytes(host_taken)} this machine's processes hold" if host_taken else ""
-        return (f"needs {format_bytes(pred['host_bytes_per_node'])} of host RAM per node, more than "
+        return (f"needs {format_bytes(pred.host_bytes_per_node)} of host RAM per node, more than "
                 f"{HOST_RAM_USABLE:.0%} of {format_bytes(host_ram)}{taken}")
-    if pred["nvme_bytes_per_node"] and (nvme_free is None or pred["nvme_bytes_per_node"] > nvme_free):
-        return f"needs {format_bytes(pred['nvme_bytes_per_node'])} of NVMe per node"
+    if pred.nvme_bytes_per_node and (nvme_free is None or pred.nvme_bytes_per_node > nvme_free):
+        return f"needs {format_bytes(pred.nvme_bytes_per_node)} of NVMe per node"
     return ""
 
 
@@ -230,7 +207,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     ``host_reclaimable_bytes`` (the model's host copy, which the engine frees) as free.
     """
     notes = list(notes or [])
-    if not policy.allows("precision", "bf16_autocast") or not hw.supports_bf16:
+    if not policy.allows("precision", SHARDING.precision) or not hw.supports_bf16:
         raise ValueError("sharded and offloaded plans run the engines' bf16 mixed precision (fp32 master weights): "
                          "allow bf16 (fidelity 'default' on a GPU with bf16), or plan for one GPU")
     global_batch = int(profile.sample["batch_size"])
@@ -256,13 +233,15 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     shared = _SharedWork(profile, facts, hw)
     candidates: list[ShardedCandidate] = []
     if settings is None:
-        settings = [s for s in sharding_settings(world_size, nodes, nvme_path=nvme_path)
-                    if policy.allows("offload", s.offloads)]
+        settings = SHARDING.options(world_size, nodes, policy, nvme_path=nvme_path)
     n_blocks = len(facts.unit_params)
+    micro_batches = _micro_batches_of(
+        _rank_context(per_rank, n_blocks, hw, policy, micro_batch_refusal_for(profile, policy)), policy)
+    checkpointings = [ck for ck in _CHECKPOINTING.coarse(n_blocks) if policy.allows("checkpointing", ck.mode)]
 
     def evaluate(setting: ShardingSetting, mb: int, ck: Checkpointing) -> ShardedCandidate:
-        strategy = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb,
-                            grad_accum_steps=per_rank // mb, optimizer="adamw_fused",
+        strategy = Strategy(precision=SHARDING.precision, checkpointing=ck, micro_batch_size=mb,
+                            grad_accum_steps=per_rank // mb, optimizer=SHARDING.optimizer,
                             extras=(("sharding", setting.to_dict()),))
         pred = capped_if_needed(_predict(shared, strategy, setting), strategy, budget_bytes, margin)
         why = _tiers_fit(pred, budget_bytes, margin, host_ram, nvme_free, host_taken)
@@ -270,17 +249,17 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
         return candidates[-1]
 
     def timed(c: ShardedCandidate) -> None:
-        c.prediction["step_time_s"] = _step_time(shared, c.strategy, c.setting, c.prediction)
+        step_s = _step_time(shared, c.strategy, c.setting, c.prediction)
         if profile.tokens_per_sample:
-            c.prediction["tokens_per_s"] = global_batch * profile.tokens_per_sample / c.prediction["step_time_s"]
+            c.prediction = c.prediction.replace(step_time_s=step_s,
+                                                tokens_per_s=global_batch * profile.tokens_per_sample / step_s)
         else:
-            c.prediction["samples_per_s"] = global_batch / c.prediction["step_time_s"]
+            c.prediction = c.prediction.replace(step_time_s=step_s, samples_per_s=global_batch / step_s)
 
     coarse: dict[tuple[int, int], dict[int, ShardedCandidate]] = {}
     for i, setting in enumerate(settings):
-        for mb in _micro_batches(per_rank, policy, micro_batch_refusal_for(profile, policy)):
-            coarse[i, mb] = {ck.count(n_blocks): evaluate(setting, mb, ck)
-                             for ck in _checkpointings(n_blocks, policy)}
+        for mb in micro_batches:
+            coarse[i, mb] = {ck.count(n_blocks): evaluate(setting, mb, ck) for ck in checkpointings}
     for c in candidates:
         if c.fits:
             timed(c)
@@ -303,7 +282,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
             for ok in (_fits_uncapped, lambda c: c.fits):
                 _bisect_blocks({k: ok(c) for k, c in grid.items()}, lambda k, ok=ok, at=at: ok(at(k)))
         for c in candidates:
-            if c.fits and "step_time_s" not in c.prediction:
+            if c.fits and c.prediction.step_time_s is None:
                 timed(c)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
     plan = _plan_of(profile, hw, budget_bytes, policy, fitting, candidates, notes, host_ram, nvme_path, facts)
@@ -331,13 +310,13 @@ def _plan_of(profile: Any, hw: HardwareSpec, budget: int, policy: Policy, fittin
             engines.setdefault(_engine_name(c.setting), c)
         rejected = {name: f"{c.label()} predicted {c.step_time_s:.3f} s/step, slower than {best.step_time_s:.3f} s"
                     for name, c in engines.items() if c is not best}
-        return Plan(fits=True, strategy=best.strategy, prediction=best.prediction,
+        return Plan(fits=True, strategy=best.strategy, prediction=best.prediction.to_dict(),
                     runners_up=[c.summary() for c in fitting[1:4]], rejected=rejected,
                     notes=[*notes, launch_note(best.setting)], **common)
     smallest = min(candidates, key=lambda c: c.total_bytes) if candidates else None
     message = _infeasible_message(smallest, budget, policy, world, nvme_path, facts, hw, host_ram)
     return Plan(fits=False, strategy=smallest.strategy if smallest else Strategy(),
-                prediction=smallest.prediction if smallest else {}, notes=notes,
+                prediction=smallest.prediction.to_dict() if smallest else {}, notes=notes,
                 infeasible={"message": message, "smallest_total_bytes": smallest.total_bytes if smallest else None,
                             "relaxations": []}, **common)
 
@@ -367,7 +346,7 @@ def _infeasible_message(smallest: ShardedCandidate | None, budget: int, policy: 
         return "no sharded candidate could be made (the policy forbids every checkpointing and micro-batch)"
     head = (f"no sharding or offload on {world} GPU(s) fits: the smallest is {smallest.label()} at "
             f"{format_bytes(smallest.total_bytes)} per GPU ({smallest.reason})")
-    other = smallest.prediction["runtime_bytes"] + smallest.prediction["breakdown"]["activations"]
+    other = smallest.prediction.runtime_bytes + smallest.prediction.activations_bytes
     advice = fit_advice(facts.num_params, budget_bytes=budget - policy.margin(budget), world_size=world,
                         gpus_per_node=max(1, hw.gpus_per_node), other_bytes=other,
                         unit_params=max(facts.unit_params, default=0), host_ram_bytes=host_ram)

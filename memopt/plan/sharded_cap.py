@@ -1,13 +1,13 @@
 """A sharded candidate under the hard cap: when its uncapped reserved total passes the budget less the margin but its
 allocated peak fits, the allocator (with expandable segments) frees its cache and retries instead of growing, so the
 reserved bytes stay at the cap and each micro-batch pays a retry (:func:`under_cap`, with the retry's fitted costs).
-:mod:`memopt.plan.sharded` predicts every candidate through :func:`capped_if_needed`.
+:mod:`memopt.plan.sharded` predicts every candidate through :func:`capped_if_needed`; the prediction is a
+``memopt.distributed.estimate.ShardedEstimate``, whose ``capped`` (a ``CapRetries``) says what the cap costs.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from memopt.distributed.estimate import CapRetries, ShardedEstimate
 from memopt.strategy import Strategy
 
 __all__ = ["REMAP_BYTES_PER_S", "RETRY_FIXED_S", "capped_if_needed", "under_cap"]
@@ -20,25 +20,24 @@ RETRY_FIXED_S = 5e-3
 REMAP_BYTES_PER_S = 1.0e11
 
 
-def under_cap(pred: dict[str, Any], limit: int, micro_batches: int) -> dict[str, Any] | None:
+def under_cap(pred: ShardedEstimate, limit: int, micro_batches: int) -> ShardedEstimate | None:
     """``pred`` run under the hard cap when its uncapped reserved total exceeds ``limit`` (budget less margin) but
     its allocated peak fits: with expandable segments the allocator frees its cache and retries instead of growing,
-    so reserved stays at the cap. Counts one retry per micro-batch, each re-mapping what the pools held beyond the
-    allocated peak. ``None`` when even the allocated peak does not fit."""
-    room = limit - pred["runtime_bytes"]
-    allocated, reserved = pred["peak_allocated_bytes"], pred["peak_reserved_bytes"]
+    so reserved stays at the cap (and the allocator overhead shrinks with it). Counts one retry per micro-batch,
+    each re-mapping what the pools held beyond the allocated peak. ``None`` when even the allocated peak does not
+    fit."""
+    room = limit - pred.runtime_bytes
+    allocated, reserved = pred.peak_allocated_bytes, pred.peak_reserved_bytes
     if allocated > room:
         return None
     retry_s = micro_batches * (RETRY_FIXED_S + max(0, reserved - allocated) / REMAP_BYTES_PER_S)
-    out = {**pred, "peak_reserved_bytes": room, "total_bytes": room + pred["runtime_bytes"],
-           "capped": {"uncapped_reserved_bytes": reserved, "retries_per_step": micro_batches, "retry_s": retry_s}}
-    out["breakdown"] = {**pred["breakdown"], "allocator_overhead": room - allocated}
-    return out
+    return pred.replace(peak_reserved_bytes=room, capped=CapRetries(uncapped_reserved_bytes=reserved,
+                                                                    retries_per_step=micro_batches, retry_s=retry_s))
 
 
-def capped_if_needed(pred: dict[str, Any], strategy: Strategy, budget_bytes: int, margin: int) -> dict[str, Any]:
+def capped_if_needed(pred: ShardedEstimate, strategy: Strategy, budget_bytes: int, margin: int) -> ShardedEstimate:
     """``pred`` as it runs under the hard cap when its uncapped total passes the budget less the margin but its
     allocated peak fits (``under_cap``, with expandable segments); else ``pred`` unchanged."""
-    if pred["total_bytes"] + margin > budget_bytes and strategy.expandable_segments:
+    if pred.total_bytes + margin > budget_bytes and strategy.expandable_segments:
         return under_cap(pred, budget_bytes - margin, strategy.grad_accum_steps) or pred
     return pred

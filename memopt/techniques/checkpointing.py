@@ -4,6 +4,9 @@
 keeps the outputs of matmuls and attention kernels and recomputes the cheap element-wise ops between
 them (PyTorch's selective activation checkpointing). Applying replaces each chosen block's
 ``forward`` with a checkpointed call of the original; the returned undo puts the original back.
+
+:func:`coarse_options` is the sharded planner's grid of checkpointing values (the single-GPU search's finer one is
+the registry entry's ``options``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from memopt.blocks import BlockStack
 from memopt.strategy import Checkpointing
 from memopt.techniques.model_change import ModelChange, Undo
 
-__all__ = ["SELECTIVE_SAVE_OPS", "apply_checkpointing", "change_model", "selective_policy"]
+__all__ = ["COARSE_FRACTIONS", "SELECTIVE_SAVE_OPS", "apply_checkpointing", "change_model", "coarse_options",
+           "selective_policy"]
 
 # attention kernels by op name: CUDA's own, and the profile's emulations of them
 # (memopt.profile.attention_kernels registers its ops under these names so the same policy applies when tracing)
@@ -33,6 +37,21 @@ ATTENTION_KERNEL_OPS = (
 # matmuls and attention: expensive to recompute, so selective checkpointing keeps their outputs
 SELECTIVE_SAVE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "_grouped_mm",
                                 *ATTENTION_KERNEL_OPS})
+
+
+#: the sharded planner's coarse grid: full checkpointing of all, 3/4, 1/2 and 1/4 of the blocks. It is coarser than
+#: the single-GPU search's eighths because the sharded planner evaluates each point for every engine setting and
+#: micro-batch, then bisects between the coarse points that fit and those that do not (memopt.plan.sharded)
+COARSE_FRACTIONS = (1.0, 0.75, 0.5, 0.25)
+
+
+def coarse_options(n_blocks: int, fractions: Sequence[float] = COARSE_FRACTIONS) -> list[Checkpointing]:
+    """No checkpointing, then full checkpointing of ``floor(f * n_blocks)`` blocks of a stack of ``n_blocks`` for each
+    fraction ``f`` in ``fractions``, most blocks first, without repeats or zero (all of them as ``num_blocks=None``).
+    The default fractions are exact in binary, so the counts are ``n``, ``3n // 4``, ``n // 2`` and ``n // 4``."""
+    counts = sorted({int(n_blocks * f) for f in fractions} - {0}, reverse=True)
+    return [Checkpointing(mode="none")] + [Checkpointing(mode="full", num_blocks=None if k == n_blocks else k)
+                                           for k in counts]
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -7,7 +7,8 @@ as a ladder of fidelity levels, and :func:`extras_ladder` composes that ladder f
 values it offers (``levels``, highest fidelity first), the entry its values sit on (``under``: quantization only
 under adapters, since a quantized frozen base with nothing to train trains nothing), the pin and forbid key naming
 its value by one number (``adapter_rank``, ``quant_bits``), and how much memory a value saves (``saving``). Sharding
-is not leveled: ``memopt.plan.sharded`` plans it after the search.
+is not leveled: its entry (``SHARDING``) offers the engine settings for a number of GPUs (``options``) and names the
+precision and optimizer every engine setting runs; ``memopt.plan.sharded`` plans over them, beside the search.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from memopt.techniques import adapters, quantization_apply
 from memopt.techniques.adapters import ADAPTER_FIDELITY, DEFAULT_ADAPTER_RANK, AdapterSetting
 from memopt.techniques.model_change import ModelChange, Undo
 from memopt.techniques.quantization import QUANT_BITS_LADDER, QUANT_FIDELITY, QuantSetting
-from memopt.techniques.sharding import ShardingSetting
+from memopt.techniques.sharding import ENGINE_OPTIMIZER, PLAN_PRECISION, ShardingSetting, sharding_settings
 
 if TYPE_CHECKING:
     from memopt.plan.policy import Policy
     from memopt.techniques.registry import SearchContext
 
-__all__ = ["EXTRAS", "LEVELED", "Level", "extras_ladder"]
+__all__ = ["EXTRAS", "LEVELED", "SHARDING", "Level", "extras_ladder"]
 
 # one rung of the ladder: the (extras key, setting) pairs of Strategy.extras, sorted by key
 Level = tuple[tuple[str, Any], ...]
@@ -106,8 +107,20 @@ class _Quantization(_SettingExtra):
 
 
 class _Sharding:
+    """How the model states are spread over GPUs and offloaded (``ShardingSetting``): the engine settings the sharded
+    planner enumerates, and what every one of them runs (the strategy's ``precision`` and ``optimizer``)."""
+
     name = "sharding"
     title = "sharding"
+    precision = PLAN_PRECISION  # the engines' bf16 mixed precision: the policy must allow it
+    optimizer = ENGINE_OPTIMIZER
+
+    def options(self, world_size: int, nodes: int, policy: Policy, *,
+                nvme_path: str | None = None) -> list[ShardingSetting]:
+        """The engine settings on ``world_size`` GPUs over ``nodes`` nodes (``sharding_settings``, in its order)
+        that the policy's ``offload`` allowance admits; NVMe offload only with an ``nvme_path``."""
+        return [s for s in sharding_settings(world_size, nodes, nvme_path=nvme_path)
+                if policy.allows("offload", s.offloads)]
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         return str(value)  # the whole setting: the plan's notes and launch lines say what it means
@@ -122,7 +135,8 @@ class _Sharding:
 
 # in ladder order: each one's values are tried after the level they extend, before the next level of those before it
 LEVELED: tuple[_Adapters | _Quantization, ...] = (_Adapters(), _Quantization())
-EXTRAS: tuple[_SettingExtra | _Sharding, ...] = (*LEVELED, _Sharding())
+SHARDING = _Sharding()
+EXTRAS: tuple[_SettingExtra | _Sharding, ...] = (*LEVELED, SHARDING)
 
 
 def extras_ladder(ctx: SearchContext, policy: Policy) -> list[Level]:

@@ -1,16 +1,15 @@
 """The planner's view of techniques: one small protocol, one entry per technique.
 
-Each technique owns one field of ``Strategy`` and tells the planner (a) which values it may take in a
-given search context, and (b) a cheap lower bound on what a value adds to the step time, so whole
-families of candidates can be ruled out before they are traced. Estimating a value exactly is the
-profile's job (the value selects which trace the composition uses, or which optimizer is traced).
-A technique that changes the model is a ``ModelTechnique``: its ``apply(change)`` (the technique module's
-``change_model``) returns the undo, and ``memopt.step.prepare`` calls them in one documented order
-(``APPLY_ORDER`` there); the others change how the step runs, and the train step reads them from the strategy.
-Each entry also names and renders its value for the dry run, writes its part of a strategy's label, and names the
-policy allowance (fidelity class) a value needs; so do the extras (adapters, quantization, sharding:
-``memopt.techniques.extras``). Adapters and quantization are ``LeveledTechnique``s (``LEVELED``), searched as a
-ladder of ``Strategy.extras`` levels, highest fidelity first, that ``extras_ladder`` composes from them.
+Each technique owns one field of ``Strategy`` and tells the planner (a) which values it may take in a given search
+context, and (b) a cheap lower bound on what a value adds to the step time, so whole families of candidates can be ruled
+out before they are traced. Estimating a value exactly is the profile's job (the value selects which trace the
+composition uses, or which optimizer is traced). A technique that changes the model is a ``ModelTechnique``: its
+``apply(change)`` (the technique module's ``change_model``) returns the undo, and ``memopt.step.prepare`` calls them in
+one documented order (``APPLY_ORDER`` there); the others change how the step runs, read from the strategy. Each entry
+also names and renders its value for the dry run, writes its part of a strategy's label, and names the policy allowance
+a value needs; so do the extras (adapters, quantization, sharding: ``memopt.techniques.extras``). Adapters and
+quantization are ``LeveledTechnique``s (``LEVELED``), searched as a ladder of ``Strategy.extras`` levels, highest
+fidelity first, that ``extras_ladder`` composes from them. ``memopt.plan.sharded`` draws from them too.
 """
 
 from __future__ import annotations
@@ -177,6 +176,7 @@ class _Checkpointing(_Independent):
     title = "activation checkpointing"
     off = Checkpointing()
     apply = staticmethod(checkpointing.change_model)
+    coarse = staticmethod(checkpointing.coarse_options)  # the sharded planner's grid: it bisects from there
 
     def render(self, value: Any, techniques: Mapping[str, Any]) -> str:
         mode, blocks = value.get("mode", "none"), value.get("num_blocks")

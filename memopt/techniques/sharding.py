@@ -6,25 +6,44 @@ dict); ``sharding_of`` reads it back from a plan or a strategy. The setting is k
 what writes it for other launchers (``memopt.distributed.config_export``) and what checks it against this machine
 (``memopt.distributed.host_tier``), so that the planner, the estimate and ``Strategy.label`` can read and validate
 it without importing an engine or the distributed runtime.
+
+:func:`sharding_settings` lists the settings worth planning on a number of GPUs and nodes, in the order the sharded
+planner (``memopt.plan.sharded``) tries them; the registry's sharding entry (``memopt.techniques.extras``) offers
+them as its options. ``PLAN_PRECISION``, ``ENGINE_PRECISION`` and ``ENGINE_OPTIMIZER`` say what every engine setting
+runs: a sharded plan does not choose its precision or optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "ENGINES",
+    "ENGINE_OPTIMIZER",
+    "ENGINE_PRECISION",
     "OFFLOAD_DEVICES",
+    "PLAN_PRECISION",
     "ShardingSetting",
     "sharding_of",
+    "sharding_settings",
 ]
 
 Engine = Literal["ddp", "fsdp2", "deepspeed"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "deepspeed")
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
+
+#: the precision a sharded plan's strategy names (and the policy allowance it needs): the engines' own mixed
+#: precision, bf16 compute with fp32 master weights and reductions
+PLAN_PRECISION = "bf16_autocast"
+#: the precision memopt's profile is traced in for the engines' compute (bf16 weights, no autocast)
+ENGINE_PRECISION = "bf16_pure"
+#: the optimizer a sharded plan names: AdamW (DeepSpeed's own AdamW, or its CPUAdam where it offloads; torch's
+#: fused AdamW under FSDP2 and DDP)
+ENGINE_OPTIMIZER = "adamw_fused"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +153,34 @@ class ShardingSetting:
         if not self.reshard_after_forward:
             parts.append("no-reshard")
         return " ".join(parts)
+
+
+def sharding_settings(world_size: int, nodes: int, *, nvme_path: str | None = None) -> Iterator[ShardingSetting]:
+    """Every engine setting worth planning on ``world_size`` GPUs over ``nodes`` nodes, in the order the sharded
+    planner tries them (its runners-up keep this order among equally fast settings).
+
+    One GPU: only the offloading ones (ZeRO-Offload, ZeRO-3 with CPU/NVMe offload, FSDP2 ``CPUOffloadPolicy``);
+    without offload one GPU is the single-GPU search's. Several: DDP, ZeRO-1/2/3 (with and without offload),
+    FSDP2 full shard and, across nodes, hybrid shard (shard within a node, replicate across nodes). NVMe offload
+    only with an ``nvme_path``.
+    """
+    common: dict[str, Any] = {"world_size": world_size, "nodes": nodes}
+    devices = ["cpu"] + (["nvme"] if nvme_path else [])
+    if world_size > 1:
+        yield ShardingSetting(engine="ddp", stage=0, **common)
+        for stage in (1, 2):
+            yield ShardingSetting(engine="deepspeed", stage=stage, **common)
+        yield ShardingSetting(engine="deepspeed", stage=3, **common)
+        yield ShardingSetting(engine="fsdp2", stage=3, **common)
+        if nodes > 1:
+            yield ShardingSetting(engine="fsdp2", stage=3, replicate_size=nodes, **common)
+    yield ShardingSetting(engine="deepspeed", stage=2, offload_optimizer="cpu", **common)
+    for dev in devices:
+        path = nvme_path if dev == "nvme" else None
+        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, nvme_path=path, **common)  # type: ignore[arg-type]
+        yield ShardingSetting(engine="deepspeed", stage=3, offload_optimizer=dev, offload_params=dev,  # type: ignore[arg-type]
+                              nvme_path=path, **common)
+    yield ShardingSetting(engine="fsdp2", stage=3, offload_optimizer="cpu", offload_params="cpu", **common)
 
 
 def sharding_of(plan_or_strategy: Any) -> tuple[Any, ShardingSetting]:

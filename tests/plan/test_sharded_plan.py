@@ -36,6 +36,29 @@ def test_settings_cover_the_engines() -> None:
     assert [(s.shard_size, s.replicate_size) for s in hybrid] == [(8, 2)]
 
 
+def test_the_registry_sharding_entry_offers_the_settings_the_policy_allows() -> None:
+    """The sharded planner's settings come from the registry entry: ``sharding_settings`` in its order, without
+    offload where the policy forbids it; the entry names the precision and optimizer every setting runs."""
+    from memopt.plan.policy import Policy
+    from memopt.techniques.registry import BY_NAME
+
+    entry = BY_NAME["sharding"]
+    every = list(sharding_settings(4, 2, nvme_path="/tmp"))
+    assert entry.options(4, 2, Policy.build(), nvme_path="/tmp") == every
+    assert entry.options(4, 2, Policy.build(forbid={"offload": [True]})) == [s for s in every if not s.offloads]
+    assert (entry.precision, entry.optimizer) == ("bf16_autocast", "adamw_fused")
+
+
+def test_the_checkpointing_entry_coarse_grid_is_all_three_quarters_half_and_a_quarter() -> None:
+    from memopt.techniques.registry import BY_NAME
+
+    coarse = BY_NAME["checkpointing"].coarse
+    assert [c.label() for c in coarse(10)] == ["none", "full", "full[7]", "full[5]", "full[2]"]
+    assert [c.label() for c in coarse(3)] == ["none", "full", "full[2]", "full[1]"]
+    assert [c.label() for c in coarse(0)] == ["none"]
+    assert [c.label() for c in coarse(8, (1.0, 0.5))] == ["none", "full", "full[4]"]
+
+
 def test_chosen_plan_is_the_fastest_fitting_candidate(profile) -> None:
     hw = load_hardware("h200")
     plan, cands = plan_sharded(profile, hw, 8 * GiB, resolve_policy(None), world_size=2, nodes=1,
@@ -47,7 +70,7 @@ def test_chosen_plan_is_the_fastest_fitting_candidate(profile) -> None:
     assert plan.strategy.global_batch * 2 == SAMPLE["batch_size"]  # per-rank micro-batches keep the global batch
     for c in fitting:  # every tier checked: GPU total with the margin, host RAM
         assert c.total_bytes + plan.margin_bytes <= 8 * GiB
-        assert c.prediction["host_bytes_per_node"] <= 0.9 * 64 * GiB
+        assert c.prediction.host_bytes_per_node <= 0.9 * 64 * GiB
     d = plan.to_dict()
     assert d["total_bytes"] == d["peak_reserved_bytes"] + d["runtime_bytes"]
     assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"]
@@ -149,7 +172,7 @@ def _fsdp2_totals(prof, hw, mb: int) -> dict[int, int]:
         ck = Checkpointing(mode="none") if k == 0 else Checkpointing(mode="full", num_blocks=None if k == 10 else k)
         s = Strategy(precision="bf16_autocast", checkpointing=ck, micro_batch_size=mb, grad_accum_steps=4 // mb,
                      optimizer="adamw_fused", extras=(("sharding", setting.to_dict()),))
-        out[k] = sh._predict(shared, s, setting)["total_bytes"]
+        out[k] = sh._predict(shared, s, setting).total_bytes
     return out
 
 
@@ -171,14 +194,21 @@ def test_block_counts_between_the_coarse_quarters_are_searched(deep_profile) -> 
 
 
 def test_under_cap_keeps_reserved_at_the_cap_and_charges_the_retries() -> None:
+    from memopt.distributed.estimate import ShardedEstimate
     from memopt.plan.sharded_cap import REMAP_BYTES_PER_S, RETRY_FIXED_S, under_cap
 
-    pred = {"peak_allocated_bytes": 10 * GiB, "peak_reserved_bytes": 13 * GiB, "runtime_bytes": 1 * GiB,
-            "total_bytes": 14 * GiB, "breakdown": {"allocator_overhead": 3 * GiB}}
+    pred = ShardedEstimate(peak_allocated_bytes=10 * GiB, peak_reserved_bytes=13 * GiB, runtime_bytes=1 * GiB,
+                           peak_at="forward: x", model_states_bytes=6 * GiB, engine_buffers_bytes=1 * GiB,
+                           activations_bytes=3 * GiB, host_bytes_per_node=0, nvme_bytes_per_node=0, world_size=2)
+    assert pred.total_bytes == 14 * GiB and pred.to_dict()["breakdown"]["allocator_overhead"] == 3 * GiB
     capped = under_cap(pred, 12 * GiB, micro_batches=4)
-    assert capped["peak_reserved_bytes"] == 11 * GiB and capped["total_bytes"] == 12 * GiB
-    assert capped["capped"]["retry_s"] == pytest.approx(4 * (RETRY_FIXED_S + 3 * GiB / REMAP_BYTES_PER_S))
-    assert capped["breakdown"]["allocator_overhead"] == 1 * GiB
+    assert capped is not None and capped.peak_reserved_bytes == 11 * GiB and capped.total_bytes == 12 * GiB
+    assert capped.capped is not None and capped.capped.retries_per_step == 4
+    assert capped.capped.retry_s == pytest.approx(4 * (RETRY_FIXED_S + 3 * GiB / REMAP_BYTES_PER_S))
+    d = capped.to_dict()
+    assert d["breakdown"]["allocator_overhead"] == 1 * GiB and d["capped"]["uncapped_reserved_bytes"] == 13 * GiB
+    assert list(d)[-1] == "capped" and "step_time_s" not in d  # as a plan records it: capped last, untimed
+    assert list(capped.replace(step_time_s=1.0).to_dict())[-2:] == ["capped", "step_time_s"]
     assert under_cap(pred, 11 * GiB - 1, micro_batches=4) is None  # the allocated peak itself does not fit
 
 
