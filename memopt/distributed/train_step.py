@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from memopt.step import batch as _batch
-from memopt.step.train_step import TrainStep, count_loss_items, micro_batch_to, split_batch
+from memopt.step.train_step import TrainStep, count_loss_items, discard_accumulation, micro_batch_to, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
 
@@ -121,19 +121,23 @@ class DistributedTrainStep(TrainStep):
         local = 0.0
         self.last_micro_losses = []
         last = len(micro) - 1
-        for i, (mb, n) in enumerate(zip(micro, counts)):
-            sync: Any = contextlib.nullcontext()
-            if self.kind == "ddp" and i < last and hasattr(self.model, "no_sync"):
-                sync = self.model.no_sync()
-            with sync:
-                self._phase(f"forward[{i}]")
-                loss = self.loss(micro_batch_to(mb, self.device))
-                self._phase(f"backward[{i}]")
-                self.backward(loss * (n * w / total_items))
-            value = float(loss.detach())
-            self.last_micro_losses.append(value)
-            local += value * n / total_items
-            del loss
+        try:
+            for i, (mb, n) in enumerate(zip(micro, counts)):
+                sync: Any = contextlib.nullcontext()
+                if self.kind == "ddp" and i < last and hasattr(self.model, "no_sync"):
+                    sync = self.model.no_sync()
+                with sync:
+                    self._phase(f"forward[{i}]")
+                    loss = self.loss(micro_batch_to(mb, self.device))
+                    self._phase(f"backward[{i}]")
+                    self.backward(loss * (n * w / total_items))
+                value = float(loss.detach())
+                self.last_micro_losses.append(value)
+                local += value * n / total_items
+                del loss
+        except BaseException:
+            discard_accumulation(self)  # as the one-GPU step: a step that did not finish leaves no gradients
+            raise
         self.optimizer_step()
         return local
 

@@ -18,6 +18,7 @@ from memopt.guard.memory import state_bytes
 from memopt.guard.oom import OOMMeasurement, parse_oom_message, release_cache
 from memopt.guard.recovery_ranks import STATUS_OOM
 from memopt.plan.schema import Plan
+from memopt.step.train_step import discard_accumulation
 from memopt.units import format_bytes
 
 __all__ = ["FailedAttemptMixin"]
@@ -112,22 +113,7 @@ class FailedAttemptMixin:
 
     def _cleanup(self) -> None:
         """Free what the failed attempt held: gradients, offload copies, then collect and empty the cache."""
-        step = self.step
-        for group in step.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        model = getattr(step, "model", None)
-        if model is not None:
-            model.zero_grad(set_to_none=True)
-        master = getattr(step, "master", None)
-        if master is not None:
-            for m in master.masters:
-                m.grad = None
-        offload = getattr(step, "offload", None)
-        if offload is not None:
-            offload.flush()
-        if hasattr(step, "last_micro_losses"):
-            step.last_micro_losses = []
+        discard_accumulation(self.step)
         release_cache(empty_cache=self.empty_cache)
         if self.memory is not None:
             self.memory.empty_cache()

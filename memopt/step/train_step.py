@@ -27,7 +27,7 @@ from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
 from memopt.techniques.precision import MasterWeights, forward_context
 
-__all__ = ["TrainStep", "count_loss_items", "default_loss", "split_batch"]
+__all__ = ["TrainStep", "count_loss_items", "default_loss", "discard_accumulation", "split_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -163,17 +163,44 @@ class TrainStep:
         micro = _stage(micro, self.device)
         total = 0.0
         self.last_micro_losses = []
-        for i, (mb, n) in enumerate(zip(micro, counts)):
-            self._phase(f"forward[{i}]")
-            loss = self.loss(mb)
-            weighted = loss * (n / total_items)
-            self._phase(f"backward[{i}]")
-            self.backward(weighted)
-            value = loss.detach()
-            self.last_micro_losses.append(value)
-            total = total + value * (n / total_items)
-            del loss, weighted
+        try:
+            for i, (mb, n) in enumerate(zip(micro, counts)):
+                self._phase(f"forward[{i}]")
+                loss = self.loss(mb)
+                weighted = loss * (n / total_items)
+                self._phase(f"backward[{i}]")
+                self.backward(weighted)
+                value = loss.detach()
+                self.last_micro_losses.append(value)
+                total = total + value * (n / total_items)
+                del loss, weighted
+        except BaseException:
+            # a step that failed part-way (a bad batch, the user's loss raising, an interrupt) did not happen: the
+            # gradients its earlier micro-batches accumulated must not leak into the next step
+            discard_accumulation(self)
+            raise
         self.optimizer_step()
         if isinstance(total, torch.Tensor) and type(total).__name__ != "FakeTensor":
             return float(total)
         return float("nan") if isinstance(total, torch.Tensor) else float(total)
+
+
+def discard_accumulation(step: Any) -> None:
+    """Drop what a step that did not finish accumulated: every gradient (the optimizer's groups, the model, fp32
+    masters), the micro-batch losses, and activations still offloaded. ``step`` is a ``TrainStep`` or an adapter
+    with its surface (the guard's ``Steppable``): what it lacks is skipped."""
+    for group in step.optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+    model = getattr(step, "model", None)
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    master = getattr(step, "master", None)
+    if master is not None:
+        for m in master.masters:
+            m.grad = None
+    offload = getattr(step, "offload", None)
+    if offload is not None:
+        offload.flush()
+    if hasattr(step, "last_micro_losses"):
+        step.last_micro_losses = []
