@@ -97,8 +97,22 @@ def change_model(change: ModelChange) -> Undo:
     return cast_model(change.model, strategy.precision)
 
 
+def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
+    """fp32/fp64 tensors in ``value`` (nested in tuples, lists and dicts) cast to ``dtype``; the rest as given."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype in (torch.float32, torch.float64) else value
+    if isinstance(value, dict):
+        return {k: _cast_inputs(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cast_inputs(v, dtype) for v in value)
+    return value
+
+
 def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
-    """Store floating-point weights in the setting's dtype; returns an undo that restores each dtype."""
+    """Store floating-point weights in the setting's dtype, and have the model take its floating-point inputs in
+    that dtype too, as a hand-written bf16 loop casts them (a bf16 layer refuses fp32 input; integer ids, masks
+    and labels stay as they are, and the loss function still reads the batch as given). Returns an undo that
+    restores each dtype and the model's inputs."""
     target = weight_dtype(precision)
     if target == torch.float32:
         return lambda: None
@@ -107,8 +121,11 @@ def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
         if t.is_floating_point() and t.dtype != target:
             original[name] = t.dtype
     _convert(model, lambda t: target if t.is_floating_point() and t.dtype != target else None)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: (_cast_inputs(args, target), _cast_inputs(kwargs, target)), with_kwargs=True)
 
     def undo() -> None:
+        hook.remove()
         names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
         _convert(model, lambda t: original.get(names.get(id(t), "")))
 
