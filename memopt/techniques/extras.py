@@ -14,7 +14,7 @@ precision and optimizer every engine setting runs; ``memopt.plan.sharded`` plans
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memopt.strategy import Strategy
 from memopt.techniques import adapters, quantization_apply
@@ -24,8 +24,18 @@ from memopt.techniques.quantization import QUANT_BITS_LADDER, QUANT_FIDELITY, Qu
 from memopt.techniques.sharding import ENGINE_OPTIMIZER, PLAN_PRECISION, ShardingSetting, sharding_settings
 
 if TYPE_CHECKING:
-    from memopt.plan.policy import Policy
     from memopt.techniques.registry import SearchContext
+
+
+class Policy(Protocol):
+    """What the entries read of a ``memopt.plan.policy.Policy`` (the plan layer sits above the techniques, so they
+    name only what they use of it)."""
+
+    allow: frozenset[str] | set[str]
+    pins: Mapping[str, Any]
+    forbid: Mapping[str, tuple[Any, ...]]
+
+    def allows(self, field_name: str, value: Any) -> bool: ...
 
 __all__ = ["EXTRAS", "LEVELED", "SHARDING", "Level", "extras_ladder"]
 
