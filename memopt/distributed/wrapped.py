@@ -40,6 +40,7 @@ from memopt.step.batch import check_batch
 from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
 from memopt.step.prepare import disable_kv_cache
 from memopt.techniques.checkpointing import apply_checkpointing
+from memopt.techniques.precision import cast_float_inputs
 from memopt.techniques.sharding import ShardingSetting, sharding_of
 
 __all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
@@ -142,6 +143,12 @@ class ShardedWrapped:
     def _engine(self, model: nn.Module, setting: ShardingSetting, strategy: Any, stacks: Any
                 ) -> tuple[Any, Any, dict[str, Any]]:
         if setting.engine == "deepspeed":
+            # DeepSpeed's bf16/fp16 engine stores the weights in half precision and runs no autocast: the model takes
+            # its floating-point inputs in that dtype, as memopt's own half-precision weights do (and the profile
+            # traced); FSDP2's mixed-precision policy casts them itself
+            half = {"fp16_autocast": torch.float16}.get(strategy.precision, torch.bfloat16)
+            if strategy.precision != "fp32":
+                cast_float_inputs(model, half)
             params = {k: list(v) if isinstance(v, tuple) else v for k, v in self._opt_kwargs.items()}
             optimizer_cfg = {"type": "AdamW", "params": params}
             engine, optimizer = build_deepspeed(model, setting, strategy.precision, optimizer_cfg,

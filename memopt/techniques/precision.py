@@ -108,6 +108,16 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+def cast_float_inputs(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """Have ``model`` take its fp32/fp64 inputs (positional and keyword, nested in tuples, lists and dicts) in
+    ``dtype``, through a forward pre-hook; returns the undo. For weights stored in ``dtype`` with no autocast around
+    the forward: memopt's own bf16 weights, and DeepSpeed's bf16/fp16 engines, which cast the weights but not the
+    inputs (FSDP2's mixed-precision policy casts them itself)."""
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: (_cast_inputs(args, dtype), _cast_inputs(kwargs, dtype)), with_kwargs=True)
+    return hook.remove
+
+
 def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
     """Store floating-point weights in the setting's dtype, and have the model take its floating-point inputs in
     that dtype too, as a hand-written bf16 loop casts them (a bf16 layer refuses fp32 input; integer ids, masks
@@ -121,11 +131,10 @@ def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
         if t.is_floating_point() and t.dtype != target:
             original[name] = t.dtype
     _convert(model, lambda t: target if t.is_floating_point() and t.dtype != target else None)
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: (_cast_inputs(args, target), _cast_inputs(kwargs, target)), with_kwargs=True)
+    uncast = cast_float_inputs(model, target)
 
     def undo() -> None:
-        hook.remove()
+        uncast()
         names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
         _convert(model, lambda t: original.get(names.get(id(t), "")))
 

@@ -1,6 +1,7 @@
 """A model whose own step fails under some variant is planned without it, with the reason, never a crash: an op
-with no bf16 kernel (FNet's FFT, YOSO's fp32 kernels) leaves fp32 plans; an fp32 input that meets the bf16
-weights of the offload engine leaves the single-GPU verdict when nothing fits on one GPU."""
+with no bf16 kernel (FNet's FFT, YOSO's fp32 kernels) leaves fp32 plans, and leaves the single-GPU verdict when
+nothing fits on one GPU (the offload engines run bf16 weights). An fp32 input is no such failure: under bf16 weights
+the model takes its inputs in bf16, as the engines and memopt's own bf16 weights give them."""
 
 import torch
 from torch import nn
@@ -21,15 +22,12 @@ class ConvNet(nn.Module):
         return nn.functional.cross_entropy(self.head(self.norm(self.conv(x)).mean((2, 3))), y)
 
 
-def test_a_budget_nothing_fits_reports_why_offload_cannot_help():
+def test_float_inputs_meet_bf16_weights_in_bf16():
     batch = {"x": torch.randn(4, 3, 32, 32), "y": torch.randint(0, 10, (4,))}
     plan = memopt.plan(ConvNet(), batch, budget="1GB", hardware="h200", use_cache=False)
     assert not plan.fits
     assert "needs at least" in plan.infeasible["message"]
-    refusal = [n for n in plan.notes if n.startswith("offloading the model states to the host was not possible")]
-    assert len(refusal) == 1 and "Input type (float) and bias type (c10::BFloat16)" in refusal[0]
-
-
+    assert not [n for n in plan.notes if n.startswith("offloading the model states to the host was not possible")]
 
 
 class Fp32OnlyOp(nn.Module):
@@ -77,3 +75,13 @@ def test_a_model_without_bf16_kernels_gets_an_fp32_plan_that_trains_exactly():
     assert abs(float(loss) - float(expected)) < 1e-6
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_a_budget_nothing_fits_reports_why_offload_cannot_help():
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(8, 32, generator=g), "y": torch.randint(0, 5, (8,), generator=g)}
+    plan = memopt.plan(Fp32OnlyNet(), batch, budget="1GB", hardware="h200", use_cache=False)
+    assert not plan.fits
+    assert "needs at least" in plan.infeasible["message"]
+    refusal = [n for n in plan.notes if n.startswith("offloading the model states to the host was not possible")]
+    assert len(refusal) == 1 and "expected scalar type torch.float32 but found torch.bfloat16" in refusal[0]
