@@ -33,7 +33,7 @@ from memopt import progress
 from memopt.plan.schema import Plan
 from memopt.step.batch import to_device
 from memopt.step.prepare import Prepared, prepare
-from memopt.step.train_step import count_loss_items, split_batch
+from memopt.step.train_step import count_loss_items, discard_accumulation, split_batch
 from memopt.techniques.quantization import extras_pins
 
 __all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "frontier", "time_passes"]
@@ -100,15 +100,6 @@ def frontier(chosen: Plan, others: Iterable[Plan], *, tolerance: float = 0.15) -
     return [chosen, *close]
 
 
-def _drop_grads(model: nn.Module, prepared: Prepared) -> None:
-    prepared.optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    master = prepared.step.master
-    if master is not None:
-        for p in getattr(master, "masters", []) or []:
-            p.grad = None
-
-
 def time_passes(model: nn.Module, prepared: Prepared, batch: Any, *, repeats: int = 3,
                 sync: Callable[[], None] | None = None, max_micro_batches: int | None = 4) -> float:
     """Seconds of the fastest forward+backward sweep over the micro-batches of ``batch`` after the first
@@ -133,7 +124,7 @@ def time_passes(model: nn.Module, prepared: Prepared, batch: Any, *, repeats: in
             del loss
         sync()
         times.append(time.perf_counter() - start)
-        _drop_grads(model, prepared)
+        discard_accumulation(prepared.step)
     best = min(times[1:]) if len(times) > 1 else times[0]
     return best * len(micro) / len(swept)
 
@@ -188,7 +179,7 @@ def autotune(model: nn.Module, plans: Iterable[Plan], batch: Any, prepare_kwargs
                 progress.report(f"autotune: {label}: out of memory")
             finally:
                 if prepared is not None:
-                    _drop_grads(model, prepared)
+                    discard_accumulation(prepared.step)
                     prepared.undo()
                 del prepared
                 _free()

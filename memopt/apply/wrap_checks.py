@@ -11,7 +11,7 @@ from torch import nn
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.techniques.optimizers import USER, VARIANTS
 
-__all__ = ["batchnorm_warning", "check_model", "is_trainer", "optimizer_choice"]
+__all__ = ["check_model", "is_trainer", "micro_batch_warning", "optimizer_choice"]
 
 
 def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
@@ -40,7 +40,7 @@ def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
                          "memopt.plan(...) for a dry run without weights")
 
 
-def batchnorm_warning(model: nn.Module, micro: int, global_batch: int, profiled: str | None = None) -> None:
+def micro_batch_warning(model: nn.Module, micro: int, global_batch: int, profiled: str | None = None) -> None:
     """A plan that micro-batches a model the planner would not split (only when the user pinned the micro-batch):
     BatchNorm, or ``profiled``, the profile's reason (a batch whose dim 0 is not the samples), changes training:
     say so where the user runs it."""

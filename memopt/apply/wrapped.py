@@ -19,7 +19,7 @@ from torch import nn
 from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
-from memopt.apply.wrap_checks import batchnorm_warning, check_model, optimizer_choice
+from memopt.apply.wrap_checks import check_model, micro_batch_warning, optimizer_choice
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
@@ -163,7 +163,7 @@ class Wrapped:
         cuda = self.device.type == "cuda"
         if cuda:
             set_expandable_segments(strategy.expandable_segments)
-        batchnorm_warning(self._user_model, strategy.micro_batch_size, plan.global_batch,
+        micro_batch_warning(self._user_model, strategy.micro_batch_size, plan.global_batch,
                           self._profile.micro_batch_refusal if self._profile is not None else None)
         model = self._user_model
         if cuda:
@@ -294,7 +294,8 @@ class Wrapped:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
         if self._shape_watch is None:
-            self._shape_watch = ShapeWatch(planned_sample_shapes(getattr(self._profile, "_batch_factory", None)))
+            self._shape_watch = ShapeWatch(planned_sample_shapes(
+                self._profile.batch_factory if self._profile is not None else None))
         self._shape_watch.check(batch)
         if self._sharded is not None:
             loss = self._sharded.step(batch)

@@ -8,7 +8,7 @@ from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan.policy import Policy
 from memopt.profile.profile import Profile
-from memopt.profile.sample_axis_probe import BatchProbe
+from memopt.profile.sample_axis_probe import random_draws_refusal
 from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.liger_ce import liger_installed
@@ -57,7 +57,7 @@ def micro_batch_refusal_for(profile: Profile, policy: Policy) -> str | None:
     bf16 autocast already trade bitwise equality for speed)."""
     if profile.micro_batch_refusal or policy.allow != {"exact"} or not profile.forward_random_ops:
         return profile.micro_batch_refusal
-    return BatchProbe(random_ops=tuple(profile.forward_random_ops)).random_draws()
+    return random_draws_refusal(profile.forward_random_ops)
 
 
 def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,

@@ -36,22 +36,24 @@ class TruncatedStackIndexed(IndexError):
         self.path = path
 
 
-class _TruncatedModuleList(nn.ModuleList):
+class _IndexedPastTheCut:
+    """A truncated stack's container: reading a block past the kept ones says which stack to copy whole."""
+
     _memopt_path = ""
 
     def __getitem__(self, idx: Any) -> Any:
-        if isinstance(idx, int) and not -len(self) <= idx < len(self):
-            raise TruncatedStackIndexed(self._memopt_path, idx, len(self))
-        return super().__getitem__(idx)
+        if isinstance(idx, int) and not -len(self) <= idx < len(self):  # type: ignore[arg-type]
+            raise TruncatedStackIndexed(self._memopt_path, idx, len(self))  # type: ignore[arg-type]
+        return super().__getitem__(idx)  # type: ignore[misc]
 
 
-class _TruncatedSequential(nn.Sequential):
-    _memopt_path = ""
+class _TruncatedModuleList(_IndexedPastTheCut, nn.ModuleList):
+    pass
 
-    def __getitem__(self, idx: Any) -> Any:
-        if isinstance(idx, int) and not -len(self) <= idx < len(self):
-            raise TruncatedStackIndexed(self._memopt_path, idx, len(self))
-        return super().__getitem__(idx)
+
+class _TruncatedSequential(_IndexedPastTheCut, nn.Sequential):
+    pass
+
 
 def _meta_memo(model: nn.Module) -> dict[int, object]:
     memo: dict[int, object] = {}

@@ -269,6 +269,12 @@ class Profile:
         return cached
 
     # -- serialization -------------------------------------------------------------------------
+    @property
+    def batch_factory(self) -> BatchFactory | None:
+        """``(samples, device) -> batch`` with the sample's structure and per-sample shapes (None: a profile loaded
+        from the cache and not attached to a model)."""
+        return self._batch_factory
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version, "key": self.key, "model_name": self.model_name,

@@ -32,7 +32,7 @@ from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
-__all__ = ["BatchProbe", "axis_layers", "probe_batch", "sample_axis_refusal"]
+__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "sample_axis_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
 # aten ops that draw from a random generator
@@ -53,14 +53,6 @@ class BatchProbe:
 
     axis_refusal: str | None = None
     random_ops: tuple[str, ...] = ()
-
-    def random_draws(self) -> str | None:
-        """Why micro-batches would not draw the masks one pass over the whole batch draws (None: nothing is drawn)."""
-        if not self.random_ops:
-            return None
-        return (f"its training forward draws random numbers ({', '.join(self.random_ops)}: dropout, stochastic depth "
-                "or the like), and micro-batches draw them one after another, so they are not the numbers one pass "
-                "over the whole batch draws (the same distribution, not the same masks)")
 
 
 class _RandomOps(TorchDispatchMode):
@@ -85,6 +77,16 @@ class _RandomOps(TorchDispatchMode):
             if isinstance(p, (int, float)) and p > 0:
                 self.seen.add(f"{name}(dropout_p={p:g})")
         return out
+
+
+def random_draws_refusal(random_ops: tuple[str, ...] | list[str]) -> str | None:
+    """Why micro-batches would not draw the numbers one pass over the whole batch draws, for a forward that draws
+    with ``random_ops`` (None: it draws nothing)."""
+    if not random_ops:
+        return None
+    return (f"its training forward draws random numbers ({', '.join(random_ops)}: dropout, stochastic depth or the "
+            "like), and micro-batches draw them one after another, so they are not the numbers one pass over the "
+            "whole batch draws (the same distribution, not the same masks)")
 
 
 def axis_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
