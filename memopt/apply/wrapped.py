@@ -20,6 +20,7 @@ from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.wrap_checks import check_model, micro_batch_warning, optimizer_choice
+from memopt.errors import InputError
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
@@ -144,10 +145,14 @@ class Wrapped:
         nothing is subtracted twice."""
         self._cap_budget_bytes = plan.budget_bytes
         self._plan_budget = max(plan.budget_bytes - taken, 0)
-        smaller = self._replan(pins)
         taken_note = (f"{format_bytes(taken)} of the {format_bytes(plan.budget_bytes)} budget was already in use on "
                       "the device when memopt.wrap planned (memory outside the allocator beyond the CUDA runtime, or "
                       "tensors that are not the model's)")
+        try:
+            smaller = self._replan(pins)
+        except InputError as exc:  # the room left is below the policy's margin: no budget to plan with
+            raise ValueError(f"{taken_note}, and the {format_bytes(self._plan_budget)} left is too little to plan "
+                             f"with ({exc}); free that memory or raise the budget") from None
         if not smaller.fits:
             reason = smaller.infeasible["message"] if smaller.infeasible else "no strategy fits"
             raise ValueError(f"{taken_note}, and no plan fits in the {format_bytes(self._plan_budget)} left "

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import torch
@@ -37,6 +38,16 @@ def warn_allocator_mode_fixed(mode: bool) -> None:
                   "before moving anything to the GPU to let it choose", stacklevel=3)
 
 
+def _allocator_settings(setting: str) -> None:
+    """Change the caching allocator's settings after CUDA started (the accelerator-generic call where this PyTorch
+    has it: the CUDA one warns it is deprecated from 2.10)."""
+    generic = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if generic is not None:
+        generic(setting)
+    else:  # pragma: no cover - PyTorch before 2.10
+        torch.cuda.memory._set_allocator_settings(setting)
+
+
 def set_expandable_segments(enabled: bool) -> bool:
     """Choose the allocator's segment mode. Returns False (and warns) when it is too late to change it."""
     if not torch.cuda.is_available():
@@ -48,7 +59,7 @@ def set_expandable_segments(enabled: bool) -> bool:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = updated
         return True
     if torch.cuda.memory_reserved() == 0:
-        torch.cuda.memory._set_allocator_settings(wanted)
+        _allocator_settings(wanted)
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = updated
         return True
     current = [c for c in conf if c.startswith("expandable_segments")]
@@ -63,32 +74,47 @@ def set_expandable_segments(enabled: bool) -> bool:
     return False
 
 
-def process_device_bytes(device: int | None = None) -> int | None:
+def process_device_bytes(device: int | None = None, *, samples: int = 1, interval_s: float = 0.05) -> int | None:
     """Device memory held by this process alone, or None when NVML cannot say.
 
     NVML's per-process figure where it lists this process with its usage; where it does not (a process that has just
     made its context, or a container whose process ids differ from the host's), the device's used memory less what
     NVML lists for every other process. Without that second way, a process started beside five others on an H200
-    took their 17.5 GB for its own runtime and refused a budget that fit."""
+    took their 17.5 GB for its own runtime and refused a budget that fit.
+
+    The second way reads two sources at two moments, so a neighbour that starts or grows between them counts as this
+    process's: a process that wrapped while six neighbours were starting on an H100 took 7.9 GiB of theirs for its own
+    and planned for the 139 MiB left of its 8 GiB. So it reads ``samples`` times, ``interval_s`` apart, and keeps
+    the least: this process's own memory does not move while it waits, and a neighbour missing from one listing is
+    in the next. The guard's telemetry reads once a step; the cap and the room left read several times, once a wrap.
+    """
     try:
         import pynvml
 
         pynvml.nvmlInit()
         index = torch.cuda.current_device() if device is None else device
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except Exception:
         return None
-    for proc in procs:
-        if proc.pid == os.getpid() and proc.usedGpuMemory:
-            return int(proc.usedGpuMemory)
-    others = [p for p in procs if p.pid != os.getpid()]
-    if not others:
-        return None  # nobody else listed: the device-wide figure is this process's
-    if any(not p.usedGpuMemory for p in others):
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, total - free - sum(int(p.usedGpuMemory) for p in others))
+    readings: list[int] = []
+    for attempt in range(max(1, samples)):
+        if attempt:
+            time.sleep(interval_s)
+        try:
+            procs = list(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        except Exception:
+            return None
+        for proc in procs:
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+        others = [p for p in procs if p.pid != os.getpid()]
+        if not others:
+            return None  # nobody else listed: the device-wide figure is this process's
+        if any(not p.usedGpuMemory for p in others):
+            continue  # a neighbour listed without its usage yet: read again
+        free, total = torch.cuda.mem_get_info(device)
+        readings.append(max(0, total - free - sum(int(p.usedGpuMemory) for p in others)))
+    return min(readings) if readings else None
 
 
 def outside_allocator_bytes(device: int | None = None) -> int:
@@ -98,7 +124,7 @@ def outside_allocator_bytes(device: int | None = None) -> int:
     device-wide figure is used, which counts them too (measured on an H200: three capped processes on one
     GPU each saw the others' memory as their own and capped themselves 10 GiB too low).
     """
-    own = process_device_bytes(device)
+    own = process_device_bytes(device, samples=4)  # once per cap: worth reading past a neighbour's start
     if own is None:
         free, total = torch.cuda.mem_get_info(device)
         own = total - free

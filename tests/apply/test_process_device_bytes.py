@@ -43,3 +43,18 @@ def test_alone_on_the_device_or_others_unknown_is_left_to_the_device_figure(monk
     assert process_device_bytes() is None
     _driver(monkeypatch, [(7, None)], used=5 * GiB)
     assert process_device_bytes() is None
+
+
+def test_a_neighbour_missing_from_one_listing_is_not_taken_for_this_process(monkeypatch):
+    """Two reads of the driver: in the first a starting neighbour holds 8 GiB but is not listed yet; in the second
+    it is. Each read alone is what NVML said; the least of them is this process's 1 GiB."""
+    listings = iter([[(7, 4 * GiB)], [(7, 4 * GiB), (8, 8 * GiB)]])
+    _driver(monkeypatch, [], used=13 * GiB)
+    sys.modules["pynvml"].nvmlDeviceGetComputeRunningProcesses = lambda handle: [
+        types.SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in next(listings)]
+    assert process_device_bytes(samples=2, interval_s=0) == 1 * GiB
+
+
+def test_one_read_keeps_what_that_listing_says(monkeypatch):
+    _driver(monkeypatch, [(7, 4 * GiB)], used=13 * GiB)  # the neighbour at 8 GiB is not listed: counted as ours
+    assert process_device_bytes() == 9 * GiB
