@@ -69,16 +69,9 @@ import torch
 from torch import nn
 
 from memopt.profile.quant_gemm_4bit import BNB_NESTED_BLOCKSIZE, gemm_4bit_cuda
+from memopt.techniques.bitsandbytes_import import bitsandbytes
 
 __all__ = ["quant_state_tensors", "stand_in_linear", "visible_bnb_kernels"]
-
-
-def _bnb() -> Any:
-    try:
-        import bitsandbytes as bnb
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        raise ValueError("quantized weights need bitsandbytes: pip install 'memopt[bnb]'") from exc
-    return bnb
 
 
 @contextlib.contextmanager
@@ -94,7 +87,7 @@ def _outside_fake_mode() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------------
 
 def _matmul_4bit_class() -> type:
-    bnb = _bnb()
+    bnb = bitsandbytes()
     from bitsandbytes.autograd._functions import MatMul4Bit
 
     class _CudaMatMul4Bit(MatMul4Bit):
@@ -127,7 +120,7 @@ def _cuda_matmul_4bit() -> type:
 
 
 def _linear4bit_class() -> type:
-    bnb = _bnb()
+    bnb = bitsandbytes()
     from bitsandbytes.functional import QuantState
 
     class FakeLinear4bit(bnb.nn.Linear4bit):
@@ -185,7 +178,7 @@ def _linear4bit_class() -> type:
 
         def dequantize(self) -> torch.Tensor:
             """``bnb.functional.dequantize_4bit(weight, quant_state)`` (peft's DoRA calls it every forward)."""
-            return _bnb().functional.dequantize_4bit(self.weight, self.weight.quant_state)
+            return bitsandbytes().functional.dequantize_4bit(self.weight, self.weight.quant_state)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             # nn/modules.py Linear4bit.forward (the CPU inference repacking branch does not apply on a GPU)
@@ -217,7 +210,7 @@ def _linear4bit_class() -> type:
 
 
 def _linear8bit_class() -> type:
-    bnb = _bnb()
+    bnb = bitsandbytes()
     from bitsandbytes.autograd._functions import MatMul8bitLt
 
     class _CudaMatMul8bitLt(MatMul8bitLt):
@@ -377,7 +370,7 @@ def visible_bnb_kernels() -> Iterator[None]:
     A custom op is one dispatch event: a tracker sees its outputs but not the temporaries of its kernel (the
     4-bit GEMM's dequantized weight). Within this context ``bitsandbytes::gemm_4bit`` runs
     ``_gemm_4bit_default_impl`` — the very function bitsandbytes registers as its CPU kernel — op by op."""
-    _bnb()
+    bitsandbytes()
     from bitsandbytes.backends.default import ops as default_ops
 
     table = {torch.ops.bitsandbytes.gemm_4bit.default: default_ops._gemm_4bit_default_impl}

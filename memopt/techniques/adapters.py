@@ -313,6 +313,8 @@ def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *
                              target_modules=targets, use_dora=setting.kind == "dora", bias="none")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")  # peft sets it itself for Conv1D
+        # peft reads transformers 5's deprecated `is_gradient_checkpointing`: once per traced variant, not the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         if fake:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from memopt.techniques.bitsandbytes_import import bitsandbytes
 from memopt.techniques.optimizer_variant import OptimizerVariant, StandInOptimizer
 from memopt.units import allocator_size
 
@@ -27,11 +28,7 @@ _INSTALL = "pip install 'memopt[bnb]'"
 
 def _build(paged: bool) -> Any:
     def build(params: Any, **options: Any) -> torch.optim.Optimizer:
-        try:
-            import bitsandbytes as bnb
-        except Exception as exc:
-            raise ValueError(f"optimizer {'paged_adamw8bit' if paged else 'adamw8bit'!r} needs bitsandbytes "
-                             f"({type(exc).__name__}: {exc}): {_INSTALL}") from None
+        bnb = bitsandbytes(f"optimizer {'paged_adamw8bit' if paged else 'adamw8bit'!r}")
         cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
         return cls(params, **options)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from memopt.techniques.adapters import AdapterSetting, apply_adapters, find_target_linears
+from memopt.techniques.bitsandbytes_import import bitsandbytes
 from memopt.techniques.model_change import ModelChange, Undo, no_change
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.quantization import QuantSetting
@@ -32,19 +33,11 @@ __all__ = [
 ]
 
 
-def _bnb() -> Any:
-    try:
-        import bitsandbytes as bnb
-    except Exception as exc:  # pragma: no cover - depends on the environment
-        raise ValueError("quantized weights need bitsandbytes: pip install 'memopt[bnb]'") from exc
-    return bnb
-
-
 def quantize_linear(linear: nn.Linear, setting: QuantSetting, *, weight: torch.Tensor | None = None,
                     device: torch.device | str | None = None) -> nn.Module:
     """A bitsandbytes layer holding ``linear``'s weight (or ``weight``) quantized on ``device`` (default: where
     the weight is). The bias parameter is shared with ``linear``."""
-    bnb = _bnb()
+    bnb = bitsandbytes()
     w = linear.weight if weight is None else weight
     device = torch.device(device) if device is not None else w.device
     if device.type == "meta" or w.device.type == "meta":
