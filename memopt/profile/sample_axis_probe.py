@@ -18,17 +18,21 @@ equality for speed (bf16 autocast), allow it. The forward runs on a fake copy th
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.library import Library
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
+from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
@@ -111,24 +115,43 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
     clone = fake_copy(model, mode, "cpu", keep_blocks=1)
     clone.train()
     seen: dict[str, int] = {}
+    ran: set[str] = set()
     hooks = []
     for name, layer in axis_layers(clone):
         def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+            ran.add(name)
             size = _batch_axis_size(m, args, kwargs)
             if size is not None:
                 seen.setdefault(name, size)
         hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
     draws = _RandomOps()
     try:
-        # the tracker answers the boolean checks models make on masks (fake tensors have no values)
-        with (caches_kept_real(model), mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(),
-              MemoryTracker("cpu", record=False)):
+        with contextlib.ExitStack() as stack:
+            if any(isinstance(m, nn.RNNBase) for m in clone.modules()):
+                # the CPU unrolls a recurrent layer into a few ops per time step (a GRU over 2,048 steps: 80 s of
+                # fake forward); the trace's one fused kernel answers the same question in one op
+                lib = Library("aten", "IMPL")
+                stack.callback(lib._destroy)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is what we mean
+                    stack.enter_context(recurrent_kernels(lib))
+            # the tracker answers the boolean checks models make on masks (fake tensors have no values)
+            stack.enter_context(caches_kept_real(model))
+            for ctx in (mode, real_code_paths(), grouped_mm_in_any_float(), torch.no_grad(),
+                        MemoryTracker("cpu", record=False)):
+                stack.enter_context(ctx)
             batch = batch_factory(samples, "cpu")  # outside the op log: a factory may draw random inputs
             with draws:
                 compute_loss(clone, batch, loss_fn)
     finally:
         for h in hooks:
             h.remove()
+    layers = dict(axis_layers(clone))
+    for name in sorted(ran):
+        layer = layers[name]
+        # the fused kernel draws the dropout between stacked recurrent layers inside itself, as cuDNN does
+        if isinstance(layer, nn.RNNBase) and layer.dropout > 0 and layer.num_layers > 1:
+            draws.seen.add(f"{type(layer).__name__.lower()}(dropout={layer.dropout:g})")
     return seen, draws.seen
 
 

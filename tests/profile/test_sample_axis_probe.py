@@ -199,3 +199,36 @@ def test_a_pinned_split_of_sequence_first_batches_warns_where_it_runs() -> None:
     with pytest.warns(UserWarning, match="LSTM rnn .* pin micro_batch_size=12"):
         memopt.wrap(model, budget="20GB", hardware="h100_80gb", sample=(x, y), loss_fn=_loss,
                     pins={"micro_batch_size": 4})
+
+
+class LongGRU(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(V, 16), nn.Linear(16, V)
+        self.rnn = nn.GRU(16, 16, num_layers=2, batch_first=True, dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(x))[0]).mean()
+
+
+def _ids(b: int, device: str) -> torch.Tensor:
+    return torch.zeros(b, 2048, dtype=torch.long, device=device)
+
+
+def test_a_recurrent_layer_is_probed_as_one_fused_kernel(monkeypatch) -> None:
+    """The CPU would unroll 2,048 steps x 2 layers into ~20k ops per forward (80 s for a 3-layer GRU); the probe runs
+    the trace's fused stand-in instead, and still sees the batch axis."""
+    import memopt.profile.recurrent_kernels as kernels
+    from memopt.profile.sample_axis_probe import probe_batch
+
+    fused, calls = kernels._fused, []
+    monkeypatch.setattr(kernels, "_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    probe = probe_batch(LongGRU(), _ids)
+    assert probe is not None and probe.axis_refusal is None and probe.random_ops == ()
+    assert len(calls) == 2  # one fused call per forward, at 1 and at 2 samples
+
+
+def test_dropout_between_stacked_recurrent_layers_is_a_random_draw() -> None:
+    from memopt.profile.sample_axis_probe import probe_batch
+
+    assert probe_batch(LongGRU(dropout=0.1), _ids).random_ops == ("gru(dropout=0.1)",)
