@@ -36,7 +36,7 @@ from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
-__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "sample_axis_refusal"]
+__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
 # aten ops that draw from a random generator
@@ -179,13 +179,3 @@ def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> Ba
     except Exception:
         return None
     return BatchProbe(axis_refusal=_axis_refusal(model, one, two), random_ops=tuple(sorted(draws)))
-
-
-def sample_axis_refusal(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> str | None:
-    """Why splitting the batch along dim 0 would cut something other than samples for ``model`` (None: every
-    layer that names a batch axis sees it grow with the samples, or the model has no such layer, or the check could
-    not run)."""
-    if not axis_layers(model):
-        return None
-    probe = probe_batch(model, batch_factory, loss_fn)
-    return None if probe is None else probe.axis_refusal

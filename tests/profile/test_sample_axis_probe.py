@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.profile.sample_axis_probe import sample_axis_refusal
+from memopt.profile.sample_axis_probe import probe_batch
 from memopt.step.batch import split
 
 V, T, B = 50, 12, 8
@@ -89,23 +89,25 @@ def test_transformer_encoder_layout_follows_its_flag(batch_first: bool) -> None:
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=batch_first)
     model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(16, 1))
     x = torch.randn(B, T, 16)  # samples along dim 0: right for batch_first=True only
-    reason = sample_axis_refusal(model, lambda b, device: torch.randn(b, T, 16, device=device),
-                                 lambda out, batch: out.mean())
+    reason = probe_batch(model, lambda b, device: torch.randn(b, T, 16, device=device),
+                         lambda out, batch: out.mean()).axis_refusal
     assert (reason is None) == batch_first
     if not batch_first:
         assert "MultiheadAttention" in reason and "dim 1" in reason
     copy.deepcopy(model)(x)  # the probe leaves the model untouched and runnable
 
 
-def test_models_without_axis_layers_are_not_probed() -> None:
+def test_models_without_axis_layers_run_one_forward() -> None:
     calls = []
 
     def factory(b: int, device: str) -> torch.Tensor:
         calls.append(b)
         return torch.randn(b, 4, device=device)
 
-    assert sample_axis_refusal(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), factory) is None
-    assert calls == []
+    # the random draws need one forward; without a layer that names its batch axis there is no second
+    probe = probe_batch(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), factory, lambda out, batch: out.mean())
+    assert probe is not None and probe.axis_refusal is None
+    assert calls == [1]
 
 
 class DropoutMLP(nn.Module):
@@ -168,8 +170,6 @@ def test_dropout_inside_a_fused_attention_kernel_is_a_random_draw() -> None:
     def factory(b: int, device: str) -> torch.Tensor:
         return torch.randn(b, 6, 16, device=device)
 
-    from memopt.profile.sample_axis_probe import probe_batch
-
     assert probe_batch(Attn(0.0), factory).random_ops == ()
     drawn = probe_batch(Attn(0.2), factory).random_ops
     assert drawn and drawn != ("randn",)  # the factory's own random input is not the model's draw
@@ -187,8 +187,6 @@ def test_a_single_number_drawn_per_step_is_not_a_mask() -> None:
                 if not (self.training and torch.rand([]) < 0.0):
                     x = layer(x)
             return x.mean()
-
-    from memopt.profile.sample_axis_probe import probe_batch
 
     assert probe_batch(LayerDrop(), lambda b, device: torch.randn(b, 8, device=device)).random_ops == ()
 
@@ -219,8 +217,6 @@ def test_a_recurrent_layer_is_probed_as_one_fused_kernel(monkeypatch) -> None:
     """The CPU would unroll 2,048 steps x 2 layers into ~20k ops per forward (80 s for a 3-layer GRU); the probe runs
     the trace's fused stand-in instead, and still sees the batch axis."""
     import memopt.profile.recurrent_kernels as kernels
-    from memopt.profile.sample_axis_probe import probe_batch
-
     fused, calls = kernels._fused, []
     monkeypatch.setattr(kernels, "_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
     probe = probe_batch(LongGRU(), _ids)
@@ -229,6 +225,4 @@ def test_a_recurrent_layer_is_probed_as_one_fused_kernel(monkeypatch) -> None:
 
 
 def test_dropout_between_stacked_recurrent_layers_is_a_random_draw() -> None:
-    from memopt.profile.sample_axis_probe import probe_batch
-
     assert probe_batch(LongGRU(dropout=0.1), _ids).random_ops == ("gru(dropout=0.1)",)
