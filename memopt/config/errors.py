@@ -6,64 +6,19 @@ own, in order, on top of the good ones) and then validates what remains, so one 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Any
 
 from memopt.config.compose import compose_plan_config
+from memopt.config.omegaconf_errors import explain_omegaconf_error, first_line
+from memopt.config.validate import validate
 from memopt.plan.checks import closest
-from memopt.plan.policy import PINNABLE
 from memopt.resources import configs_dir
 
 __all__ = ["diagnose", "explain_hydra_error", "explain_omegaconf_error"]
 
 _GROUP_WORDS = {"model": "model", "hardware": "hardware spec", "policy": "policy", "training": "training preset"}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _valid_keys(object_type: Any, parent_node: Any) -> list[str]:
-    if isinstance(object_type, type) and dataclasses.is_dataclass(object_type):
-        return [f.name for f in dataclasses.fields(object_type)]
-    if parent_node is not None and hasattr(parent_node, "keys"):
-        return [str(k) for k in parent_node]
-    return []
-
-
-def _unknown_key(full_key: str, object_type: Any, parent_node: Any, value: Any = None) -> str:
-    parent, _, name = full_key.rpartition(".")
-    valid = _valid_keys(object_type, parent_node)
-    hint = closest(name, valid)
-    if parent == "policy.pins":
-        return (f"cannot pin unknown technique {name!r}{hint}; pinnable: {', '.join(PINNABLE)} "
-                f"(e.g. policy.pins.checkpointing=full)")
-    if parent == "policy.forbid":
-        return (f"cannot forbid unknown technique {name!r}{hint}; techniques: {', '.join(valid)} "
-                f"(e.g. policy.forbid.precision=[fp16_autocast])")
-    if parent.endswith("hf_config"):
-        return (f"{parent} has no field {name!r}{hint} (it has: {', '.join(valid)}); to add a config field write "
-                f"+{full_key}={'<value>' if value is None else value}")
-    if not parent:
-        return (f"unknown key {name!r}{hint}; valid top-level keys: {', '.join(valid)} (choose configs with "
-                "model=, hardware=, policy=, training=)")
-    return f"unknown key {full_key!r}{hint}; valid keys of {parent}: {', '.join(valid)}"
-
-
-def explain_omegaconf_error(exc: BaseException) -> list[str]:
-    """An OmegaConf error (unknown key, wrong type, bad interpolation) as messages."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    full_key = getattr(exc, "full_key", None)
-    if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and full_key:
-        return [_unknown_key(str(full_key), getattr(exc, "object_type", None), getattr(exc, "parent_node", None))]
-    if isinstance(exc, ValidationError) and full_key:
-        return [f"{full_key}: {_first_line(exc)}"]
-    where = f"{full_key}: " if full_key else ""
-    return [where + _first_line(exc)]
 
 
 def explain_hydra_error(exc: BaseException, *, primary_dirs: list[Path] | None = None) -> list[str]:
@@ -89,9 +44,9 @@ def explain_hydra_error(exc: BaseException, *, primary_dirs: list[Path] | None =
             return [f"no config named {primary.group(1)!r}{closest(primary.group(1), names)}"
                     + (f"; available: {', '.join(names)}" if names else "")
                     + " (--config-name picks one; --config-dir adds a folder such as recipes/)"]
-        return [_first_line(exc)]
+        return [first_line(exc)]
     if isinstance(exc, OverrideParseException):
-        return [f"cannot read the override: {_first_line(exc)} (grammar: "
+        return [f"cannot read the override: {first_line(exc)} (grammar: "
                 "https://hydra.cc/docs/advanced/override_grammar/basic/)"]
     cause = exc.__cause__
     if isinstance(exc, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
@@ -107,8 +62,6 @@ def diagnose(overrides: list[str], *, config_name: str = "plan", config_dir: str
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from memopt.config.validate import validate  # cycle: memopt.config.validate imports memopt.config.errors
 
     dirs = [Path(config_dir)] if config_dir is not None else [configs_dir()]
     problems: list[str] = []
@@ -129,7 +82,7 @@ def diagnose(overrides: list[str], *, config_name: str = "plan", config_dir: str
         try:
             parsed.append((text, parser.parse_override(text)))
         except HydraException as exc:  # the grammar raises OverrideParseException or a bare HydraException
-            add([f"cannot read the override {text!r}: {_first_line(exc)} (quote values with spaces or brackets: "
+            add([f"cannot read the override {text!r}: {first_line(exc)} (quote values with spaces or brackets: "
                  "'budget=\"40 GB\"'; grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)"])
     hydra_ovs = [t for t, o in parsed if o.is_hydra_override()]
     base, exc = attempt(hydra_ovs, hydra=True)

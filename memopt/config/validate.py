@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memopt.config.errors import explain_omegaconf_error
+from memopt.config.omegaconf_errors import explain_omegaconf_error
 from memopt.config.schema import OUTPUTS, PlanConfig
 from memopt.hardware import hardware_names, load_hardware
 from memopt.models import SampleSpec, load_model_spec, model_names
