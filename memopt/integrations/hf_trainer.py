@@ -33,8 +33,7 @@ from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model, spec_from_module
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
-    cap_allocator,
-    outside_allocator_bytes,
+    cap_to_plan,
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
@@ -95,8 +94,10 @@ class MemoptCallback:
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if torch.cuda.is_available() and self.enforce_budget:
-            outside = max(outside_allocator_bytes(), int(self.plan.prediction.get("runtime_bytes", 0)))
-            self.cap_fraction = cap_allocator(self.plan.budget_bytes, outside)
+            index = getattr(getattr(args, "device", None), "index", None)  # the Trainer's GPU (torchrun's rank)
+            device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+            self.cap_fraction = cap_to_plan(self.plan.budget_bytes, int(self.plan.prediction.get("runtime_bytes", 0)),
+                                            device)
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -12,10 +12,11 @@ from memopt.profile.sample_axis_probe import random_draws_refusal
 from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.liger_ce import liger_installed
-from memopt.techniques.optimizers import bnb_installed
+from memopt.techniques.optimizers import VARIANTS, bnb_installed
 from memopt.techniques.registry import SearchContext
 
-__all__ = ["micro_batch_refusal_for", "resolve_hardware", "resolve_policy", "search_context"]
+__all__ = ["micro_batch_refusal_for", "optimizer_refusals", "refused_optimizer_notes", "resolve_hardware",
+           "resolve_policy", "search_context"]
 
 
 def resolve_hardware(hardware: str | HardwareSpec | dict | None) -> HardwareSpec:
@@ -60,6 +61,26 @@ def micro_batch_refusal_for(profile: Profile, policy: Policy) -> str | None:
     return random_draws_refusal(profile.forward_random_ops)
 
 
+def optimizer_refusals(profile: Profile) -> tuple[tuple[str, str], ...]:
+    """(optimizer, why) for each registered optimizer that cannot step the model's trainable parameters."""
+    trainable = {dtype for _, dtype, grad in profile.param_sizes if grad}
+    found = ((v.name, v.refusal(trainable, profile.model_class)) for v in VARIANTS.values())
+    return tuple((name, why) for name, why in found if why is not None)
+
+
+def refused_optimizer_notes(ctx: SearchContext, policy: Policy) -> list[str]:
+    """The plan's word on each optimizer it would have weighed but refused for this model, and on what took its
+    place. A pinned one that is refused is an error instead (``memopt.plan.planner``)."""
+    notes = []
+    for name, why in ctx.optimizer_refusals:
+        v = VARIANTS[name]
+        if ctx.user_optimizer or not v.offered or not ctx.has(v.requires) or not policy.allows("optimizer", name):
+            continue
+        instead = f"; {v.instead} (the same update) is planned in its place" if v.instead else ""
+        notes.append(f"optimizer {name} refused: {why}{instead}")
+    return notes
+
+
 def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy: Policy,
                    user_optimizer: bool) -> SearchContext:
     vocab = profile.vocab_size
@@ -79,4 +100,5 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
                          liger_ce=liger is None,
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch,
-                         micro_batch_refusal=micro_batch_refusal_for(profile, policy))
+                         micro_batch_refusal=micro_batch_refusal_for(profile, policy),
+                         optimizer_refusals=optimizer_refusals(profile))

@@ -14,7 +14,7 @@ from memopt.models import load_model_spec
 from memopt.plan import checks
 from memopt.plan.calibrate import CALIBRATION_MODES, calibrated
 from memopt.plan.checks import check_pins_honoured, profile_fingerprint
-from memopt.plan.context import resolve_policy, search_context
+from memopt.plan.context import refused_optimizer_notes, resolve_policy, search_context
 from memopt.plan.footprint import Estimates, level_fits
 from memopt.plan.plan_build import build_plan
 from memopt.plan.policy import Policy
@@ -24,6 +24,7 @@ from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
+from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_bytes
 
 __all__ = ["make_plan"]
@@ -94,6 +95,13 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     global_batch = int(prof.sample["batch_size"])
     _check_batch(pol, global_batch, world_size or world_of(hw)[0])
     ctx = search_context(prof, hw, global_batch, pol, optimizer is not None and not isinstance(optimizer, str))
+    pinned_optimizer = dict(ctx.optimizer_refusals).get(pol.pins.get("optimizer"))
+    if pinned_optimizer is not None:
+        instead = VARIANTS[pol.pins["optimizer"]].instead
+        checks.raise_problems([f"pin optimizer={pol.pins['optimizer']!r} cannot be honoured: {pinned_optimizer}; "
+                               + (f"pin {instead!r} (the same update) or drop the pin" if instead else
+                                  "drop the pin")], "pins")
+    notes.extend(refused_optimizer_notes(ctx, pol))
     if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
         notes.append(f"micro-batching refused under fidelity 'exact': {ctx.micro_batch_refusal}; allow bf16 "
                      "autocast (fidelity 'default') or pin micro_batch_size to split the batch anyway")

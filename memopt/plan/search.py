@@ -23,6 +23,7 @@ it fits.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time
-from memopt.profile.profile import Profile, VariantFailed
+from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.optimizers import optimizer_fidelity
 from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
@@ -241,18 +242,34 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
 
 
 _UNESTIMATED = "cannot be estimated: "
+_STEP_FAILS = re.compile(re.escape(STEP_FAILS) + r"(?P<variant>.+?) \((?P<cause>.*)\)$")
 
 
 def unestimated_notes(result: SearchResult) -> list[str]:
     """What the plan must say about candidates that could not be estimated (a technique refused for this model):
-    each distinct reason once, with how many candidates it removed. Internal errors are not among them: they
-    propagate (``EventStreamError``), so no candidate disappears without a word."""
+    each distinct reason once, with how many candidates it removed; a model step that fails the same way under
+    several variants is one reason, naming the variants. Internal errors are not among them: they propagate
+    (``EventStreamError``), so no candidate disappears without a word."""
     counts: dict[str, int] = {}
+    variants: dict[str, list[str]] = {}
     for ev in result.evaluated:
         if ev.reason.startswith(_UNESTIMATED):
             reason = ev.reason.removeprefix(_UNESTIMATED)
+            failed = _STEP_FAILS.match(reason)
+            if failed:
+                reason = f"the model's step fails ({failed['cause']})"
+                seen = variants.setdefault(reason, [])
+                if failed["variant"] not in seen:
+                    seen.append(failed["variant"])
             counts[reason] = counts.get(reason, 0) + 1
-    return [f"{n} candidate(s) not considered, they cannot be estimated: {reason}" for reason, n in counts.items()]
+    notes = []
+    for reason, n in counts.items():
+        named = variants.get(reason, [])
+        if named:
+            more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+            reason += f" under {', '.join(named[:3])}{more}"
+        notes.append(f"{n} candidate(s) not considered, they cannot be estimated: {reason}")
+    return notes
 
 
 def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:

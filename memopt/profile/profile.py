@@ -34,10 +34,13 @@ from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
 from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.techniques.micro_batching import MicroBatchTooSmall
+from memopt.techniques.optimizers import variant as variant_of
 from memopt.techniques.precision import uses_grad_scaler, weight_dtype
 from memopt.units import allocator_size
 
-__all__ = ["Profile", "VariantFailed"]
+__all__ = ["STEP_FAILS", "Profile", "VariantFailed"]
+
+STEP_FAILS = "the model's step fails as "  # + "<variant label> (<error>)": VariantFailed's message
 
 
 
@@ -177,7 +180,7 @@ class Profile:
             # the model's own step fails under this variant (an fp32 input meeting bf16 weights, say): the
             # candidates that need it cannot run, which is the planner's to report, not a crash
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            self._failed[key] = f"the model's step fails as {key.label()} ({type(exc).__name__}: {first})"
+            self._failed[key] = f"{STEP_FAILS}{key.label()} ({type(exc).__name__}: {first})"
             raise VariantFailed(self._failed[key]) from exc
         for t in traces:
             self.variants[t.key] = t
@@ -197,6 +200,10 @@ class Profile:
         """The optimizer step of ``precision`` and ``optimizer`` over the model's trainable parameters; with a
         ``variant`` that transforms the model (extras), over that variant's trainable parameters at full depth."""
         extras = variant.key.extras_id if variant is not None and variant.model_state is not None else ""
+        if optimizer != "user":
+            why = variant_of(optimizer).refusal({d for _, d, grad in self.param_sizes if grad}, self.model_class)
+            if why is not None:
+                raise ValueError(f"optimizer {optimizer!r} cannot train this model: {why}")
         key = (precision, optimizer, extras)
         if key not in self.optimizers:
             twin = self._optimizer_twin(precision, optimizer, extras)

@@ -106,7 +106,7 @@ def _stand_in(paged: bool) -> Any:
 VARIANTS = tuple(
     OptimizerVariant(name, summary, "8bit_optimizer", _build(paged), _state_bytes(paged), _floor, 0.5,
                      requires="bitsandbytes", install=_INSTALL, offered=True, trace_stand_in=_stand_in(paged),
-                     trainer_optim=trainer, paged=paged)
+                     trainer_optim=trainer, paged=paged, real_only=True)
     for name, summary, paged, trainer in (
         ("adamw8bit", "bitsandbytes AdamW8bit, block-wise 8-bit states", False, "adamw_bnb_8bit"),
         ("paged_adamw8bit", "bitsandbytes PagedAdamW8bit, its states in paged (unified) memory", True,

@@ -104,7 +104,7 @@ def _stand_in(layout: LowBitLayout) -> Any:
 VARIANTS = tuple(
     OptimizerVariant(name, summary, fidelity, _build(cls_name), _state_bytes(layout), _floor(layout),
                      layout.bits / 16, requires="torchao", install=_INSTALL, trace_stand_in=_stand_in(layout),
-                     trainer_optim=trainer)
+                     trainer_optim=trainer, real_only=True)
     for name, summary, fidelity, cls_name, layout, trainer in (
         ("torchao_adamw8bit", "torchao AdamW8bit, block-wise 8-bit states", "8bit_optimizer", "AdamW8bit", _EIGHT,
          "adamw_torch_8bit"),

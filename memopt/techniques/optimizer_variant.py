@@ -11,7 +11,7 @@ Trainer integration and the byte models read that registry, never a list of name
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,11 @@ class OptimizerVariant:
     sharded_states: int | None = None
     trainer_optim: str | None = None  # ``TrainingArguments.optim`` (None: the Trainer path cannot run it)
     paged: bool = False  # some states live in paged memory, outside the allocator
+    # it steps real floating-point parameters only: a complex parameter fails its kernel or, worse, loses its
+    # imaginary part without a word (bitsandbytes casts the gradient to float)
+    real_only: bool = False
+    # the variant planned in its place where it is refused for a model (the same update, another kernel)
+    instead: str | None = None
 
     def installed(self) -> bool:
         """Whether its package is installed, without importing it (bitsandbytes' import compiles kernels)."""
@@ -59,6 +64,14 @@ class OptimizerVariant:
         if not self.installed():
             install = self.install or f"pip install {self.requires}"
             raise ValueError(f"optimizer {self.name!r} needs {self.requires}: {install}")
+
+    def refusal(self, trainable_dtypes: Iterable[str], model: str = "the model") -> str | None:
+        """Why it cannot step the trainable parameters of these dtypes (torch dtype names), or None."""
+        complex_ = sorted({d for d in trainable_dtypes if d.startswith("complex")})
+        if self.real_only and complex_:
+            return (f"it ({self.summary}) steps only real floating-point parameters, and {model} trains "
+                    f"{'/'.join(complex_)} ones")
+        return None
 
     def trace_optimizer(self, params: list[torch.nn.Parameter], state_device: str, **kwargs: Any
                         ) -> torch.optim.Optimizer:

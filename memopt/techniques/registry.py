@@ -47,6 +47,8 @@ class SearchContext:
     peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
     liger_ce: bool = False  # Liger's fused linear cross-entropy is installed, runs on the GPU and is exact here
     micro_batch_refusal: str | None = None  # why micro-batches would not be exact (the global batch only)
+    # (optimizer, why it cannot step this model's trainable parameters): refused ones are never candidates
+    optimizer_refusals: tuple[tuple[str, str], ...] = ()
 
     def has(self, package: str | None) -> bool:
         """Whether a technique needing ``package`` can be planned: bitsandbytes as ``bnb_available`` says (a plan
@@ -314,7 +316,13 @@ class _Optimizer(_Independent):
         # a GPU (benchmarks/validation); the others train and are estimated, but only when pinned (or named)
         if ctx.user_optimizer:
             return [USER]
-        return [v.name for v in VARIANTS.values() if v.offered and ctx.has(v.requires)]
+        refused = dict(ctx.optimizer_refusals)
+        names: list[str] = []
+        for v in VARIANTS.values():
+            name = v.instead if v.name in refused else v.name
+            if v.offered and ctx.has(v.requires) and name is not None and name not in refused and name not in names:
+                names.append(name)
+        return names
 
     def time_lower_bound(self, value: str, base: BaseTimes) -> float:
         return 0.0

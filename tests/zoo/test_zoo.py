@@ -76,7 +76,7 @@ def _reference(model, batches, *, loss_fn=None, bf16=False, max_grad_norm=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -156,7 +156,10 @@ def test_pattern_is_planned(pat):
 
 @pytest.mark.parametrize("pat", PATTERNS, ids=lambda p: f"{p.name}:{p.technique}")
 def test_pattern_estimate_equals_simulation(pat):
-    _estimate_equals_simulation(pat.build(), pat.sample(BATCH), _strategy(pat.technique), loss_fn=pat.loss_fn)
+    strategy = _strategy(pat.technique)
+    _estimate_equals_simulation(pat.build(), pat.sample(BATCH), strategy.replace(optimizer=pat.optimizer or
+                                                                                 strategy.optimizer),
+                                loss_fn=pat.loss_fn)
 
 
 @pytest.mark.parametrize("pat", PATTERNS, ids=lambda p: f"{p.name}:{p.technique}")

@@ -189,6 +189,36 @@ class ReturnsLoss(nn.Module):
         return self.inner(x, labels)["loss"]
 
 
+class SpectralBlock(nn.Module):
+    """Mixing along the sequence in Fourier space with complex weights (a Fourier neural operator's layer). The
+    FFT runs in fp32, as such models cast it: cuFFT and PocketFFT have no bf16 kernel."""
+
+    def __init__(self, length: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(length // 2 + 1, H, dtype=torch.complex64) / H)
+        self.mix = nn.Linear(H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x.float(), dim=1) * self.weight
+        return x + self.mix(F.gelu(torch.fft.irfft(spectrum, n=x.shape[1], dim=1)))
+
+
+class SpectralNet(nn.Module):
+    """Complex parameters: the optimizers that step only real ones (torch's fused AdamW, 8-bit states) are refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.blocks = nn.ModuleList(SpectralBlock() for _ in range(3))
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return {"loss": F.cross_entropy(self.head(h.mean(1)), labels)}
+
+
 @dataclass(frozen=True)
 class Pattern:
     name: str
@@ -197,6 +227,7 @@ class Pattern:
     technique: str
     loss_fn: Callable[[Any, dict[str, Any]], torch.Tensor] | None = None
     max_grad_norm: float | None = None
+    optimizer: str | None = None  # the estimate's optimizer where the planner's default cannot train the model
 
 
 def _vectors(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -229,4 +260,5 @@ PATTERNS: list[Pattern] = [
     Pattern("buffer_updated_in_forward", CountingBuffer, _vectors, "full"),
     Pattern("returns_the_loss", ReturnsLoss, _vectors, "offload", loss_fn=lambda out, batch: out),
     Pattern("gradient_clipping", ResidualMLP, _vectors, "micro_batch", max_grad_norm=0.05),
+    Pattern("complex_parameters", SpectralNet, _sequences, "full", optimizer="adamw_foreach"),
 ]
