@@ -22,7 +22,7 @@ from memopt.profile.profile import Profile
 from memopt.profile.tracker import ALLOC
 from memopt.profile.variant_trace import VariantKey, VariantTrace, variant_key
 from memopt.strategy import Strategy
-from memopt.techniques.precision import weight_dtype
+from memopt.techniques.precision import stored_dtype, weight_dtype
 from memopt.units import MiB, allocator_size
 
 __all__ = ["Estimate", "StepPlan", "TotalAbove", "estimate_strategy"]
@@ -103,20 +103,13 @@ def static_bytes(profile: Profile, strategy: Strategy, traces: dict, base: Varia
               Cat.TEMPORARIES: persistent}
     # the events the allocator sees before the first step: each parameter, buffer, master copy, input
     events: list[tuple[int, int, int]] = []
-    item = torch.empty((), dtype=wd).element_size()
     k = 1
-    for numel, dtype, _ in profile.param_sizes:
-        size = numel * (item if dtype in ("float32", "bfloat16", "float16") else 1)
-        events.append((ALLOC, -(10**9) - k, size))
-        k += 1
-    for numel, dtype in profile.buffer_sizes:
-        size = numel * (item if dtype in ("float32", "bfloat16", "float16") else torch.empty(
-            (), dtype=getattr(torch, dtype)).element_size())
-        events.append((ALLOC, -(10**9) - k, size))
+    for numel, dtype in [(n, d) for n, d, _ in profile.param_sizes] + list(profile.buffer_sizes):
+        events.append((ALLOC, -(10**9) - k, numel * stored_dtype(wd, getattr(torch, dtype)).itemsize))
         k += 1
     if optimizer_master:
         for numel, dtype, grad in profile.param_sizes:
-            if grad and dtype in ("float32", "bfloat16", "float16"):
+            if grad and getattr(torch, dtype).is_floating_point:
                 events.append((ALLOC, -(10**9) - k, numel * 4))
                 k += 1
     for b1, b2 in trace.input_sizes:

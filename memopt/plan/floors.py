@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from memopt.estimate.estimator import OFFLOAD_RUNTIME_BYTES
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile, is_float_dtype
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import VARIANTS
-from memopt.techniques.precision import weight_dtype
+from memopt.techniques.precision import stored_dtype, weight_dtype
 from memopt.units import allocator_size
 
 __all__ = ["FLOOR_REASON", "StateFloor", "state_floor"]
@@ -73,14 +75,19 @@ def state_floor(profile: Profile, s: Strategy, hw: HardwareSpec, cache: dict | N
     weights += profile.buffer_bytes(wd)
     grads = states = paged = 0
     if not frozen_base:
-        # the optimizer steps fp32 tensors (the weights, or bf16_master's fp32 copies) except under bf16_pure
-        item = 2 if s.precision == "bf16_pure" else 4
-        trained = [n for n, dtype, trains in profile.param_sizes if trains and is_float_dtype(dtype)]
-        grads = sum(allocator_size(n * item) for n in trained)
+        # the optimizer steps the weights in the dtype they are stored in (``stored_dtype``: the model's own, or
+        # bf16 under bf16_pure), or bf16_master's fp32 copies: the trained numels by bytes per element
+        trained: dict[int, list[int]] = {}
+        for n, dtype, trains in profile.param_sizes:
+            if trains and is_float_dtype(dtype):
+                item = 4 if s.precision == "bf16_master" else stored_dtype(wd, getattr(torch, dtype)).itemsize
+                trained.setdefault(item, []).append(n)
+        grads = sum(allocator_size(n * item) for item, numels in trained.items() for n in numels)
         # the user's own optimizer: nothing assumed; a paged variant's states live in unified memory, outside the
         # allocator, and count in the runtime bytes
         known = VARIANTS.get(s.optimizer)
-        optimizer_floor = known.floor_bytes(trained, item) if known is not None else 0
+        optimizer_floor = 0 if known is None else sum(known.floor_bytes(numels, item)
+                                                      for item, numels in trained.items())
         paged = optimizer_floor if known is not None and known.paged else 0
         states = optimizer_floor - paged
         if s.precision == "bf16_master":

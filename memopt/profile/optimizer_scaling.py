@@ -28,6 +28,7 @@ from memopt.profile.costs import PhaseCost
 from memopt.profile.model_state import expand_model_state, model_state_entries
 from memopt.profile.optimizer_trace import OptimizerTrace
 from memopt.profile.tracker import ALLOC, FREE
+from memopt.techniques.precision import stored_dtype
 
 __all__ = ["SHALLOW_BLOCKS", "canonical_events", "extrapolate_optimizer", "model_layout", "scaled_optimizer_trace",
            "trainable_params"]
@@ -62,8 +63,8 @@ def model_layout(model: nn.Module, weight_dtype: torch.dtype
     for shape, dtype, grad, stack, unit in model_state_entries(model, stacks)["params"]:
         if stack >= 0 and (stack, unit) not in kept:
             continue
-        floating = getattr(torch, dtype).is_floating_point
-        params.append([shape, str(weight_dtype).removeprefix("torch.") if floating else dtype, grad,
+        stored = str(stored_dtype(weight_dtype, getattr(torch, dtype))).removeprefix("torch.")
+        params.append([shape, stored, grad,
                        stack, kept.get((stack, unit), unit)])
     return {"params": params, "buffers": []}, [SHALLOW_BLOCKS[0]] * len(stacks), counts
 

@@ -19,7 +19,7 @@ from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
 from memopt.step.train_step import TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import build_optimizer
-from memopt.techniques.precision import MasterWeights, weight_dtype
+from memopt.techniques.precision import MasterWeights, stored_dtype, weight_dtype
 from memopt.units import allocator_size
 
 __all__ = ["OptimizerTrace", "trace_optimizer"]
@@ -85,7 +85,7 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
-                dtype = wdtype if p.is_floating_point() else p.dtype
+                dtype = stored_dtype(wdtype, p.dtype)
                 fakes.append(nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
         holder = _ParamHolder(fakes)
         strategy = Strategy(precision=precision, optimizer=optimizer)

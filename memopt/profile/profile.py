@@ -35,7 +35,7 @@ from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_varian
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.techniques.micro_batching import MicroBatchTooSmall
 from memopt.techniques.optimizers import variant as variant_of
-from memopt.techniques.precision import uses_grad_scaler, weight_dtype
+from memopt.techniques.precision import stored_dtype, uses_grad_scaler, weight_dtype
 from memopt.units import allocator_size
 
 __all__ = ["STEP_FAILS", "Profile", "VariantFailed"]
@@ -107,22 +107,13 @@ class Profile:
         return [s["num_blocks"] for s in self.stacks]
 
     def param_bytes(self, weight_dtype: torch.dtype = torch.float32) -> int:
-        """Parameter bytes on the GPU with floating weights stored in ``weight_dtype`` (allocator-rounded)."""
-        total = 0
-        item = torch.empty((), dtype=weight_dtype).element_size()
-        for numel, dtype, _ in self.param_sizes:
-            size = item if is_float_dtype(dtype) else torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            total += allocator_size(numel * size)
-        return total
+        """Parameter bytes on the GPU under a precision of ``weight_dtype`` (``stored_dtype``; allocator-rounded)."""
+        return sum(allocator_size(numel * stored_dtype(weight_dtype, getattr(torch, dtype)).itemsize)
+                   for numel, dtype, _ in self.param_sizes)
 
     def buffer_bytes(self, weight_dtype: torch.dtype = torch.float32) -> int:
-        item = torch.empty((), dtype=weight_dtype).element_size()
-        total = 0
-        for numel, dtype in self.buffer_sizes:
-            size = item if is_float_dtype(dtype) and weight_dtype != torch.float32 else \
-                torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            total += allocator_size(numel * size)
-        return total
+        return sum(allocator_size(numel * stored_dtype(weight_dtype, getattr(torch, dtype)).itemsize)
+                   for numel, dtype in self.buffer_sizes)
 
     # -- traces ----------------------------------------------------------------------------------
     def can_trace(self) -> bool:

@@ -46,7 +46,15 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype memopt stores floating weights in under ``precision``; float32 means "as the model has them"."""
     return torch.bfloat16 if precision in ("bf16_master", "bf16_pure") else torch.float32
+
+
+def stored_dtype(weight: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter or buffer of ``dtype`` is stored in where the precision's weight dtype is ``weight``.
+    memopt casts floating weights only to a 16-bit dtype (``cast_model``); under the other settings the model keeps
+    its own dtypes, as its unwrapped loop trains them (an fp64 model, or one loaded in bf16)."""
+    return weight if dtype.is_floating_point and weight != torch.float32 else dtype
 
 
 def uses_grad_scaler(precision: str) -> bool:
