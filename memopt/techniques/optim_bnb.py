@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memopt.techniques.bitsandbytes_import import bitsandbytes
-from memopt.techniques.optimizer_variant import OptimizerVariant, StandInOptimizer
+from memopt.techniques.optimizer_variant import HALF_AND_SINGLE, OptimizerVariant, StandInOptimizer
 from memopt.units import allocator_size
 
 __all__ = ["BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE", "BNB_MIN_PAGED_SIZE", "VARIANTS", "Fake8bitAdamW"]
@@ -106,7 +106,7 @@ def _stand_in(paged: bool) -> Any:
 VARIANTS = tuple(
     OptimizerVariant(name, summary, "8bit_optimizer", _build(paged), _state_bytes(paged), _floor, 0.5,
                      requires="bitsandbytes", install=_INSTALL, offered=True, trace_stand_in=_stand_in(paged),
-                     trainer_optim=trainer, paged=paged, real_only=True)
+                     trainer_optim=trainer, paged=paged, param_dtypes=HALF_AND_SINGLE)
     for name, summary, paged, trainer in (
         ("adamw8bit", "bitsandbytes AdamW8bit, block-wise 8-bit states", False, "adamw_bnb_8bit"),
         ("paged_adamw8bit", "bitsandbytes PagedAdamW8bit, its states in paged (unified) memory", True,

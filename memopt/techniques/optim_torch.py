@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memopt.techniques.optimizer_variant import OptimizerVariant, per_tensor_floor, per_tensor_states
+from memopt.techniques.optimizer_variant import REAL_FLOATS, OptimizerVariant, per_tensor_floor, per_tensor_states
 
 __all__ = ["VARIANTS"]
 
@@ -27,7 +27,8 @@ def _sgd(params: Any, **options: Any) -> torch.optim.Optimizer:
 VARIANTS = (
     OptimizerVariant("adamw_fused", "torch AdamW, fused CUDA kernel", "exact", _adamw(fused=True),
                      per_tensor_states(2, step_bytes=4), per_tensor_floor(2), 2.0, offered=True,
-                     sharded_states=2, trainer_optim="adamw_torch_fused", real_only=True, instead="adamw_foreach"),
+                     sharded_states=2, trainer_optim="adamw_torch_fused", param_dtypes=REAL_FLOATS,
+                     instead="adamw_foreach"),
     OptimizerVariant("adamw_foreach", "torch AdamW, multi-tensor (torch's default)", "exact", _adamw(foreach=True),
                      per_tensor_states(2), per_tensor_floor(2), 2.0, sharded_states=2, trainer_optim="adamw_torch"),
     OptimizerVariant("adamw", "torch AdamW, one tensor at a time", "exact", _adamw(foreach=False),

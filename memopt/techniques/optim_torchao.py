@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memopt.techniques.optimizer_variant import OptimizerVariant, StandInOptimizer
+from memopt.techniques.optimizer_variant import HALF_AND_SINGLE, OptimizerVariant, StandInOptimizer
 from memopt.units import allocator_size
 
 __all__ = ["MIN_QUANTIZED", "VARIANTS", "FakeLowBitAdamW", "LowBitLayout"]
@@ -104,7 +104,7 @@ def _stand_in(layout: LowBitLayout) -> Any:
 VARIANTS = tuple(
     OptimizerVariant(name, summary, fidelity, _build(cls_name), _state_bytes(layout), _floor(layout),
                      layout.bits / 16, requires="torchao", install=_INSTALL, trace_stand_in=_stand_in(layout),
-                     trainer_optim=trainer, real_only=True)
+                     trainer_optim=trainer, param_dtypes=HALF_AND_SINGLE)
     for name, summary, fidelity, cls_name, layout, trainer in (
         ("torchao_adamw8bit", "torchao AdamW8bit, block-wise 8-bit states", "8bit_optimizer", "AdamW8bit", _EIGHT,
          "adamw_torch_8bit"),

@@ -19,7 +19,13 @@ import torch
 
 from memopt.units import allocator_size
 
-__all__ = ["OptimizerVariant", "StandInOptimizer", "StateBytes", "per_tensor_floor", "per_tensor_states"]
+#: the real floating-point dtypes (what torch's fused AdamW kernels step)
+REAL_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: what the 8-bit and 4-bit optimizer kernels step
+HALF_AND_SINGLE = frozenset({"float16", "bfloat16", "float32"})
+
+__all__ = ["HALF_AND_SINGLE", "REAL_FLOATS", "OptimizerVariant", "StandInOptimizer", "StateBytes", "per_tensor_floor",
+           "per_tensor_states"]
 
 # (numels of the trained tensors, the stepped parameters' dtype, round to the allocator's blocks) -> (bytes on the
 # device, bytes in paged memory outside the allocator)
@@ -49,9 +55,10 @@ class OptimizerVariant:
     sharded_states: int | None = None
     trainer_optim: str | None = None  # ``TrainingArguments.optim`` (None: the Trainer path cannot run it)
     paged: bool = False  # some states live in paged memory, outside the allocator
-    # it steps real floating-point parameters only: a complex parameter fails its kernel or, worse, loses its
-    # imaginary part without a word (bitsandbytes casts the gradient to float)
-    real_only: bool = False
+    # the dtypes of the parameters it can step (None: any); a parameter of another dtype fails its kernel or,
+    # worse, is stepped wrong without a word (bitsandbytes casts a complex gradient to float, dropping its
+    # imaginary part)
+    param_dtypes: frozenset[str] | None = None
     # the variant planned in its place where it is refused for a model (the same update, another kernel)
     instead: str | None = None
 
@@ -67,11 +74,13 @@ class OptimizerVariant:
 
     def refusal(self, trainable_dtypes: Iterable[str], model: str = "the model") -> str | None:
         """Why it cannot step the trainable parameters of these dtypes (torch dtype names), or None."""
-        complex_ = sorted({d for d in trainable_dtypes if d.startswith("complex")})
-        if self.real_only and complex_:
-            return (f"it ({self.summary}) steps only real floating-point parameters, and {model} trains "
-                    f"{'/'.join(complex_)} ones")
-        return None
+        if self.param_dtypes is None:
+            return None
+        other = sorted(set(trainable_dtypes) - self.param_dtypes)
+        if not other:
+            return None
+        return (f"it ({self.summary}) steps {'/'.join(sorted(self.param_dtypes))} parameters only, and {model} "
+                f"trains {'/'.join(other)} ones")
 
     def trace_optimizer(self, params: list[torch.nn.Parameter], state_device: str, **kwargs: Any
                         ) -> torch.optim.Optimizer:
