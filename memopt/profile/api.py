@@ -22,7 +22,7 @@ from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.profile import Profile, VariantFailed
-from memopt.profile.sample_axis_probe import probe_batch
+from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
@@ -285,12 +285,21 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     batch = int(sample_dict.get("batch_size", 1))
     for v in variants or [default_variant(hw)]:
         try:
-            prof.variant(v, micro_batch=batch)
-        except VariantFailed:
-            if variants or v.precision == "fp32":
-                raise
-            # a model without bf16 kernels for some op may still train in fp32; the planner refuses the rest
-            prof.variant(dataclasses.replace(v, precision="fp32"), micro_batch=batch)
+            try:
+                prof.variant(v, micro_batch=batch)
+            except VariantFailed:
+                if variants or v.precision == "fp32":
+                    raise
+                # a model without bf16 kernels for some op may still train in fp32; the planner refuses the rest
+                prof.variant(dataclasses.replace(v, precision="fp32"), micro_batch=batch)
+        except VariantFailed as exc:
+            if isinstance(source, nn.Module) and runs_whole_batch_only(source, factory, loss_fn, batch):
+                raise ValueError(
+                    f"{name} trains on the whole batch of {batch} but not on one sample of it ({exc}): memopt profiles "
+                    "the step at 1 and 2 samples along the first dimension of every batch tensor and scales it to the "
+                    "batch, so it plans models whose batch's first dimension is independent samples, which this "
+                    "one's is not (a whole graph's nodes and their adjacency, say)") from exc
+            raise
     prof.trace_s = max(prof.trace_s, time.perf_counter() - start) if not prof.trace_s else prof.trace_s
     return prof
 

@@ -36,7 +36,7 @@ from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
-__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal"]
+__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
 # aten ops that draw from a random generator
@@ -167,6 +167,19 @@ def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) ->
                     "micro-batch would be a slice of every sequence; pass batches with the samples along dim 0 "
                     "(batch_first=True) to allow micro-batching")
     return None
+
+
+def runs_whole_batch_only(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> bool:
+    """Whether the model's forward runs on the whole batch of ``samples`` but not on one sample of it: its batch's
+    first dimension is not independent samples (a whole graph: its nodes' features and their adjacency)."""
+    def runs(b: int) -> bool:
+        try:
+            _forward(model, batch_factory, loss_fn, b)
+        except Exception:
+            return False
+        return True
+
+    return samples > 1 and not runs(1) and runs(samples)
 
 
 def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> BatchProbe | None:

@@ -42,7 +42,7 @@ from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.simulate import trace_device
 from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.trace_alignment import alignment_opcodes
-from memopt.profile.tracker import ALLOC, MemoryTracker
+from memopt.profile.tracker import ALLOC, MemoryTracker, dense_only
 from memopt.profile.variant_trace import Segment, VariantKey, VariantTrace
 from memopt.step.batch import tensors as batch_tensors
 from memopt.step.prepare import prepare
@@ -134,6 +134,8 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
                     tracker.track(b, MemoryCategory.PARAMETERS, "buffer")
                 batch = batch_factory(micro_batch, device)
                 _shadow_batch_values(tracker, batch_factory, micro_batch, batch)
+                for i, v in enumerate(batch_tensors(batch)):
+                    dense_only(v, f"tensor {i} of the batch")
                 inputs = [v.untyped_storage().nbytes() for v in batch_tensors(batch)]
                 for v in batch_tensors(batch):
                     tracker.track(v, MemoryCategory.ACTIVATIONS, "input")

@@ -29,7 +29,20 @@ from memopt.profile.data_dependent import BOUNDED_OPS, sized_output
 from memopt.profile.scalar_values import MAX_INDEX_ELEMENTS, ScalarShadows
 from memopt.units import allocator_size
 
-__all__ = ["MemoryTracker", "TrackedRun", "current_tracker", "report_scratch"]
+__all__ = ["MemoryTracker", "TrackedRun", "UnsupportedLayout", "current_tracker", "dense_only", "report_scratch"]
+
+
+class UnsupportedLayout(ValueError):
+    """A sparse (or other non-strided) tensor in the step: memopt's byte accounting knows strided storages only."""
+
+
+def dense_only(t: torch.Tensor, what: str) -> None:
+    """UnsupportedLayout naming ``what`` made ``t`` when it is not a strided tensor (a sparse gradient of
+    ``nn.Embedding(sparse=True)``, a sparse adjacency matrix in the batch)."""
+    if t.layout != torch.strided:
+        raise UnsupportedLayout(
+            f"{what} is a {str(t.layout).removeprefix('torch.')} tensor, and memopt can plan only dense (strided) "
+            "tensors: build embeddings with sparse=False (nn.Embedding/nn.EmbeddingBag), or pass dense inputs")
 
 _CURRENT: contextvars.ContextVar[MemoryTracker | None] = contextvars.ContextVar("memopt_tracker", default=None)
 
@@ -267,6 +280,9 @@ class MemoryTracker(TorchDispatchMode):
         label = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                if t.layout != torch.strided:
+                    where = self.module_fn() if self.module_fn is not None else ""
+                    dense_only(t, f"the output of {func.__name__}" + (f" in {where}" if where else ""))
                 if label is None:
                     label = self._label(func.__name__)
                 self._track_storage(t.untyped_storage(), label)

@@ -111,6 +111,9 @@ def batch_size(batch: Any) -> int:
     """The number of samples: dim 0 of every tensor with a dimension (they must agree)."""
     sizes: dict[int, list[str]] = {}
     for path, t in leaves(batch):
+        if t.layout != torch.strided:  # it cannot be cut into micro-batches by rows, nor traced as bytes
+            raise ValueError(f"the batch's {path} is a {str(t.layout).removeprefix('torch.')} tensor: memopt plans "
+                             "and splits dense (strided) tensors only; pass it dense (.to_dense())")
         if t.dim() > 0:
             sizes.setdefault(int(t.shape[0]), []).append(path)
     if not sizes:
