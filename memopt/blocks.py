@@ -48,12 +48,15 @@ def block_signature(module: nn.Module) -> tuple:
 
 
 def _is_stack(container: nn.Module) -> bool:
-    """Two or more children of one class with parameters. The first block may own extra parameters
+    """Two or more distinct children of one class with parameters. The first block may own extra parameters
     (T5's relative position bias lives in block 0); ``BlockStack.uniform_tail`` says whether blocks
-    1..N-1 are interchangeable."""
+    1..N-1 are interchangeable. One module listed several times (``nn.ModuleList([layer] * n)``: a layer applied
+    n times with one set of weights) is not a stack: its applications are not modules memopt can wrap one by one."""
     if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
         return False
     children = list(container)
+    if len({id(c) for c in children}) < len(children):
+        return False
     cls = type(children[0])
     if not any(True for _ in children[0].parameters()):  # parameter-free lists (activations, dropouts)
         return False

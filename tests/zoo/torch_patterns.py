@@ -155,6 +155,24 @@ class CalledTwice(nn.Module):
         return {"loss": F.cross_entropy(self.head(h), labels)}
 
 
+class SharedLayer(nn.Module):
+    """One layer applied four times with one set of weights (``nn.ModuleList([layer] * 4)``, a looped transformer):
+    not a stack of blocks memopt can checkpoint one by one."""
+
+    def __init__(self, applications: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        layer = Block()
+        self.layers = nn.ModuleList([layer] * applications)
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
 class Frozen(ResidualMLP):
     """The input layer and the first block frozen."""
 
@@ -256,6 +274,7 @@ PATTERNS: list[Pattern] = [
     Pattern("batchnorm", ConvBN, _images, "full"),
     Pattern("weight_sharing", TiedEmbedding, _tokens, "selective"),
     Pattern("module_called_twice", CalledTwice, _vectors, "micro_batch"),
+    Pattern("one_layer_listed_n_times", SharedLayer, _vectors, "offload"),
     Pattern("frozen_parameters", Frozen, _vectors, "full"),
     Pattern("buffer_updated_in_forward", CountingBuffer, _vectors, "full"),
     Pattern("returns_the_loss", ReturnsLoss, _vectors, "offload", loss_fn=lambda out, batch: out),
