@@ -129,12 +129,16 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
     except ValueError as exc:
         raise ValueError(f"invalid sample batch: {exc}") from None
     template = batch_contract.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
+    fill = batch_contract.integer_maxima(sample)
 
     def factory(b: int, device: str) -> Any:
-        return batch_contract.like(template, b, device)
+        return batch_contract.like(template, b, device, fill)
 
     tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_contract.leaves(sample)}  # for reports
-    return factory, {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}, None
+    facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}
+    if any(v is not None for v in fill):  # the values traced with: a profile made for other values is not this one
+        facts["integer_maxima"] = fill
+    return factory, facts, None
 
 
 def default_variant(hardware: HardwareSpec) -> VariantKey:

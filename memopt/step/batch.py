@@ -325,14 +325,33 @@ def structure(batch: Any) -> Any:
     return {"value": repr(batch)}
 
 
-def like(batch: Any, size: int, device: str | torch.device) -> Any:
-    """A batch of ``size`` samples with ``batch``'s structure, dtypes and per-sample shapes (random floats, zero
-    integers: valid class ids and never -100, so every label carries loss), created on ``device``."""
+def integer_maxima(batch: Any) -> list[int | None]:
+    """For each tensor of the batch (``leaves`` order), the largest value of an integer one that holds values, else
+    None: what ``like`` fills it with."""
+    def top(t: torch.Tensor) -> int | None:
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
+            return None
+        if t.device.type == "meta" or _is_fake(t):
+            return None
+        return int(t.max())
+
+    return [top(t) for t in tensors(batch)]
+
+
+def like(batch: Any, size: int, device: str | torch.device, fill: list[int | None] | None = None) -> Any:
+    """A batch of ``size`` samples with ``batch``'s structure, dtypes and per-sample shapes, created on ``device``:
+    random floats; each integer tensor filled with its ``fill`` value (``integer_maxima`` of the real batch: valid
+    class ids and never -100, so every label carries loss, and the longest of a batch's lengths, so a model that
+    trims its padding to ``lengths.max()`` is traced at the batch's length), or zeros without one; booleans false."""
+    fills = iter(fill or [])
 
     def make(t: torch.Tensor) -> torch.Tensor:
         shape = (size, *t.shape[1:]) if t.dim() > 0 else ()
+        value = next(fills, None)
         if t.is_floating_point():
             return torch.randn(shape, device=device).to(t.dtype)
+        if value is not None:
+            return torch.full(shape, value, dtype=t.dtype, device=device)
         return torch.zeros(shape, dtype=t.dtype, device=device)
 
     return tree_map(make, batch)
