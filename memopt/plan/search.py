@@ -37,7 +37,6 @@ from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time
 from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
-from memopt.techniques.optimizers import optimizer_fidelity
 from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
@@ -113,9 +112,7 @@ def candidates(ctx: SearchContext, policy: Policy,
 
 def complexity(s: Strategy) -> int:
     """How many techniques a strategy switches on (ties in predicted time go to the simpler plan)."""
-    return (int(s.checkpointing.mode != "none") + int(s.activation_offload) + int(s.chunked_ce > 0)
-            + int(s.attention != "auto") + int(s.grad_accum_steps > 1) + int(s.precision != "fp32")
-            + int(optimizer_fidelity(s.optimizer) != "exact") + len(s.extras))
+    return sum(t.engaged(s) for t in TECHNIQUES) + len(s.extras)
 
 
 def rank(e: Evaluated) -> float:

@@ -116,6 +116,11 @@ class SearchedTechnique(Technique, Protocol):
         """Seconds this value adds to one micro-batch pass, at least (0 when it may add nothing)."""
         ...
 
+    def engaged(self, strategy: Strategy) -> int:
+        """1 when the strategy switches this technique on, else 0: between plans the clock cannot tell apart the
+        search prefers the one with fewer techniques on (``memopt.plan.search.complexity``)."""
+        ...
+
 
 class LeveledTechnique(Technique, Protocol):
     """An extras technique searched as fidelity levels (``LEVELED``, composed by ``extras_ladder``)."""
@@ -146,8 +151,14 @@ def _on_off(value: Any, techniques: Mapping[str, Any]) -> str:
 class _Independent:
     """A technique whose every value goes with every choice of the others."""
 
+    name: str
+    off: Any
+
     def admits(self, strategy: Strategy, ctx: SearchContext) -> bool:
         return True
+
+    def engaged(self, strategy: Strategy) -> int:
+        return int(getattr(strategy, self.name) != self.off)
 
 
 class _Precision(_Independent):
@@ -209,6 +220,9 @@ class _Checkpointing(_Independent):
     def fidelity(self, value: Any) -> str:
         return "exact"
 
+
+    def engaged(self, strategy: Strategy) -> int:
+        return int(strategy.checkpointing.mode != "none")
 
 class _Offload(_Independent):
     name = "activation_offload"
@@ -305,6 +319,9 @@ class _CEKernel:
         return "exact"
 
 
+    def engaged(self, strategy: Strategy) -> int:
+        return 0  # a kernel of the chunked loss, which counts itself
+
 class _Optimizer(_Independent):
     name = "optimizer"
     title = "optimizer"
@@ -334,6 +351,9 @@ class _Optimizer(_Independent):
         return optimizer_fidelity(value)
 
 
+    def engaged(self, strategy: Strategy) -> int:
+        return int(optimizer_fidelity(strategy.optimizer) != "exact")  # another exact variant is no technique
+
 class _MicroBatch(_Independent):
     name = "micro_batch_size"
     title = "micro-batching"
@@ -361,6 +381,9 @@ class _MicroBatch(_Independent):
         return "exact"
 
 
+    def engaged(self, strategy: Strategy) -> int:
+        return int(strategy.grad_accum_steps > 1)
+
 class _Allocator(_Independent):
     name = "expandable_segments"
     title = "expandable segments"
@@ -378,6 +401,9 @@ class _Allocator(_Independent):
 
     def fidelity(self, value: Any) -> str:
         return "exact"
+
+    def engaged(self, strategy: Strategy) -> int:
+        return 0  # an allocator setting, not a technique of the step
 
 
 # the order the planner enumerates (and reports) them in
