@@ -21,6 +21,7 @@ between steps, so below the peak where an engine frees cache before a step ends)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -209,6 +210,11 @@ ROWS += [
            8, 1024, budget="10GB", extra={"training_step": True}),
     ZooRow("lstm-tagger-64x256-6GiB", "custom", "lstm_tagger", dict(vocab=24000, width=1024, layers=3), 64, 256,
            budget="6GiB"),
+    # models kept in their own dtypes (memopt casts weights only under bf16_pure/bf16_master): loaded in bf16, fp64
+    _llm("qwen3like0.6b-bf16weights-16x2048-12GiB", "qwen3", QWEN3_06B, 16, 2048, "12GiB",
+         extra={"dtype": "bfloat16"}),
+    ZooRow("fp64-resmlp-12blk-8x512-10GB", "custom", "tied_resmlp", dict(vocab=16000, width=1024, blocks=12), 8, 512,
+           budget="10GB", extra={"dtype": "float64"}),
 ]
 
 
@@ -279,6 +285,9 @@ def build(row: ZooRow) -> Any:
     import torch
 
     torch.manual_seed(0)
+    if "dtype" in row.extra:  # the user's model in its own dtype
+        return build(dataclasses.replace(row, extra={k: v for k, v in row.extra.items() if k != "dtype"})).to(
+            getattr(torch, row.extra["dtype"]))
     if row.kind == "custom":
         return _custom_model(row.model_type, row.config)
     if row.kind == "torchvision":
