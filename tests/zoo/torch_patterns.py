@@ -93,11 +93,13 @@ class MHABlock(nn.Module):
         return self.norm(h + a)
 
 
-class MHANet(nn.Module):
-    def __init__(self) -> None:
+class SequenceNet(nn.Module):
+    """Three blocks over a sequence, classified from its mean."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.inp = nn.Linear(16, H)
-        self.blocks = nn.ModuleList(MHABlock() for _ in range(3))
+        self.blocks = nn.ModuleList(block() for _ in range(3))
         self.head = nn.Linear(H, 4)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -105,6 +107,11 @@ class MHANet(nn.Module):
         for b in self.blocks:
             h = b(h)
         return {"loss": F.cross_entropy(self.head(h.mean(1)), labels)}
+
+
+class MHANet(SequenceNet):
+    def __init__(self) -> None:
+        super().__init__(MHABlock)
 
 
 class ConvBN(nn.Module):
@@ -221,20 +228,11 @@ class SpectralBlock(nn.Module):
         return x + self.mix(F.gelu(torch.fft.irfft(spectrum, n=x.shape[1], dim=1)))
 
 
-class SpectralNet(nn.Module):
+class SpectralNet(SequenceNet):
     """Complex parameters: the optimizers that step only real ones (torch's fused AdamW, 8-bit states) are refused."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, H)
-        self.blocks = nn.ModuleList(SpectralBlock() for _ in range(3))
-        self.head = nn.Linear(H, 4)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return {"loss": F.cross_entropy(self.head(h.mean(1)), labels)}
+        super().__init__(SpectralBlock)
 
 
 @dataclass(frozen=True)
