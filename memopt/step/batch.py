@@ -284,8 +284,7 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         if not batch:
             raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
         inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
-        if loss_fn is None:
-            _check_takes(model, len(inputs))
+        _check_takes(model, len(inputs), target_held_back=len(inputs) < len(batch))
         output = model(*inputs)
     else:
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
@@ -293,14 +292,20 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
     return (loss_fn or default_loss)(output, batch)
 
 
-def _check_takes(model: nn.Module, count: int) -> None:
-    """A one-line error when a tuple batch goes whole to a ``forward`` that cannot take that many arguments."""
+def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False) -> None:
+    """A one-line error when a tuple batch's elements (less the target, under a ``loss_fn``) do not fit ``forward``."""
+    name = type(_unwrapped(model)).__name__
     try:
         inspect.signature(_unwrapped(model).forward).bind(*range(count))
     except TypeError:
-        raise ValueError(f"{type(_unwrapped(model)).__name__}.forward does not take the batch's {count} elements: "
-                         "for an (inputs..., target) batch pass loss_fn=(output, batch) -> loss (the target is "
-                         "then not passed to the model) or training_step=(model, batch) -> loss") from None
+        if target_held_back:
+            raise ValueError(f"{name}.forward does not take the {count} input(s) of the (inputs..., target) batch: "
+                             "with loss_fn the last element is the target and is not passed to the model; to pass it "
+                             "too, give training_step=(model, batch) -> loss, or a dict batch whose keys are "
+                             "forward's parameters") from None
+        raise ValueError(f"{name}.forward does not take the batch's {count} elements: for an (inputs..., target) "
+                         "batch pass loss_fn=(output, batch) -> loss (the target is then not passed to the model) "
+                         "or training_step=(model, batch) -> loss") from None
     except ValueError:  # no signature to read: let the call say
         return
 

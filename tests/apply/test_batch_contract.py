@@ -311,3 +311,26 @@ def test_plan_and_profile_take_a_training_step():
 def test_a_tuple_the_model_cannot_take_whole_says_to_pass_a_loss():
     with pytest.raises(ValueError, match=r"does not take the batch's 2 elements: for an \(inputs\.\.\., target\)"):
         memopt.wrap(Blocks(), budget="4GB", sample=_xy(), hardware="h100_80gb", device="cpu", use_cache=False)
+
+
+class TakesTheTarget(nn.Module):
+    """forward(x, y): a model that computes its own loss from the target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Blocks()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.inner(x), y)
+
+
+def test_a_target_held_back_from_a_forward_that_needs_it_says_how_to_pass_it():
+    """With loss_fn, an (inputs..., target) tuple keeps its last element from the model: a forward that needs it is
+    told how to get it (it was 'the model's step fails as fp32/...: missing 1 required positional argument')."""
+    with pytest.raises(ValueError, match=r"TakesTheTarget\.forward does not take the 1 input\(s\) of the "
+                                         r"\(inputs\.\.\., target\) batch.*training_step"):
+        memopt.plan(TakesTheTarget(), _xy(8), budget="4GB", hardware="h100_80gb", use_cache=False,
+                    loss_fn=lambda out, b: out)
+    plan = memopt.plan(TakesTheTarget(), _xy(8), budget="4GB", hardware="h100_80gb", use_cache=False,
+                       training_step=lambda m, b: m(*b))
+    assert plan.fits
