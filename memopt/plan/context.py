@@ -63,8 +63,7 @@ def micro_batch_refusal_for(profile: Profile, policy: Policy) -> str | None:
 
 def optimizer_refusals(profile: Profile) -> tuple[tuple[str, str], ...]:
     """(optimizer, why) for each registered optimizer that cannot step the model's trainable parameters."""
-    trainable = {dtype for _, dtype, grad in profile.param_sizes if grad}
-    found = ((v.name, v.refusal(trainable, profile.model_class)) for v in VARIANTS.values())
+    found = ((v.name, v.refusal(profile.trainable_dtypes, profile.model_class)) for v in VARIANTS.values())
     return tuple((name, why) for name, why in found if why is not None)
 
 

@@ -106,6 +106,11 @@ class Profile:
     def full_block_counts(self) -> list[int]:
         return [s["num_blocks"] for s in self.stacks]
 
+    @property
+    def trainable_dtypes(self) -> set[str]:
+        """The dtypes (torch names) of the trainable parameters: what an optimizer must be able to step."""
+        return {dtype for _, dtype, grad in self.param_sizes if grad}
+
     def param_bytes(self, weight_dtype: torch.dtype = torch.float32) -> int:
         """Parameter bytes on the GPU under a precision of ``weight_dtype`` (``stored_dtype``; allocator-rounded)."""
         return sum(allocator_size(numel * stored_dtype(weight_dtype, getattr(torch, dtype)).itemsize)
@@ -192,7 +197,7 @@ class Profile:
         ``variant`` that transforms the model (extras), over that variant's trainable parameters at full depth."""
         extras = variant.key.extras_id if variant is not None and variant.model_state is not None else ""
         if optimizer != "user":
-            why = variant_of(optimizer).refusal({d for _, d, grad in self.param_sizes if grad}, self.model_class)
+            why = variant_of(optimizer).refusal(self.trainable_dtypes, self.model_class)
             if why is not None:
                 raise ValueError(f"optimizer {optimizer!r} cannot train this model: {why}")
         key = (precision, optimizer, extras)
