@@ -217,6 +217,45 @@ ROWS += [
            budget="10GB", extra={"dtype": "float64"}),
 ]
 
+# families and shapes no earlier row ran: one layer shared by every depth (ALBERT, a looped encoder), multi-query
+# attention, routed experts of two more families (OLMoE; DeepSeek-V3's latent attention with a dense first block),
+# short convolutions beside attention (LFM2), a 250k-token encoder, torchvision's RegNet, complex spectral weights
+ALBERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096, num_attention_heads=16,
+                    embedding_size=128, vocab_size=30000, max_position_embeddings=512)
+GPT_BIGCODE_1B = dict(n_embd=2048, n_layer=24, n_head=16, n_inner=8192, multi_query=True, vocab_size=49152,
+                      n_positions=4096)
+OLMOE_SMALL = dict(hidden_size=1024, num_hidden_layers=12, intermediate_size=1024, num_experts=16,
+                   num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
+                   max_position_embeddings=4096)
+DEEPSEEK_V3_SMALL = dict(hidden_size=1024, num_hidden_layers=12, intermediate_size=2816, moe_intermediate_size=512,
+                         n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+                         kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                         vocab_size=32000, max_position_embeddings=4096, rope_scaling=None)
+LFM2_1B = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=65536, max_position_embeddings=4096,
+               layer_types=["conv", "conv", "full_attention"] * 5 + ["conv"])
+MBART_LARGE = dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                   decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=50265,
+                   max_position_embeddings=1024, pad_token_id=1, decoder_start_token_id=2)
+XLMR_BASE = dict(hidden_size=768, num_hidden_layers=12, intermediate_size=3072, num_attention_heads=12,
+                 vocab_size=250002, max_position_embeddings=514, num_labels=3)
+
+ROWS += [
+    ZooRow("albertlarge-mlm-32x512-8GiB", "masked", "albert", ALBERT_LARGE, 32, 512, budget="8GiB"),
+    _llm("gptbigcode1b-8x2048-20GiB", "gpt_bigcode", GPT_BIGCODE_1B, 8, 2048, "20GiB"),
+    _llm("olmoelike-8x2048-16GiB", "olmoe", OLMOE_SMALL, 8, 2048, "16GiB"),
+    _llm("deepseekv3like-8x2048-16GiB", "deepseek_v3", DEEPSEEK_V3_SMALL, 8, 2048, "16GiB"),
+    _llm("lfm2like1b-8x2048-20GiB", "lfm2", LFM2_1B, 8, 2048, "20GiB"),
+    ZooRow("mbartlarge-16x512-12GiB", "seq2seq", "mbart", MBART_LARGE, 16, 512, budget="12GiB"),
+    ZooRow("xlmrbase-cls-32x512-8GiB", "seqcls", "xlm-roberta", XLMR_BASE, 32, 512, budget="8GiB"),
+    ZooRow("regnety16gf-64x224-12GiB", "torchvision", "regnet_y_16gf", {}, 64, image_size=224, budget="12GiB"),
+    ZooRow("fno2d-32x256-8GiB", "custom", "fno2d", dict(width=64, modes=32, layers=4), 32, image_size=256,
+           budget="8GiB"),
+    ZooRow("looped-encoder-16x1024-8GiB", "custom", "looped_encoder", dict(vocab=32000, width=1024, loops=12), 16,
+           1024, budget="8GiB"),
+]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # models and batches
@@ -278,7 +317,52 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
             h = self.encoder(self.embed(input_ids))
             return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
 
-    return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder}[name]()
+    class SpectralConv(nn.Module):  # a Fourier layer: complex weights on the lowest modes of a real 2-D FFT
+        def __init__(self) -> None:
+            super().__init__()
+            w, m = c["width"], c["modes"]
+            self.low = nn.Parameter(torch.randn(w, w, m, m, dtype=torch.cfloat) / (w * w))
+            self.high = nn.Parameter(torch.randn(w, w, m, m, dtype=torch.cfloat) / (w * w))
+            self.mix = nn.Conv2d(w, w, 1)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            m = c["modes"]
+            f = torch.fft.rfft2(h.float())  # cuFFT has no bf16: the user's own cast, as under AMP
+            out = torch.zeros_like(f)
+            out[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", f[:, :, :m, :m], self.low)
+            out[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", f[:, :, -m:, :m], self.high)
+            return nn.functional.gelu(torch.fft.irfft2(out, s=h.shape[-2:]) + self.mix(h))
+
+    class FNO2d(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lift = nn.Conv2d(3, c["width"], 1)
+            self.layers = nn.ModuleList(SpectralConv() for _ in range(c["layers"]))
+            self.project = nn.Sequential(nn.Conv2d(c["width"], 128, 1), nn.GELU(), nn.Conv2d(128, 1, 1))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.lift(x)
+            for layer in self.layers:
+                h = layer(h)
+            return {"loss": nn.functional.mse_loss(self.project(h).float(), y)}
+
+    class LoopedEncoder(nn.Module):  # one layer applied at every depth, listed once per application
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["width"])
+            layer = nn.TransformerEncoderLayer(c["width"], c["width"] // 64, 4 * c["width"], batch_first=True,
+                                               norm_first=True, dropout=0.0)
+            self.layers = nn.ModuleList([layer] * c["loops"])
+            self.head = nn.Linear(c["width"], c["vocab"])
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.embed(input_ids)
+            for layer in self.layers:
+                h = layer(h)
+            return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
+
+    return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder,
+            "fno2d": FNO2d, "looped_encoder": LoopedEncoder}[name]()
 
 
 def build(row: ZooRow) -> Any:
@@ -312,6 +396,9 @@ def batch_for(row: ZooRow, model: Any) -> dict[str, Any]:
         x = torch.randn(b, 3, row.image_size, row.image_size, generator=g)
         labels = torch.randint(0, 1000, (b,), generator=g)
         return {"pixel_values": x, "labels": labels} if row.kind == "image" else {"x": x, "labels": labels}
+    if row.model_type == "fno2d":  # a field in, a field out
+        n = row.image_size
+        return {"x": torch.randn(b, 3, n, n, generator=g), "y": torch.randn(b, 1, n, n, generator=g)}
     vocab = row.config.get("vocab_size", row.config.get("vocab", 32000))
     ids = torch.randint(0, vocab, (b, s), generator=g)
     if row.kind == "seq2seq":

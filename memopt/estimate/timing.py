@@ -10,8 +10,8 @@ its op count. Its time is::
 The efficiencies and the host constants are fitted to step times measured on an H200 (see
 ``benchmarks/plan_quality/``); a GPU kind measured since overrides some in its hardware config (:func:`timing_for`).
 fp32 matmuls run at the fp32 rate (PyTorch leaves TF32 off for matmuls by default).
-Activation offload moves the saved tensors over the host link on a side stream: the forward waits for its copies
-once 256 MiB are in flight, and the copies back run on the compute stream as backward unpacks them.
+Activation offload moves the saved tensors over the host link on a side stream: the forward waits for the previous
+copy before issuing the next (one in flight), and the copies back run on the compute stream as backward unpacks them.
 
 The host issues the kernels while the GPU runs the ones already queued: a pass of one micro-batch takes the longer
 of its GPU time and its host time (:func:`host_time`), plus ``overlap_loss`` of the shorter (:func:`step_time`)::
