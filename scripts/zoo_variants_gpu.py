@@ -43,13 +43,19 @@ def run_variant(row_id: str, budget: str, pins: dict[str, Any], steps: int) -> d
     out: dict[str, Any] = {"plan": plan.strategy.label(),
                            "predicted_peak_allocated_bytes": int(plan.peak_allocated_bytes),
                            "breakdown": plan.prediction.get("breakdown"), "peak_at": plan.prediction.get("peak_at")}
+    out["predicted_step_s"] = float(plan.step_time_s)
+    times = []
     for i in range(steps):
         if i == 2:
             torch.cuda.synchronize()
             out["first_steps_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         wrapped.step(batch)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    out["measured_step_s"] = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else None  # the median
     out["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     out["allocated_error"] = out["predicted_peak_allocated_bytes"] / out["measured_peak_allocated_bytes"] - 1
     return out

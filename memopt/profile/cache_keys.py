@@ -35,7 +35,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #     not one op per time step (memopt.profile.recurrent_kernels)
 # 11: cuDNN's reserve space as measured (per layer 5/6/1 hidden vectors for LSTM/GRU/RNN, the outputs between
 #     layers, 256 bytes of padding), not the earlier assumption
-TRACE_REVISION = 11
+# 12: activation offload releases a saved tensor at the next save (one copy in flight), not when 256 MiB of copies
+#     are outstanding (memopt.techniques.activation_offload)
+TRACE_REVISION = 12
 
 
 def cache_dir() -> Path:
