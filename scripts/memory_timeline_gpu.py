@@ -46,13 +46,7 @@ def run(row_id: str, steps: int) -> dict[str, Any]:
     torch._C._cuda_attach_out_of_memory_observer(observer)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
     try:
-        model = zoo.build(row)
-        if row.kind == "torchvision":
-            model = zoo._TorchvisionAdapter.wrap(model)
-        batch = zoo.batch_for(row, model)
-        calls: dict[str, Any] = {"loss_fn": zoo._torchvision_loss if row.kind == "torchvision" else None}
-        if row.extra.get("tuple"):
-            model, batch, calls = zoo._as_tuple_loop(row, model, batch)
+        model, batch, calls = zoo.user_loop(row)
         wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4, **calls)
         out["plan"] = wrapped.plan.strategy.label()
         out["predicted_peak_allocated_gib"] = wrapped.plan.peak_allocated_bytes / GiB

@@ -465,6 +465,19 @@ def _as_tuple_loop(row: ZooRow, model: Any, batch: dict[str, Any]) -> tuple[Any,
         "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), b[1].flatten())}
 
 
+def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
+    """The row's model, batch and the ``memopt.wrap`` arguments saying how its loss is made, as its user holds them."""
+    model = build(row)
+    if row.kind == "torchvision":
+        model = _TorchvisionAdapter.wrap(model)
+    batch = batch_for(row, model)
+    if row.extra.get("tuple"):  # a plain loop's (inputs, targets): the model called on the inputs
+        return _as_tuple_loop(row, model, batch)
+    if row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
+        return model, batch, {"training_step": lambda m, b: m(**b)["loss"]}
+    return model, batch, {"loss_fn": _torchvision_loss if row.kind == "torchvision" else None}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # one row
 # ---------------------------------------------------------------------------------------------------------------
@@ -529,18 +542,9 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
     _log_host_memory(row.id, where)
     try:
         t0 = time.perf_counter()
-        model = build(row)
-        if row.kind == "torchvision":
-            model = _TorchvisionAdapter.wrap(model)
-        batch = batch_for(row, model)
+        model, batch, calls = user_loop(row)
         out["num_params"] = sum(p.numel() for p in model.parameters())
         out["build_s"] = time.perf_counter() - t0
-        loss_fn = _torchvision_loss if row.kind == "torchvision" else None
-        calls: dict[str, Any] = {"loss_fn": loss_fn}
-        if row.extra.get("tuple"):  # a plain loop's (inputs, targets): the model called on the inputs
-            model, batch, calls = _as_tuple_loop(row, model, batch)
-        elif row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
-            calls = {"training_step": lambda m, b: m(**b)["loss"]}
         stage = where["stage"] = "wrap"
         t_wrap = time.perf_counter()
         wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4, **calls)

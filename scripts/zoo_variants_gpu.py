@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -32,18 +33,14 @@ def run_variant(row_id: str, budget: str, pins: dict[str, Any], steps: int) -> d
     import memopt
 
     row = next(r for r in zoo.ROWS if r.id == row_id)
-    model = zoo.build(row)
-    if row.kind == "torchvision":
-        model = zoo._TorchvisionAdapter.wrap(model)
-    batch = zoo.batch_for(row, model)
-    calls = {"loss_fn": zoo._torchvision_loss} if row.kind == "torchvision" else {}
+    model, batch, calls = zoo.user_loop(row)
     wrapped = memopt.wrap(model, budget=budget, sample=batch, fidelity=row.fidelity, lr=1e-4, pins=pins,
                           autotune=False, **calls)
     plan = wrapped.plan
     out: dict[str, Any] = {"plan": plan.strategy.label(),
                            "predicted_peak_allocated_bytes": int(plan.peak_allocated_bytes),
-                           "breakdown": plan.prediction.get("breakdown"), "peak_at": plan.prediction.get("peak_at")}
-    out["predicted_step_s"] = float(plan.step_time_s)
+                           "breakdown": plan.prediction.get("breakdown"), "peak_at": plan.prediction.get("peak_at"),
+                           "predicted_step_s": float(plan.step_time_s)}
     times = []
     for i in range(steps):
         if i == 2:
@@ -55,7 +52,7 @@ def run_variant(row_id: str, budget: str, pins: dict[str, Any], steps: int) -> d
         wrapped.step(batch)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    out["measured_step_s"] = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else None  # the median
+    out["measured_step_s"] = statistics.median(times[2:]) if len(times) > 2 else None
     out["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     out["allocated_error"] = out["predicted_peak_allocated_bytes"] / out["measured_peak_allocated_bytes"] - 1
     return out

@@ -52,7 +52,7 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory and device_type == "cuda" and host_device == "cpu"
         self.stream = torch.cuda.Stream() if device_type == "cuda" else None
-        self._pending: list[tuple[torch.Tensor, Any]] = []
+        self._in_flight: tuple[torch.Tensor, Any] | None = None  # the last saved tensor and its copy's event
         self.bytes_offloaded = 0  # counted per forward, for validation against the plan
         self.bytes_reloaded = 0
 
@@ -61,7 +61,7 @@ class ActivationOffload:
         nbytes = t.untyped_storage().nbytes()
         if t.device.type != self.device_type or nbytes < self.min_bytes or is_parameter_like(t):
             return t
-        self._release_pending()
+        self._release_in_flight()
         if self.stream is None:
             host = t.detach().to(self.host_device)
             event = None
@@ -74,7 +74,7 @@ class ActivationOffload:
                 event.record(self.stream)
         # the GPU tensor stays referenced until its copy is done: until the next save, or the end of the forward
         # pass (a fake trace has no events and holds it exactly that long, as the GPU may)
-        self._pending.append((t, event))
+        self._in_flight = (t, event)
         self.bytes_offloaded += t.numel() * t.element_size()
         return (host, t.device)
 
@@ -87,18 +87,15 @@ class ActivationOffload:
             torch.cuda.current_stream().wait_stream(self.stream)
         return host.to(device, non_blocking=self.pin_memory)
 
-    def _release_pending(self) -> None:
+    def _release_in_flight(self) -> None:
         """Wait for the outstanding copy and drop its GPU tensor."""
-        while self._pending:
-            _, done = self._pending.pop(0)
-            if done is not None:
-                done.synchronize()
+        if self._in_flight is not None and self._in_flight[1] is not None:
+            self._in_flight[1].synchronize()
+        self._in_flight = None
 
     def flush(self) -> None:
-        """Wait for outstanding copies and release their GPU tensors (call after the forward pass)."""
-        if self.stream is not None:
-            self.stream.synchronize()
-        self._pending.clear()
+        """Wait for the outstanding copy and release its GPU tensor (call after the forward pass)."""
+        self._release_in_flight()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
