@@ -17,7 +17,8 @@ fi
 workers=$(python -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")
 run_tier() {  # name, marker expression
   echo "== $1 tier =="
-  python -m pytest -m "$2" -n "$workers" -q -p no:cacheprovider "${@:3}"
+  # the slowest tests are named in every log, so the suite's time can be watched where it runs (CI)
+  python -m pytest -m "$2" -n "$workers" -q -p no:cacheprovider --durations=25 "${@:3}"
   local rc=$?
   # pytest: 0 all passed, 1 failures, 2 interrupted, 3 internal error, 4 usage error, 5 no test collected
   if [ $rc -ne 0 ]; then

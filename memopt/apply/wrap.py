@@ -33,6 +33,8 @@ from memopt.plan.checks import check_wrap_args
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss
+from memopt.step.loss_reduction import LossReduction
+from memopt.techniques.optimizer_instance import is_optimizer, is_scheduler, optimizer_factory, scheduler_factory
 from memopt.units import parse_budget
 
 if TYPE_CHECKING:
@@ -56,7 +58,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
          autotune: bool | None = None,
          checkpoint: str | os.PathLike[str] | list[str | os.PathLike[str]] | None = None,
          transaction: str = "auto", calibration: str = "use",
-         allow_plan_mismatch: bool = False) -> Wrapped | ShardedWrapped | Trainer:
+         allow_plan_mismatch: bool = False, loss_reduction: str = "auto") -> Wrapped | ShardedWrapped | Trainer:
     """Plan (or take ``plan``) and apply it to ``target`` (an ``nn.Module`` or a Hugging Face ``Trainer``).
 
     ``sample`` is optional: without it the plan is made when the first batch reaches ``step``. ``optimizer`` is a
@@ -65,7 +67,9 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     the batch contract of ``memopt.step.batch``: ``training_step(model, batch) -> loss`` when given (a
     Lightning-style step: you call the model), else the model called on the batch (a dict's keys that ``forward``
     takes, a tensor, or a tuple/list ``(inputs..., target)``) and ``loss_fn(output, batch)`` or the output's
-    ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. On a GPU the
+    ``.loss``. A batch is any nesting of tensors, tuples, lists and dicts, samples along dim 0. ``loss_reduction``
+    says how your loss reduces over the samples, so micro-batches accumulate the whole batch's gradient: "mean",
+    "sum", or "auto" (measured on the first batch that is split; ``memopt.step.loss_reduction``). On a GPU the
     allocator is capped at the budget minus the memory held outside it (``enforce_budget``). ``hardware``: not
     given, the local GPU, or ``memopt.hardware.DEFAULT_HARDWARE`` (h100_80gb) where none is visible (the plan's
     notes say so), as for ``memopt.plan`` and ``memopt.profile``; ``'auto'``: the local GPU only (an error
@@ -95,10 +99,11 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
             kwargs[name] = value
     StepTransaction.check_mode(transaction)
     loss_fn = as_loss(loss_fn, training_step)
+    optimizer, lr_scheduler = _from_instances(target, optimizer, lr_scheduler, kwargs)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
-                    allow_plan_mismatch=allow_plan_mismatch)
+                    allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction)
     if is_trainer(target):
         # lazy: keeps memopt.integrations (Trainer support) out of import memopt
         from memopt.integrations.hf_trainer import wrap_trainer
@@ -121,7 +126,8 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
 
     if is_sharded_plan(loaded):  # FSDP2 / DeepSpeed / DDP in each process of a torchrun job
         return ShardedWrapped(target, loaded, optimizer_kwargs=kwargs, loss_fn=loss_fn, device=device,
-                              max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, checkpoint=checkpoint)
+                              max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, checkpoint=checkpoint,
+                              loss_reduction=LossReduction("mean" if loss_reduction == "auto" else loss_reduction))
     if budget is not None and loaded is None:
         hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
         parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early
@@ -129,4 +135,24 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
                    loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
                    policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
                    enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
-                   autotune=autotune, checkpoint=checkpoint, transaction=transaction, calibration=calibration)
+                   autotune=autotune, checkpoint=checkpoint, transaction=transaction, calibration=calibration,
+                   loss_reduction=loss_reduction)
+
+
+def _from_instances(target: Any, optimizer: Any, lr_scheduler: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """An optimizer (and a scheduler on it) the user built before wrapping, as the recipes memopt builds from
+    (``memopt.techniques.optimizer_instance``)."""
+    if is_scheduler(lr_scheduler) and not is_optimizer(optimizer):
+        raise ValueError("lr_scheduler= is a scheduler built on an optimizer memopt does not have: pass that "
+                         "optimizer too (optimizer=opt), or a callable optimizer -> scheduler")
+    if kwargs and (is_optimizer(optimizer) or (callable(optimizer) and not isinstance(optimizer, str))):
+        raise ValueError(f"{', '.join(sorted(kwargs))} given beside an optimizer you build yourself, which would "
+                         "ignore it: set it where the optimizer is built")
+    if not is_optimizer(optimizer):
+        return optimizer, lr_scheduler
+    if not isinstance(target, nn.Module):
+        raise ValueError("optimizer= an optimizer instance goes with a model: a Trainer builds its own (pass it to "
+                         "the Trainer as optimizers=(opt, scheduler))")
+    if is_scheduler(lr_scheduler):
+        lr_scheduler = scheduler_factory(lr_scheduler, optimizer)
+    return optimizer_factory(optimizer, target), lr_scheduler

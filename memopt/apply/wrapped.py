@@ -24,6 +24,7 @@ from memopt.errors import InputError
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
+from memopt.models.hf_task import is_hf_model
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
@@ -36,6 +37,7 @@ from memopt.step.hard_cap import (
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
+from memopt.step.loss_reduction import LossReduction
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items
 from memopt.techniques.precision import forward_context, weight_dtype
@@ -53,7 +55,8 @@ class Wrapped:
                  hardware: Any, policy: Any, fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None,
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
-                 checkpoint: Any = None, transaction: str = "auto", calibration: str = "use") -> None:
+                 checkpoint: Any = None, transaction: str = "auto", calibration: str = "use",
+                 loss_reduction: str = "auto") -> None:
         check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
@@ -64,6 +67,9 @@ class Wrapped:
         self._optimizer_arg = optimizer
         self._optimizer_kwargs = optimizer_kwargs
         self._loss_fn = loss_fn
+        # a Hugging Face model's own loss is a mean over its tokens; any other loss is the user's, measured once
+        own_loss = loss_fn is None and is_hf_model(model)
+        self._reduction = LossReduction("mean" if own_loss and loss_reduction == "auto" else loss_reduction)
         self._lr_scheduler_factory = lr_scheduler
         self._max_grad_norm = max_grad_norm
         self._hardware = hardware
@@ -191,7 +197,7 @@ class Wrapped:
         self._sharded = ShardedWrapped(self._user_model, plan, optimizer_kwargs=self._optimizer_kwargs,
                                        loss_fn=self._loss_fn, device=self.device, max_grad_norm=self._max_grad_norm,
                                        lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint,
-                                       cap_budget_bytes=self._cap_budget_bytes)
+                                       cap_budget_bytes=self._cap_budget_bytes, loss_reduction=self._reduction)
         self.cap_fraction = self._sharded.cap_fraction
 
     def _load_checkpoint(self, strategy: Any) -> None:
@@ -215,7 +221,7 @@ class Wrapped:
         return {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
                 "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
                 "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
-                "move_to": self.device}
+                "move_to": self.device, "loss_reduction": self._reduction}
 
     def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from memopt.step import batch as _batch
+from memopt.step.loss_reduction import micro_batch_weights
 from memopt.step.train_step import TrainStep, count_loss_items, discard_accumulation, micro_batch_to, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
@@ -106,23 +107,21 @@ class DistributedTrainStep(TrainStep):
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
         if total_items == 0:
             raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
-        w = self.world_size
-        if self.kind == "deepspeed":
-            local = self._deepspeed_step(micro, counts, total_items)
-        else:
-            local = self._local_step(micro, counts, total_items)
+        # a summed loss is not measured here (each rank would measure its own share): "auto" accumulates a mean
+        mode = self.reduction.mode if self.reduction is not None and self.reduction.mode == "sum" else "mean"
+        weights = micro_batch_weights(counts, mode, self.world_size, total=total_items)
+        local = (self._deepspeed_step if self.kind == "deepspeed" else self._local_step)(micro, weights)
         (mean,) = self._all_reduce([local])
         self.samples_seen += int(total_samples)
-        _ = w
         return mean
 
-    def _local_step(self, micro: list[Any], counts: list[int], total_items: float) -> float:
+    def _local_step(self, micro: list[Any], weights: list[float]) -> float:
         w = self.world_size
         local = 0.0
         self.last_micro_losses = []
         last = len(micro) - 1
         try:
-            for i, (mb, n) in enumerate(zip(micro, counts)):
+            for i, (mb, weight) in enumerate(zip(micro, weights)):
                 sync: Any = contextlib.nullcontext()
                 if self.kind == "ddp" and i < last and hasattr(self.model, "no_sync"):
                     sync = self.model.no_sync()
@@ -130,10 +129,10 @@ class DistributedTrainStep(TrainStep):
                     self._phase(f"forward[{i}]")
                     loss = self.loss(micro_batch_to(mb, self.device))
                     self._phase(f"backward[{i}]")
-                    self.backward(loss * (n * w / total_items))
+                    self.backward(loss * weight)
                 value = float(loss.detach())
                 self.last_micro_losses.append(value)
-                local += value * n / total_items
+                local += value * weight / w
                 del loss
         except BaseException:
             discard_accumulation(self)  # as the one-GPU step: a step that did not finish leaves no gradients
@@ -141,7 +140,7 @@ class DistributedTrainStep(TrainStep):
         self.optimizer_step()
         return local
 
-    def _deepspeed_step(self, micro: list[Any], counts: list[int], total_items: float) -> float:
+    def _deepspeed_step(self, micro: list[Any], weights: list[float]) -> float:
         engine = self.engine
         gas = engine.gradient_accumulation_steps()
         if len(micro) != gas:
@@ -152,18 +151,18 @@ class DistributedTrainStep(TrainStep):
         local = 0.0
         self.last_micro_losses = []
         device = engine.device if hasattr(engine, "device") else self.device
-        for i, (mb, n) in enumerate(zip(micro, counts)):
+        for i, (mb, weight) in enumerate(zip(micro, weights)):
             self._phase(f"forward[{i}]")
             # the engine's forward by the batch contract; its output (a language model's logits: 1.05 GB at 2 x 2048
             # tokens of Llama-3.2-1B) is not needed by backward and is dropped inside compute_loss: held through
             # backward, it sat on the peak (measured on the H200, raw/session8_call2)
             loss = _batch.compute_loss(engine, micro_batch_to(mb, device), self.loss_fn)
             self._phase(f"backward[{i}]")
-            engine.backward(loss * (n * w / total_items), scale_wrt_gas=False)
+            engine.backward(loss * weight, scale_wrt_gas=False)
             engine.step()
             value = float(loss.detach().float())
             self.last_micro_losses.append(value)
-            local += value * n / total_items
+            local += value * weight / w
             del loss
         self.steps_done += 1
         return local

@@ -38,6 +38,7 @@ from memopt.distributed.train_step import DistributedTrainStep, shard_batch
 from memopt.models.hf_task import is_causal_lm
 from memopt.step.batch import check_batch
 from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
+from memopt.step.loss_reduction import LossReduction
 from memopt.step.prepare import disable_kv_cache
 from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.precision import cast_float_inputs
@@ -92,7 +93,8 @@ class ShardedWrapped:
 
     def __init__(self, model: nn.Module, plan: Any, *, optimizer_kwargs: dict[str, Any] | None = None,
                  loss_fn: Any = None, device: Any = None, max_grad_norm: float | None = None,
-                 lr_scheduler: Any = None, checkpoint: Any = None, cap_budget_bytes: int | None = None) -> None:
+                 lr_scheduler: Any = None, checkpoint: Any = None, cap_budget_bytes: int | None = None,
+                 loss_reduction: LossReduction | None = None) -> None:
         strategy, setting = sharding_of(plan)
         self.plan, self.setting = plan, setting
         self.rank, local, world = _world()
@@ -138,7 +140,8 @@ class ShardedWrapped:
                            lr_scheduler=lr_scheduler(self.optimizer) if lr_scheduler is not None else None)
         self._step = DistributedTrainStep(model=self.model, optimizer=self.optimizer, strategy=strategy,
                                           device_type=self.device.type, device=self.device, loss_fn=loss_fn,
-                                          world_size=setting.world_size, causal_lm=self._causal_lm, **step_kw)
+                                          world_size=setting.world_size, causal_lm=self._causal_lm,
+                                          reduction=loss_reduction, **step_kw)
 
     def _engine(self, model: nn.Module, setting: ShardingSetting, strategy: Any, stacks: Any
                 ) -> tuple[Any, Any, dict[str, Any]]:

@@ -26,6 +26,7 @@ from memopt.hardware import HardwareSpec, hardware_names
 from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
 from memopt.plan.calibrate import CALIBRATION_MODES
 from memopt.plan.context import resolve_hardware
+from memopt.step.loss_reduction import REDUCTIONS
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
 
@@ -366,7 +367,8 @@ def check_plan_matches(plan: Any, model: Any, sample: Any = None, *, allow_misma
 # -- memopt.wrap -------------------------------------------------------------------------------------------------
 def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimizer: Any,
                     optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
-                    calibration: Any = "use", allow_plan_mismatch: bool = False) -> None:
+                    calibration: Any = "use", allow_plan_mismatch: bool = False,
+                    loss_reduction: Any = "auto") -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
     problems: list[str] = []
@@ -388,5 +390,8 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
     if calibration not in CALIBRATION_MODES:
         problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
                         f"{closest(calibration, CALIBRATION_MODES)}")
+    if loss_reduction not in REDUCTIONS:
+        problems.append(f"loss_reduction={loss_reduction!r}: use 'mean' (a loss averaged over samples or tokens), "
+                        "'sum' (summed over them) or 'auto' (measured on the first batch)")
     raise_problems(problems, "arguments")
     check_plan_matches(plan, target, sample, allow_mismatch=allow_plan_mismatch)

@@ -24,6 +24,7 @@ from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
+from memopt.techniques.optimizer_instance import is_optimizer, optimizer_factory
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_bytes
 
@@ -63,6 +64,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     start = time.perf_counter()
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
         loss_fn = as_loss(loss_fn, training_step)
+    if is_optimizer(optimizer) and isinstance(model, nn.Module):  # one the user built: the recipe it gives
+        optimizer = optimizer_factory(optimizer, model)
     if loss_fn is not None and profile is None:  # chunked cross-entropy replaces the model's own loss, not the user's
         pins = {"chunked_ce": 0, **(pins or {})}
     hw, budget_bytes, pol = _checked_args(model, sample, budget=budget, hardware=hardware, policy=policy,

@@ -123,6 +123,8 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
             "one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
             "torch.zeros(32, dtype=torch.long)) or {'x': torch.randn(32, 784), 'labels': torch.zeros(32, "
             f"dtype=torch.long)}}; got {type(sample).__name__}"
+            + ("; pass one batch of it: sample=next(iter(loader))" if hasattr(sample, "__iter__")
+               and not isinstance(sample, (str, bytes, dict, list, tuple)) else "")
         )
     try:
         batch_size = batch_contract.batch_size(sample)

@@ -13,7 +13,8 @@ and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every mi
 1. ``training_step=(model, batch) -> loss`` (as a Lightning ``training_step``): called with the model and the
    micro-batch, on the device, under the plan's autocast.
 2. a dict batch: ``model(**batch)`` with only the keys ``forward`` accepts (all of them when it takes
-   ``**kwargs``): a target kept beside the inputs for ``loss_fn`` is not passed to the model.
+   ``**kwargs``): a target kept beside the inputs for ``loss_fn`` is not passed to the model; ``model(batch)``
+   when ``forward`` takes the dict itself (one parameter, named after none of the keys).
 3. a tensor batch: ``model(batch)``.
 4. a tuple/list batch: with ``loss_fn``, ``(inputs..., target)``: ``model(*batch[:-1])`` (a one-element batch:
    ``model(batch[0])``); without ``loss_fn``, ``model(*batch)`` (a model that takes the target and returns the loss).
@@ -25,8 +26,8 @@ output itself when it is a scalar tensor.
 ``labels != -100``, when the batch has per-token integer labels (dict key ``labels``, or the last element of a
 tuple/list batch, at least 2-D); otherwise its samples (dim 0). For a loss that is the mean over those items
 (``F.cross_entropy``'s default ``ignore_index=-100`` and ``reduction="mean"``, Hugging Face's losses, an MSE mean
-over samples) the accumulated gradient then equals the gradient of the whole batch's loss; a sum-reduced or
-otherwise weighted loss is not made exact by any weighting and should be computed per micro-batch by the user.
+over samples) the accumulated gradient then equals the gradient of the whole batch's loss. A loss summed over its
+items is accumulated unweighted instead (``memopt.step.loss_reduction`` measures which, or the user says).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from torch import nn
 from memopt.models.hf_task import hf_forward_kwargs, is_hf_model
 
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
-           "forward_kwargs", "leaves", "like", "shard", "split", "structure", "tensors", "to_device", "token_labels",
-           "tree_map"]
+           "forward_kwargs", "leaves", "like", "scalar_loss", "shard", "split", "structure", "tensors", "to_device",
+           "token_labels", "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -57,7 +58,7 @@ class TrainingStep:
         self.fn = fn
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        return self.fn(model, batch)
+        return scalar_loss(self.fn(model, batch), "training_step")
 
 
 def as_loss(loss_fn: Any, training_step: Any) -> Any:
@@ -123,7 +124,8 @@ def batch_size(batch: Any) -> int:
     if len(sizes) > 1:
         listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
         raise ValueError(f"the batch's tensors disagree on the number of samples (dim 0): {listed}; every tensor "
-                         "must hold the samples along its first dimension")
+                         "must hold the samples along its first dimension (a tensor that is not per sample, such as "
+                         "class weights, belongs in your loss_fn or training_step, not in the batch)")
     return next(iter(sizes))
 
 
@@ -239,6 +241,20 @@ def forward_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]
     return kept
 
 
+def takes_the_whole_dict(model: nn.Module, batch: Mapping[str, Any]) -> bool:
+    """Whether ``forward`` takes the dict itself (``def forward(self, batch)``, as many Lightning-style modules do):
+    one required parameter, no ``**kwargs``, and none of the batch's keys among its parameters' names."""
+    try:
+        params = list(inspect.signature(_unwrapped(model).forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params) or any(p.name in batch for p in params):
+        return False
+    required = [p for p in params if p.default is p.empty]
+    return len(required) == 1 and required[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The user's module inside a wrapper that forwards ``*args, **kwargs`` to it (DDP's and DeepSpeed's
     ``module``), whose signature says nothing."""
@@ -277,7 +293,7 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
     if isinstance(loss_fn, TrainingStep):
         return loss_fn(model, batch)
     if isinstance(batch, Mapping):
-        output = model(**forward_kwargs(model, batch))
+        output = model(batch) if takes_the_whole_dict(model, batch) else model(**forward_kwargs(model, batch))
     elif isinstance(batch, torch.Tensor):
         output = model(batch)
     elif isinstance(batch, (list, tuple)):
@@ -289,7 +305,29 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
     else:
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
                          "list or dict of tensors (samples along dim 0)")
-    return (loss_fn or default_loss)(output, batch)
+    if loss_fn is None:
+        return default_loss(output, batch)
+    return scalar_loss(loss_fn(output, batch), "loss_fn")
+
+
+def scalar_loss(value: Any, source: str) -> torch.Tensor:
+    """The loss in what ``source`` (the user's ``training_step`` or ``loss_fn``) returned: a scalar tensor, or a
+    dict with a ``"loss"`` entry (a Lightning ``training_step``'s ``{"loss": ..., "log": ...}``), or an object with
+    a ``.loss``; anything else is a one-line error, before a backward would fail on it."""
+    loss = value
+    if isinstance(value, Mapping):
+        loss = value.get("loss")
+    elif not isinstance(value, torch.Tensor) and getattr(value, "loss", None) is not None:
+        loss = value.loss
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(()) if loss.dim() else loss
+    if isinstance(loss, torch.Tensor):
+        raise ValueError(f"{source} returned a loss of shape {tuple(loss.shape)}, not one number: reduce it over the "
+                         "samples (e.g. .mean(), or reduction='mean' in the loss function)")
+    what = ("a dict without a 'loss' entry (keys: " + ", ".join(map(str, list(value)[:5])) + ")"
+            if isinstance(value, Mapping) else f"a {type(value).__name__}")
+    raise ValueError(f"{source} returned {what}: return the loss as a scalar tensor, or a dict with the loss under "
+                     "'loss' (as a Lightning training_step may)")
 
 
 def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False) -> None:

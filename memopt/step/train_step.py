@@ -7,7 +7,8 @@ profile's ground truth), so what is measured is what is predicted.
 
 Accumulation is exact: micro-batch ``i`` with ``n_i`` loss tokens (or samples) contributes
 ``loss_i * n_i / N`` where ``N`` is the global batch's count, so the accumulated gradient equals the
-gradient of the whole batch's mean loss. Clipping, the scheduler and the step counter advance once per
+gradient of the whole batch's mean loss; a summed loss contributes ``loss_i``
+(``memopt.step.loss_reduction``). Clipping, the scheduler and the step counter advance once per
 optimizer step.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from memopt.step import batch as _batch
+from memopt.step.loss_reduction import LossReduction, measure_reduction, micro_batch_weights
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
@@ -90,6 +92,8 @@ class TrainStep:
     lr_scheduler: Any = None
     on_phase: Callable[[str], None] | None = None
     causal_lm: bool = False  # labels are shifted inside the model (Hugging Face *ForCausalLM)
+    # how the loss reduces over samples (memopt.step.loss_reduction); None: a mean, not measured (traces, simulations)
+    reduction: LossReduction | None = None
     steps_done: int = 0
     last_micro_losses: list[float] = field(default_factory=list)
 
@@ -153,26 +157,37 @@ class TrainStep:
             self.lr_scheduler.step()
         self.steps_done += 1
 
+    def _reduction_mode(self, micro: list[Any]) -> str:
+        """"mean" or "sum"; measured on the first micro-batch the first time a batch is split under "auto"."""
+        if self.reduction is None:
+            return "mean"
+        if self.reduction.mode == "auto" and len(micro) > 1:
+            self.reduction.mode = measure_reduction(self.model, micro[0], self.loss_fn,
+                                                    precision=self.strategy.precision, device_type=self.device_type)
+        return "mean" if self.reduction.mode == "auto" else self.reduction.mode
+
     def step(self, batch: Any) -> float:
-        """One optimizer step over ``batch`` (the global batch); returns the batch's mean loss."""
+        """One optimizer step over ``batch`` (the global batch); returns the batch's loss (its mean, or its sum
+        for a summed loss)."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
         counts = _loss_item_counts(micro, self.causal_lm)
         total_items = sum(counts)
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")
         micro = _stage(micro, self.device)
+        weights = micro_batch_weights(counts, self._reduction_mode(micro))
         total = 0.0
         self.last_micro_losses = []
         try:
-            for i, (mb, n) in enumerate(zip(micro, counts)):
+            for i, (mb, w) in enumerate(zip(micro, weights)):
                 self._phase(f"forward[{i}]")
                 loss = self.loss(mb)
-                weighted = loss * (n / total_items)
+                weighted = loss * w
                 self._phase(f"backward[{i}]")
                 self.backward(weighted)
                 value = loss.detach()
                 self.last_micro_losses.append(value)
-                total = total + value * (n / total_items)
+                total = total + value * w
                 del loss, weighted
         except BaseException:
             # a step that failed part-way (a bad batch, the user's loss raising, an interrupt) did not happen: the

@@ -334,3 +334,48 @@ def test_a_target_held_back_from_a_forward_that_needs_it_says_how_to_pass_it():
     plan = memopt.plan(TakesTheTarget(), _xy(8), budget="4GB", hardware="h100_80gb", use_cache=False,
                        training_step=lambda m, b: m(*b))
     assert plan.fits
+
+
+def test_a_training_step_may_return_a_dict_with_the_loss_as_lightning_does():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    ref, model = Blocks(), copy.deepcopy(Blocks())
+    model.load_state_dict(ref.state_dict())
+    want = _reference(ref, [(x, y)] * 3, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    w = _wrap(model, (x, y), 4, training_step=lambda m, b: {"loss": F.cross_entropy(m(b[0]), b[1]), "acc": 0.5})
+    got = [w.step((x, y)) for _ in range(3)]
+    _assert_same(w, ref, got, want)
+
+
+@pytest.mark.parametrize("returned, message", [
+    (lambda out: {"acc": out.mean()}, "a dict without a 'loss' entry"),
+    (lambda out: F.cross_entropy(out, torch.zeros(len(out), dtype=torch.long), reduction="none"), "not one number"),
+    (lambda out: 1.0, "returned a float"),
+])
+def test_a_loss_that_is_not_one_number_is_one_line(returned, message):
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    with pytest.raises(ValueError, match=message):  # at the plan's trace of the step, before anything trains
+        _wrap(Blocks(), (x, y), 8, loss_fn=lambda out, b: returned(out))
+
+
+class TakesTheDict(Blocks):
+    """forward(batch) reads its inputs from the dict itself (a Lightning-style module) and returns the loss."""
+
+    def forward(self, batch: dict) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(batch["features"]), batch["target"])
+
+
+@pytest.mark.parametrize("micro", [8, 4])
+def test_a_forward_that_takes_the_whole_dict_is_called_with_it(micro):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    batches = [{"features": torch.randn(8, 16, generator=g), "target": torch.randint(0, 5, (8,), generator=g)}
+               for _ in range(3)]
+    ref = TakesTheDict()
+    model = copy.deepcopy(ref)
+    want = _reference(ref, batches, lambda m, b: m(b))
+    w = _wrap(model, batches[0], micro)
+    got = [w.step(b) for b in batches]
+    _assert_same(w, ref, got, want)
+    # a forward with one parameter named after a key still gets the keys
+    assert not B.takes_the_whole_dict(nn.Linear(2, 2), {"input": torch.zeros(1, 2)})

@@ -19,6 +19,12 @@ def _ce(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(logits, batch["labels"])
 
 
+def _summed_mse(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A loss summed over the samples (an ELBO-style objective), not averaged."""
+    return F.mse_loss(output["logits"], F.one_hot(batch["labels"], output["logits"].shape[-1]).float(),
+                      reduction="sum")
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -44,6 +50,16 @@ class ResidualMLP(nn.Module):
         for b in self.blocks:
             h = b(h)
         return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
+class ResidualLogits(ResidualMLP):
+    """The same blocks; returns {'logits': ...} for the user's loss_fn (the target is not used)."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return {"logits": self.head(h)}
 
 
 class NoRepeatedBlocks(nn.Module):
@@ -277,5 +293,6 @@ PATTERNS: list[Pattern] = [
     Pattern("buffer_updated_in_forward", CountingBuffer, _vectors, "full"),
     Pattern("returns_the_loss", ReturnsLoss, _vectors, "offload", loss_fn=lambda out, batch: out),
     Pattern("gradient_clipping", ResidualMLP, _vectors, "micro_batch", max_grad_norm=0.05),
+    Pattern("loss_summed_over_samples", ResidualLogits, _vectors, "micro_batch", loss_fn=_summed_mse),
     Pattern("complex_parameters", SpectralNet, _sequences, "full", optimizer="adamw_foreach"),
 ]

@@ -1,0 +1,133 @@
+"""How the user's loss reduces over the samples of a batch, so that micro-batches accumulate the whole batch's
+gradient.
+
+Micro-batch ``i`` of ``n_i`` loss items (``memopt.step.batch.count_loss_items``) out of ``N`` is weighted by
+``n_i / N`` when the loss is a **mean** over those items (the default of every torch loss and of Hugging Face's
+models), and by 1 when it is a **sum** (``reduction="sum"``, an ELBO summed over samples, ``loss.sum()``): the same
+weighting for both would scale a summed loss's gradient by ``1 / micro-batches``, silently. A loss that is neither
+(in-batch negatives of a contrastive loss, a statistic of the whole batch) cannot be reproduced by any weighting of
+micro-batches.
+
+The user may say which (``memopt.wrap(..., loss_reduction="mean" | "sum")``). Left at ``"auto"``, the first step
+that splits a batch measures it when the loss is the user's (a ``loss_fn``, a ``training_step``, or a model that is
+not a Hugging Face model returning its own loss): the loss of ``k`` samples is compared with the loss of the same
+``k`` samples given twice. A mean gives the same number, a sum twice it, and anything else couples the samples.
+Both forwards run without gradients, in eval mode (dropout off, so duplicated samples give the same values), on at
+most the micro-batch's own number of samples (two for a micro-batch of one); the modules' training flags, the
+buffers and the random generators are put back as they were, so training is unchanged by the check (the model's
+forward hooks do see the two forwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.step import batch as _batch
+from memopt.techniques.precision import forward_context
+
+__all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "measure_reduction", "micro_batch_weights"]
+
+REDUCTIONS = ("auto", "mean", "sum")
+# |ratio - 1| (mean) or |ratio - 2| / 2 (sum) within this: bf16 autocast at another batch size may pick other
+# kernels, which moves a mean loss by well under a percent; a coupled loss moves by far more
+_TOLERANCE = 0.05
+
+
+class LossNotSplittable(ValueError):
+    """The loss is neither a mean nor a sum over samples, so micro-batches cannot reproduce it."""
+
+
+@dataclass
+class LossReduction:
+    """``mode``: "mean" or "sum", or "auto" until the first step that splits a batch measures it. One object is
+    shared by every train step a wrapped model builds (the plan's, the autotune's candidates, the guard's re-plans),
+    so what was measured once holds for all of them."""
+
+    mode: str = "mean"
+
+    def __post_init__(self) -> None:
+        check_reduction(self.mode)
+
+
+def check_reduction(mode: Any) -> None:
+    if mode not in REDUCTIONS:
+        raise ValueError(f"loss_reduction={mode!r} is not one of {', '.join(map(repr, REDUCTIONS))}: say 'mean' for "
+                         "a loss averaged over samples or tokens, 'sum' for one summed over them, or 'auto' to let "
+                         "memopt measure it on the first batch")
+
+
+def micro_batch_weights(counts: list[int], mode: str, world_size: int = 1, total: float | None = None) -> list[float]:
+    """The factor each micro-batch's loss is scaled by before its backward, so the accumulated gradient is the whole
+    batch's. ``counts``: the loss items of this rank's micro-batches; ``total``: the global batch's (over every
+    rank; default their sum). Data-parallel engines average gradients over ``world_size`` ranks, which the factor
+    undoes."""
+    if mode == "sum":
+        return [float(world_size)] * len(counts)
+    total = sum(counts) if total is None else total
+    return [n * world_size / total for n in counts]
+
+
+@contextlib.contextmanager
+def _side_effects_undone(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no gradients; every module's training flag, every buffer and the random generators restored."""
+    flags = [(m, m.training) for m in model.modules()]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+        for m, name, b, saved in buffers:
+            m._buffers[name] = b  # a forward may rebind a buffer rather than write into it
+            b.copy_(saved)
+
+
+def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str) -> str:
+    """"mean" or "sum": how the loss of ``micro_batch`` (on the device) reduces over its samples. Raises
+    :class:`LossNotSplittable` when it is neither; returns "mean" (with a warning) when the check cannot tell (the
+    loss is 0, not finite, or the forward fails in eval mode)."""
+    m = _batch.batch_size(micro_batch)
+    head = _batch.split(micro_batch, max(1, m // 2))[0]
+    twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
+    try:
+        with _side_effects_undone(model), forward_context(precision, device_type):
+            once = float(_batch.compute_loss(model, head, loss_fn))
+            doubled = float(_batch.compute_loss(model, twice, loss_fn))
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return _unknown("the check's forward ran out of memory")
+    except Exception as exc:
+        return _unknown(f"its forward in eval mode failed: {type(exc).__name__}: {exc}")
+    scale = max(abs(once), abs(doubled))
+    if not (math.isfinite(once) and math.isfinite(doubled)) or scale < 1e-12:
+        return _unknown(f"the loss of the check's samples is {once:g}")
+    is_mean = abs(doubled - once) <= _TOLERANCE * scale
+    is_sum = abs(doubled - 2 * once) <= _TOLERANCE * scale
+    if is_mean != is_sum:
+        return "mean" if is_mean else "sum"
+    if is_mean:  # both: the loss is about 0 on these samples
+        return _unknown(f"the loss of the check's samples is {once:g}")
+    k = _batch.batch_size(head)
+    raise LossNotSplittable(
+        f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once: it is neither a mean "
+        "(the same) nor a sum (twice) over the samples (in-batch negatives, or a statistic of the whole batch?), so "
+        "micro-batches cannot reproduce the whole batch's gradient; give a budget that fits the whole batch, or pass "
+        "loss_reduction='mean' to accumulate micro-batches weighted by their samples anyway")
+
+
+def _unknown(why: str) -> str:
+    warnings.warn(f"memopt could not tell whether the loss is a mean or a sum over the samples ({why}); it is "
+                  "accumulated as a mean: pass loss_reduction='sum' to memopt.wrap if it is a sum", stacklevel=3)
+    return "mean"

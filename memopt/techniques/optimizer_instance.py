@@ -1,0 +1,89 @@
+"""An optimizer the user built before ``memopt.wrap`` (``opt = torch.optim.AdamW(model.parameters(), lr=...)``, the
+first lines of most plain PyTorch loops), taken as the recipe for the one memopt builds.
+
+memopt builds its optimizer after the plan has changed the model (its weights cast, fp32 masters beside them), and
+again for each candidate the autotune measures or plan the guard switches to, so it needs a recipe rather than an
+instance. The instance gives one: its class, its parameter groups with every hyper-parameter (a group's own
+learning rate, weight decay, betas; a scheduler's ``initial_lr``), and its state when it has one (a resumed run's
+moments, loaded into the new optimizer so that nothing the user had is lost). The user's parameter ``k`` of the
+model's ``parameters()`` order is memopt's parameter ``k``: a plan that trains other parameters than the model's
+own (adapters) cannot follow an instance, and says so.
+
+A learning-rate scheduler built on that instance is re-pointed at each optimizer memopt builds
+(:func:`scheduler_factory`); its step count and base rates stay its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["is_optimizer", "is_scheduler", "optimizer_factory", "scheduler_factory"]
+
+
+def is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def _is_fake(p: torch.Tensor) -> bool:
+    return p.device.type == "meta" or type(p).__name__ == "FakeTensor"
+
+
+def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[[list[nn.Parameter]], Any]:
+    """``params -> optimizer`` that rebuilds ``opt`` (class, groups, hyper-parameters, state) over the parameters
+    memopt passes: the model's trainable parameters, in ``model.parameters()`` order."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in position)
+    if foreign:
+        raise ValueError(f"the optimizer passed to memopt.wrap holds {foreign} tensor(s) that are not parameters of "
+                         "the model: build it over model.parameters(), or pass a callable params -> optimizer")
+    trainable = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+    groups = [({k: v for k, v in g.items() if k != "params"}, [position[id(p)] for p in g["params"]])
+              for g in opt.param_groups]
+    widest = max(groups, key=lambda g: len(g[1]))[0] if groups else {}
+    every_param_trained = all(i in set(trainable) for _, idx in groups for i in idx)
+    state = opt.state_dict() if opt.state else None
+    cls, defaults = type(opt), dict(opt.defaults)
+
+    def construct(param_groups: list[dict[str, Any]] | list[nn.Parameter]) -> torch.optim.Optimizer:
+        try:
+            return cls(param_groups, **defaults)
+        except TypeError:  # an optimizer whose defaults are not its constructor's keywords: the groups carry them
+            return cls(param_groups)
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        if len(params) != len(trainable):
+            if not params or _is_fake(params[0]):
+                # a trace of part of the model (a few blocks): the state it allocates is what matters
+                return construct([{**widest, "params": params}])
+            raise ValueError(f"the plan trains {len(params)} parameter tensors but the optimizer passed to "
+                             f"memopt.wrap was built over the model's {len(trainable)} (adapters or quantization "
+                             "replace them): pass optimizer='adamw' or a callable params -> optimizer")
+        at = dict(zip(trainable, params))
+        new = construct([{**hp, "params": [at[i] for i in idx if i in at]} for hp, idx in groups])
+        if state is not None and every_param_trained and not _is_fake(params[0]):
+            new.load_state_dict(state)
+        return new
+
+    return build
+
+
+def scheduler_factory(scheduler: Any, opt: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """``optimizer -> scheduler``: ``scheduler`` (built on ``opt``) re-pointed at the optimizer memopt built."""
+    if scheduler.optimizer is not opt:
+        raise ValueError("the lr_scheduler passed to memopt.wrap was built on another optimizer than the one passed: "
+                         "build it on that optimizer, or pass a callable optimizer -> scheduler")
+
+    def bind(new: torch.optim.Optimizer) -> Any:
+        scheduler.optimizer = new
+        return scheduler
+
+    return bind

@@ -1,0 +1,149 @@
+"""How the user's loss reduces over samples (memopt.step.loss_reduction): a summed loss trains through micro-batches
+exactly as the unwrapped loop, a loss that couples the samples is refused before anything changes, and the check
+leaves the model as it found it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.step.loss_reduction import LossNotSplittable, _side_effects_undone, micro_batch_weights
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 5))
+
+
+def _data(steps: int = 3, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)) for _ in range(steps)]
+
+
+def _wrap(model: nn.Module, sample, micro: int, **kw):
+    return memopt.wrap(model, budget="4GB", sample=sample, hardware="h100_80gb", device="cpu", use_cache=False,
+                       guard=False, pins={"micro_batch_size": micro, "precision": "fp32"},
+                       optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), **kw)
+
+
+def _unwrapped(model: nn.Module, batches, loss_of) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        loss = loss_of(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+@pytest.mark.parametrize("how", ["loss_fn", "training_step", "declared"])
+def test_a_summed_loss_trains_through_micro_batches_as_the_unwrapped_loop(how):
+    """Weighted as a mean, each micro-batch's summed loss scaled the gradient by 1/4 (4 micro-batches of 2)."""
+    batches = _data()
+    ref = _mlp()
+    want = _unwrapped(ref, batches, _summed)
+    model = _mlp()
+    kw = {"training_step": lambda m, b: _summed(m(b[0]), b[1])} if how == "training_step" else \
+        {"loss_fn": lambda out, b: _summed(out, b[1])}
+    if how == "declared":
+        kw["loss_reduction"] = "sum"
+    w = _wrap(model, batches[0], micro=2, **kw)
+    got = [w.step(b) for b in batches]
+    assert w._reduction.mode == "sum"
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mean_loss_is_measured_as_a_mean_and_stays_exact():
+    batches = _data()
+    ref = _mlp()
+    want = _unwrapped(ref, batches, F.cross_entropy)
+    model = _mlp()
+    w = _wrap(model, batches[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    got = [w.step(b) for b in batches]
+    assert w._reduction.mode == "mean"
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_that_couples_the_samples_is_refused_before_any_parameter_changes():
+    """In-batch negatives (a contrastive loss over the batch's own pairs) cannot be split into micro-batches."""
+    torch.manual_seed(0)
+    model = nn.Linear(12, 12)
+    before = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(8, 12), torch.randn(8, 12)
+
+    def contrastive(out: torch.Tensor, batch) -> torch.Tensor:
+        logits = F.normalize(out, dim=1) @ F.normalize(batch[1], dim=1).T / 0.1
+        return F.cross_entropy(logits, torch.arange(len(out)))
+
+    w = _wrap(model, (x, y), micro=2, loss_fn=contrastive)
+    with pytest.raises(LossNotSplittable, match="neither a mean .* nor a sum"):
+        w.step((x, y))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the whole batch in one micro-batch needs no check: it trains
+    whole = _wrap(nn.Linear(12, 12), (x, y), micro=8, loss_fn=contrastive)
+    assert whole.step((x, y)) > 0
+
+
+def test_no_check_when_the_batch_is_not_split():
+    batches = _data()
+    w = _wrap(_mlp(), batches[0], micro=8, loss_fn=lambda out, b: _summed(out, b[1]))
+    w.step(batches[0])
+    assert w._reduction.mode == "auto"
+
+
+class _Counting(nn.Module):
+    """A buffer written in forward, a submodule the user keeps in eval mode, dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5))
+        self.frozen_norm = nn.BatchNorm1d(6).eval()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.calls = self.calls * 1  # a forward that rebinds its buffer rather than writing into it
+        return self.frozen_norm(self.body(x))
+
+
+def test_the_check_puts_back_modes_buffers_and_random_state():
+    model = _Counting().train()
+    model.frozen_norm.eval()
+    calls = model.calls
+    state = torch.get_rng_state()
+    with _side_effects_undone(model):
+        assert not model.training
+        model(torch.randn(4, 6))
+    assert model.training and model.body.training and not model.frozen_norm.training
+    assert model.calls is calls and float(model.calls) == 0.0
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_micro_batch_weights_by_hand():
+    assert micro_batch_weights([3, 1], "mean") == [0.75, 0.25]
+    assert micro_batch_weights([3, 1], "sum") == [1.0, 1.0]
+    # two ranks averaging gradients: a mean over 8 global items, a sum undone by the world size
+    assert micro_batch_weights([3, 1], "mean", world_size=2, total=8) == [0.75, 0.25]
+    assert micro_batch_weights([3, 1], "sum", world_size=2) == [2.0, 2.0]
+
+
+def test_a_bad_loss_reduction_is_one_line():
+    with pytest.raises(ValueError, match="loss_reduction='avg'") as exc:
+        _wrap(_mlp(), _data()[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]), loss_reduction="avg")
+    assert "Traceback" not in str(exc.value)

@@ -1,0 +1,91 @@
+"""An optimizer (and a scheduler on it) built before memopt.wrap, as plain PyTorch loops build them: memopt trains
+with the same class, parameter groups, hyper-parameters and state, exactly as the unwrapped loop; what it cannot
+follow is one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.techniques.optimizer_instance import optimizer_factory
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 5))
+
+
+def _groups(m: nn.Sequential) -> list[dict]:
+    """Weight decay on the matrices only, the biases at their own learning rate."""
+    return [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},
+            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0, "lr": 0.05}]
+
+
+def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def _hand_step(model, opt, sched, batch) -> float:
+    loss = F.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("micro", [8, 2])
+def test_a_built_optimizer_and_scheduler_train_as_the_unwrapped_loop(micro):
+    """Groups with their own lr and weight decay, a StepLR, and one step already taken (a resumed run's moments)."""
+    batches = _batches()
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=0.01)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    opt = torch.optim.AdamW(_groups(model), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    _hand_step(ref, ref_opt, ref_sched, batches[0])
+    _hand_step(model, opt, sched, batches[0])
+
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=opt, lr_scheduler=sched, loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
+                    pins={"micro_batch_size": micro, "precision": "fp32"})
+    want = [_hand_step(ref, ref_opt, ref_sched, b) for b in batches[1:]]
+    got = [w.step(b) for b in batches[1:]]
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert [g["lr"] for g in w.optimizer.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+    assert type(w.optimizer) is torch.optim.AdamW
+
+
+def test_what_an_instance_cannot_follow_is_one_line():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sample = _batches(1)[0]
+    common = {"budget": "4GB", "sample": sample, "hardware": "h100_80gb", "device": "cpu", "use_cache": False,
+              "loss_fn": lambda out, b: F.cross_entropy(out, b[1])}
+    with pytest.raises(ValueError, match="lr given beside an optimizer you build yourself"):
+        memopt.wrap(model, optimizer=opt, lr=0.5, **common)
+    with pytest.raises(ValueError, match="lr given beside an optimizer you build yourself"):
+        memopt.wrap(model, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), lr=0.5, **common)
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        memopt.wrap(_mlp(), optimizer=opt, **common)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(ValueError, match="pass that optimizer too"):
+        memopt.wrap(model, lr_scheduler=sched, **common)
+    # a plan that trains other tensors than the model's own (adapters) cannot map the instance's groups onto them
+    build = optimizer_factory(opt, model)
+    with pytest.raises(ValueError, match="adapters or quantization"):
+        build([nn.Parameter(torch.zeros(3))])
+
+
+def test_plan_takes_an_instance_as_a_user_optimizer():
+    model = _mlp()
+    plan = memopt.plan(model, _batches(1)[0], budget="4GB", hardware="h100_80gb",
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                       loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    assert plan.fits and plan.strategy.optimizer == "user"
