@@ -91,7 +91,7 @@ def test_a_loss_that_couples_the_samples_is_refused_before_any_parameter_changes
         return F.cross_entropy(logits, torch.arange(len(out)))
 
     w = _wrap(model, (x, y), micro=2, loss_fn=contrastive)
-    with pytest.raises(LossNotSplittable, match="neither a mean .* nor a sum"):
+    with pytest.raises(LossNotSplittable, match=r"neither a mean .* nor a sum"):
         w.step((x, y))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
