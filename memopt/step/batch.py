@@ -19,8 +19,8 @@ and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every mi
 4. a tuple/list batch: with ``loss_fn``, ``(inputs..., target)``: ``model(*batch[:-1])`` (a one-element batch:
    ``model(batch[0])``); without ``loss_fn``, ``model(*batch)`` (a model that takes the target and returns the loss).
 
-then ``loss_fn(output, batch) -> loss`` when given, else the output's ``.loss`` (``output["loss"]``), or the
-output itself when it is a scalar tensor.
+then ``loss_fn(output, batch) -> loss`` when given, else the output's ``.loss`` (``output["loss"]``), the
+output itself when it is a scalar tensor, or the one scalar tensor of a tuple output (``(logits, loss)``).
 
 **Exact accumulation.** Micro-batch ``i`` is weighted by ``n_i / N``. ``n_i`` counts the tokens that carry loss,
 ``labels != -100``, when the batch has per-token integer labels (dict key ``labels``, or the last element of a
@@ -274,12 +274,18 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
-    """The output's ``.loss`` (or ``["loss"]``), or the output itself when it is a scalar tensor."""
+    """The output's ``.loss`` (or ``["loss"]``), the output itself when it is a scalar tensor, or the one scalar
+    tensor of a tuple output."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
+    if loss is None and isinstance(output, (tuple, list)):
+        # (logits, loss) as nanoGPT-style models return it, (loss, logits, ...) as return_dict=False does: the one
+        # number among the outputs is the loss
+        scalars = [t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0]
+        loss = scalars[0] if len(scalars) == 1 else None
     if loss is None:
         raise ValueError(f"the model returned a {type(output).__name__} without a loss: pass "
                          "loss_fn=(output, batch) -> loss (e.g. lambda out, b: F.cross_entropy(out, b[1]) for an "

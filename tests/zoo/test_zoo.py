@@ -70,7 +70,12 @@ def _reference(model, batches, *, loss_fn=None, bf16=False, max_grad_norm=None):
     for b in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(**b)
-            loss = loss_fn(out, b) if loss_fn is not None else (out["loss"] if isinstance(out, dict) else out.loss)
+            if loss_fn is not None:
+                loss = loss_fn(out, b)
+            elif isinstance(out, tuple):  # (logits, loss)
+                loss = next(t for t in out if t.dim() == 0)
+            else:
+                loss = out["loss"] if isinstance(out, dict) else out.loss
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -230,6 +230,17 @@ class ReturnsLoss(nn.Module):
         return self.inner(x, labels)["loss"]
 
 
+class LogitsAndLoss(ResidualMLP):
+    """Returns ``(logits, loss)`` as nanoGPT-style models do, with no loss_fn: the one scalar output is the loss."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(h)
+        return logits, F.cross_entropy(logits, labels)
+
+
 class SpectralBlock(nn.Module):
     """Mixing along the sequence in Fourier space with complex weights (a Fourier neural operator's layer). The
     FFT runs in fp32, as such models cast it: cuFFT and PocketFFT have no bf16 kernel."""
@@ -293,6 +304,7 @@ PATTERNS: list[Pattern] = [
     Pattern("buffer_updated_in_forward", CountingBuffer, _vectors, "full"),
     Pattern("returns_the_loss", ReturnsLoss, _vectors, "offload", loss_fn=lambda out, batch: out),
     Pattern("gradient_clipping", ResidualMLP, _vectors, "micro_batch", max_grad_norm=0.05),
+    Pattern("returns_logits_and_loss", LogitsAndLoss, _vectors, "partial"),
     Pattern("loss_summed_over_samples", ResidualLogits, _vectors, "micro_batch", loss_fn=_summed_mse),
     Pattern("complex_parameters", SpectralNet, _sequences, "full", optimizer="adamw_foreach"),
 ]
