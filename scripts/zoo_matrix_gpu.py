@@ -137,6 +137,12 @@ ROWS: list[ZooRow] = [
            budget="6GiB", extra={"tuple": True}),
     ZooRow("step-mha-encoder-16x2048-10GB", "custom", "mha_encoder", dict(vocab=32000, width=1536, layers=16), 16,
            2048, budget="10GB", extra={"training_step": True}),
+    # loops as their users write them: nanoGPT's (its optimizer and schedule built first), a loss summed over tokens
+    ZooRow("nanogpt350m-16x1024-12GiB", "custom", "nanogpt", dict(vocab=50304, width=1024, layers=24, heads=16,
+                                                                   seq=1024), 16, 1024, budget="12GiB",
+           extra={"nanogpt_loop": True}),
+    ZooRow("summed-gru-lm-16x1024-6GiB", "custom", "gru_lm", dict(vocab=16000, width=2048, layers=2), 16, 1024,
+           budget="6GiB", extra={"tuple": True, "loss_reduction": "sum"}),
 ]
 
 # families and plain-PyTorch shapes that no earlier row ran on the GPU: q/k norms, tied big vocabularies, logit
@@ -361,8 +367,43 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
                 h = layer(h)
             return {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())}
 
+    class NanoGPT(nn.Module):  # nanoGPT's shape: tied head, fused QKV, SDPA, forward(idx, targets) -> (logits, loss)
+        def __init__(self) -> None:
+            super().__init__()
+            w = c["width"]
+            self.wte = nn.Embedding(c["vocab"], w)
+            self.wpe = nn.Embedding(c["seq"], w)
+            self.blocks = nn.ModuleList(_GPTBlock(w, c["heads"]) for _ in range(c["layers"]))
+            self.ln_f = nn.LayerNorm(w)
+            self.lm_head = nn.Linear(w, c["vocab"], bias=False)
+            self.wte.weight = self.lm_head.weight
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return logits, nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                       ignore_index=-1)
+
+    class _GPTBlock(nn.Module):
+        def __init__(self, w: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
+            self.qkv, self.proj = nn.Linear(w, 3 * w), nn.Linear(w, w)
+            self.mlp = nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, w = x.shape
+            q, k, v = (z.view(b, t, self.heads, w // self.heads).transpose(1, 2)
+                       for z in self.qkv(self.ln_1(x)).split(w, dim=2))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, w))
+            return x + self.mlp(self.ln_2(x))
+
     return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder,
-            "fno2d": FNO2d, "looped_encoder": LoopedEncoder}[name]()
+            "fno2d": FNO2d, "looped_encoder": LoopedEncoder, "nanogpt": NanoGPT}[name]()
 
 
 def build(row: ZooRow) -> Any:
@@ -461,8 +502,23 @@ def _as_tuple_loop(row: ZooRow, model: Any, batch: dict[str, Any]) -> tuple[Any,
             h, _ = self.lm.rnn(self.lm.embed(ids))
             return self.lm.head(h)
 
+    reduction = row.extra.get("loss_reduction", "mean")  # "sum": a loss summed over the tokens, not averaged
     return Logits(model), (batch["input_ids"], batch["labels"]), {
-        "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), b[1].flatten())}
+        "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), b[1].flatten(),
+                                                                    reduction=reduction)}
+
+
+def _nanogpt_loop(model: Any, batch: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """nanoGPT's train.py as a user brings it: an (X, Y) tuple, the model returning (logits, loss), and the AdamW it
+    builds itself (decay on the matrices only, fused) with a warm-up schedule on it."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100))
+    return model, (batch["input_ids"], batch["labels"]), {"optimizer": opt, "lr_scheduler": sched}
 
 
 def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
@@ -471,6 +527,8 @@ def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
     if row.kind == "torchvision":
         model = _TorchvisionAdapter.wrap(model)
     batch = batch_for(row, model)
+    if row.extra.get("nanogpt_loop"):
+        return _nanogpt_loop(model, batch)
     if row.extra.get("tuple"):  # a plain loop's (inputs, targets): the model called on the inputs
         return _as_tuple_loop(row, model, batch)
     if row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
@@ -547,7 +605,8 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
         out["build_s"] = time.perf_counter() - t0
         stage = where["stage"] = "wrap"
         t_wrap = time.perf_counter()
-        wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, lr=1e-4, **calls)
+        lr = {} if "optimizer" in calls else {"lr": 1e-4}  # a user's own optimizer carries its learning rate
+        wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, **lr, **calls)
         out["wrap_s"] = time.perf_counter() - t_wrap
         plan = wrapped.plan
         out["plan"] = plan.strategy.label()
