@@ -84,6 +84,22 @@ def scheduler_factory(scheduler: Any, opt: torch.optim.Optimizer) -> Callable[[t
 
     def bind(new: torch.optim.Optimizer) -> Any:
         scheduler.optimizer = new
+        _track_steps(new)
         return scheduler
 
     return bind
+
+
+def _track_steps(opt: torch.optim.Optimizer) -> None:
+    """Mark ``opt.step`` as a scheduler built on ``opt`` would have (torch's schedulers warn on their first step when
+    the optimizer's step was not wrapped by one, taking it for a step called in the wrong order)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step = opt.step
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = tracked  # type: ignore[method-assign]

@@ -4,6 +4,8 @@ follow is one line."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,19 @@ def test_plan_takes_an_instance_as_a_user_optimizer():
                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                        loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
     assert plan.fits and plan.strategy.optimizer == "user"
+
+
+def test_a_fresh_scheduler_steps_without_torch_taking_it_for_a_misordered_step():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    batch = _batches(1)[0]
+    w = memopt.wrap(model, budget="4GB", sample=batch, hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=opt, lr_scheduler=sched, loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
+                    pins={"precision": "fp32"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w.step(batch)
+        w.step(batch)
+    assert not [str(c.message) for c in caught if "lr_scheduler" in str(c.message) or "overridden" in str(c.message)]
+    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
