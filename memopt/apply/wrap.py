@@ -33,7 +33,7 @@ from memopt.plan.checks import check_wrap_args
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss
-from memopt.step.loss_reduction import LossReduction
+from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.techniques.optimizer_instance import is_optimizer, is_scheduler, optimizer_factory, scheduler_factory
 from memopt.units import parse_budget
 
@@ -127,7 +127,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     if is_sharded_plan(loaded):  # FSDP2 / DeepSpeed / DDP in each process of a torchrun job
         return ShardedWrapped(target, loaded, optimizer_kwargs=kwargs, loss_fn=loss_fn, device=device,
                               max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, checkpoint=checkpoint,
-                              loss_reduction=LossReduction("mean" if loss_reduction == "auto" else loss_reduction))
+                              loss_reduction=LossReduction(starting_mode(target, loss_fn, loss_reduction)))
     if budget is not None and loaded is None:
         hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
         parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early

@@ -24,7 +24,6 @@ from memopt.errors import InputError
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
-from memopt.models.hf_task import is_hf_model
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
@@ -37,7 +36,7 @@ from memopt.step.hard_cap import (
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
-from memopt.step.loss_reduction import LossReduction
+from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items
 from memopt.techniques.precision import forward_context, weight_dtype
@@ -67,9 +66,7 @@ class Wrapped:
         self._optimizer_arg = optimizer
         self._optimizer_kwargs = optimizer_kwargs
         self._loss_fn = loss_fn
-        # a Hugging Face model's own loss is a mean over its tokens; any other loss is the user's, measured once
-        own_loss = loss_fn is None and is_hf_model(model)
-        self._reduction = LossReduction("mean" if own_loss and loss_reduction == "auto" else loss_reduction)
+        self._reduction = LossReduction(starting_mode(model, loss_fn, loss_reduction))
         self._lr_scheduler_factory = lr_scheduler
         self._max_grad_norm = max_grad_norm
         self._hardware = hardware

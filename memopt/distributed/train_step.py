@@ -32,10 +32,12 @@ from typing import Any
 import torch
 
 from memopt.step import batch as _batch
-from memopt.step.loss_reduction import micro_batch_weights
+from memopt.step.loss_reduction import classify_reduction, micro_batch_weights, settle
 from memopt.step.train_step import TrainStep, count_loss_items, discard_accumulation, micro_batch_to, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
+
+_VERDICTS = ("mean", "sum", "coupled")
 
 
 def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
@@ -107,13 +109,31 @@ class DistributedTrainStep(TrainStep):
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
         if total_items == 0:
             raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
-        # a summed loss is not measured here (each rank would measure its own share): "auto" accumulates a mean
-        mode = self.reduction.mode if self.reduction is not None and self.reduction.mode == "sum" else "mean"
-        weights = micro_batch_weights(counts, mode, self.world_size, total=total_items)
+        weights = micro_batch_weights(counts, self._agreed_reduction(micro), self.world_size, total=total_items)
         local = (self._deepspeed_step if self.kind == "deepspeed" else self._local_step)(micro, weights)
         (mean,) = self._all_reduce([local])
         self.samples_seen += int(total_samples)
         return mean
+
+    def _agreed_reduction(self, micro: list[Any]) -> str:
+        """"mean" or "sum". Under "auto", measured the first time the global batch is split (over micro-batches or
+        ranks) on each rank's first micro-batch, and agreed over the ranks, so that every rank raises or none does."""
+        if self.reduction is None:
+            return "mean"
+        if self.reduction.mode == "auto" and len(micro) * self.world_size > 1:
+            model = self.engine if self.engine is not None else self.model
+            verdict, why = classify_reduction(model, micro_batch_to(micro[0], self.device), self.loss_fn,
+                                              precision=self.strategy.precision, device_type=self.device_type)
+            votes = self._all_reduce([float(verdict == v) for v in _VERDICTS])
+            agreed = dict(zip(_VERDICTS, votes))
+            if agreed["coupled"] and verdict != "coupled":
+                verdict, why = "coupled", "another rank's check measured it"
+            elif agreed["mean"] and agreed["sum"]:
+                verdict, why = "coupled", "the ranks' checks found a mean on some ranks and a sum on others"
+            elif agreed["sum"] or agreed["mean"]:  # a rank that could not tell follows the others
+                verdict = "sum" if agreed["sum"] else "mean"
+            self.reduction.mode = settle(verdict, why)
+        return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
     def _local_step(self, micro: list[Any], weights: list[float]) -> float:
         w = self.world_size

@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.models.hf_task import is_hf_model
 from memopt.step import batch as _batch
 from memopt.techniques.precision import forward_context
 
-__all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "measure_reduction", "micro_batch_weights"]
+__all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "measure_reduction",
+           "micro_batch_weights", "settle", "starting_mode"]
 
 REDUCTIONS = ("auto", "mean", "sum")
 # |ratio - 1| (mean) or |ratio - 2| / 2 (sum) within this: bf16 autocast at another batch size may pick other
@@ -55,6 +57,13 @@ class LossReduction:
 
     def __post_init__(self) -> None:
         check_reduction(self.mode)
+
+
+def starting_mode(model: nn.Module, loss_fn: Any, requested: str) -> str:
+    """The mode a wrapped model starts under: a Hugging Face model's own loss is a mean over its tokens, so "auto"
+    needs no check there; any other loss is the user's."""
+    check_reduction(requested)
+    return "mean" if requested == "auto" and loss_fn is None and is_hf_model(model) else requested
 
 
 def check_reduction(mode: Any) -> None:
@@ -94,10 +103,11 @@ def _side_effects_undone(model: nn.Module) -> Iterator[None]:
             b.copy_(saved)
 
 
-def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str) -> str:
-    """"mean" or "sum": how the loss of ``micro_batch`` (on the device) reduces over its samples. Raises
-    :class:`LossNotSplittable` when it is neither; returns "mean" (with a warning) when the check cannot tell (the
-    loss is 0, not finite, or the forward fails in eval mode)."""
+def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str,
+                       device_type: str) -> tuple[str, str]:
+    """(verdict, why): how the loss of ``micro_batch`` (on the device) reduces over its samples. The verdict is
+    "mean", "sum", "coupled" (neither: ``why`` says what was measured) or "unknown" (the check cannot tell: the loss
+    is 0 or not finite, or the forward fails in eval mode)."""
     m = _batch.batch_size(micro_batch)
     head = _batch.split(micro_batch, max(1, m // 2))[0]
     twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
@@ -106,25 +116,44 @@ def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, preci
             once = float(_batch.compute_loss(model, head, loss_fn))
             doubled = float(_batch.compute_loss(model, twice, loss_fn))
     except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return _unknown("the check's forward ran out of memory")
-    except Exception as exc:
-        return _unknown(f"its forward in eval mode failed: {type(exc).__name__}: {exc}")
+        return "unknown", "the check's forward ran out of memory"
+    except Exception as exc:  # a model whose eval forward differs: the check only informs
+        return "unknown", f"its forward in eval mode failed: {type(exc).__name__}: {exc}"
+    finally:
+        if device_type == "cuda":
+            # the check's blocks go back to the device: cached, their sizes could stand in the way of the step's
+            torch.cuda.empty_cache()
     scale = max(abs(once), abs(doubled))
     if not (math.isfinite(once) and math.isfinite(doubled)) or scale < 1e-12:
-        return _unknown(f"the loss of the check's samples is {once:g}")
+        return "unknown", f"the loss of the check's samples is {once:g}"
     is_mean = abs(doubled - once) <= _TOLERANCE * scale
     is_sum = abs(doubled - 2 * once) <= _TOLERANCE * scale
     if is_mean != is_sum:
-        return "mean" if is_mean else "sum"
+        return ("mean" if is_mean else "sum"), ""
     if is_mean:  # both: the loss is about 0 on these samples
-        return _unknown(f"the loss of the check's samples is {once:g}")
+        return "unknown", f"the loss of the check's samples is {once:g}"
     k = _batch.batch_size(head)
-    raise LossNotSplittable(
-        f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once: it is neither a mean "
-        "(the same) nor a sum (twice) over the samples (in-batch negatives, or a statistic of the whole batch?), so "
-        "micro-batches cannot reproduce the whole batch's gradient; give a budget that fits the whole batch, or pass "
-        "loss_reduction='mean' to accumulate micro-batches weighted by their samples anyway")
+    return "coupled", f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once"
+
+
+def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str) -> str:
+    """"mean" or "sum" (:func:`classify_reduction`). Raises :class:`LossNotSplittable` when it is neither; returns
+    "mean" with a warning when the check cannot tell."""
+    verdict, why = classify_reduction(model, micro_batch, loss_fn, precision=precision, device_type=device_type)
+    return settle(verdict, why)
+
+
+def settle(verdict: str, why: str) -> str:
+    """The mode a verdict trains under: "mean" or "sum"; a coupled loss raises, an unknown one warns."""
+    if verdict == "coupled":
+        raise LossNotSplittable(
+            f"{why}: it is neither a mean (the same) nor a sum (twice) over the samples (in-batch negatives, or a "
+            "statistic of the whole batch?), so micro-batches cannot reproduce the whole batch's gradient; give a "
+            "budget that fits the whole batch, or pass loss_reduction='mean' to accumulate micro-batches weighted by "
+            "their samples anyway")
+    if verdict == "unknown":
+        return _unknown(why)
+    return verdict
 
 
 def _unknown(why: str) -> str:

@@ -1,7 +1,8 @@
 """One plain process (no launcher, no process group) applying a one-GPU offload plan through memopt.wrap.
 
-Run as a script: ``python _offload_worker.py OUT ENGINE MODE``; ENGINE is fsdp2 or deepspeed, MODE ``plan`` (a saved
-plan passed as plan=) or ``budget`` (wrap makes the plan: the planner's choice is fixed to that offload plan)."""
+Run as a script: ``python _offload_worker.py OUT ENGINE MODE [LOSS]``; ENGINE is fsdp2 or deepspeed, MODE ``plan`` (a
+saved plan passed as plan=) or ``budget`` (wrap makes the plan: the planner's choice is fixed to that offload plan);
+LOSS ``model`` (the model's own mean loss) or ``summed`` (a training_step summing over the tokens)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     os.environ.pop(var, None)  # what a user who never heard of torch.distributed has
 
 
-def main(out: str, engine: str, mode: str) -> None:
+def main(out: str, engine: str, mode: str, loss: str = "model") -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
@@ -54,22 +55,24 @@ def main(out: str, engine: str, mode: str) -> None:
     assert not dist.is_initialized()
     model = w.tiny_model()
     model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's: its forward keeps a KV cache
+    user = {"training_step": w.summed_loss} if loss == "summed" else {}
     if mode == "plan":
-        wrapped = memopt.wrap(model, plan=plan, device="cpu", lr=1e-2)
+        wrapped = memopt.wrap(model, plan=plan, device="cpu", lr=1e-2, **user)
     else:
         wrapped_module.make_plan = lambda *args, **kwargs: plan  # the planner's choice: this offload plan
         wrapped = memopt.wrap(model, budget="80GB", sample=sample, hardware=hw, device="cpu", lr=1e-2,
-                              use_cache=False)
+                              use_cache=False, **user)
     losses = [wrapped.step(w.global_batch(s * w.GLOBAL_BATCH)) for s in range(3)]
     engine_obj = getattr(wrapped, "engine", None) or wrapped.model
     result = {"losses": losses, "group": dist.is_initialized() and dist.get_world_size(),
               "engine": type(engine_obj).__name__, "wrapped": type(wrapped).__name__,
               "use_cache_in_training": model.config.use_cache,
-              "started_group": getattr(getattr(wrapped, "_sharded", wrapped), "started_group", None)}
+              "started_group": getattr(getattr(wrapped, "_sharded", wrapped), "started_group", None),
+              "reduction": getattr(getattr(wrapped, "_reduction", None), "mode", None)}
     wrapped.close()
     result["group_after_close"] = dist.is_initialized()
     Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

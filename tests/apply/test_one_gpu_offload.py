@@ -19,11 +19,12 @@ import _workers as w  # noqa: E402
 from tests.distributed.ds_ops import op_built  # noqa: E402
 
 
-def _run(tmp_path, engine: str, mode: str) -> dict:
-    out = tmp_path / f"{engine}_{mode}.json"
+def _run(tmp_path, engine: str, mode: str, loss: str = "model") -> dict:
+    out = tmp_path / f"{engine}_{mode}_{loss}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(HERE.parents[1]))
-    proc = subprocess.run([sys.executable, str(HERE / "_offload_worker.py"), str(out), engine, mode], env=env,
+    proc = subprocess.run([sys.executable, str(HERE / "_offload_worker.py"), str(out), engine, mode, loss],
+                          env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -40,6 +41,14 @@ def test_fsdp2_offload_plan_applied_in_process(tmp_path, mode):
     assert got["use_cache_in_training"] is False
 
 
+
+
+def test_a_summed_loss_through_the_in_process_offload_plan_is_measured_and_exact(tmp_path):
+    """The offload engine's step splits the batch too: its summed loss is measured and accumulated unweighted (as a
+    mean, the gradient was a quarter of the whole batch's: 4 micro-batches of 2)."""
+    got = _run(tmp_path, "fsdp2", "budget", "summed")
+    assert got["wrapped"] == "Wrapped" and got["reduction"] == "sum"
+    assert got["losses"] == pytest.approx(w.summed_reference(3), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -88,6 +88,26 @@ def reference_losses(steps: int, micro_batch: int = 2, lr: float = 1e-2) -> list
     return [step.step(global_batch(s * GLOBAL_BATCH)) for s in range(steps)]
 
 
+def summed_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A user's training_step whose loss is summed over the batch's tokens, not averaged."""
+    logits = model(input_ids=batch["input_ids"])["logits"]
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+
+def summed_reference(steps: int, lr: float = 1e-2) -> list[float]:
+    """The unwrapped loop over the whole global batch with ``summed_loss``."""
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for s in range(steps):
+        loss = summed_loss(model, global_batch(s * GLOBAL_BATCH))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def _init(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -121,7 +141,7 @@ def _in_group(body: Callable[..., None]) -> Callable[..., None]:
 
 
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
-               model: nn.Module | None = None) -> Any:
+               model: nn.Module | None = None, **step_kw: Any) -> Any:
     from memopt.distributed.torch_engines import apply_fsdp2
     from memopt.distributed.train_step import DistributedTrainStep
     from memopt.techniques.sharding import ShardingSetting
@@ -133,8 +153,23 @@ def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     per_rank = GLOBAL_BATCH // world
     strategy = Strategy(precision="fp32", micro_batch_size=micro_batch, grad_accum_steps=per_rank // micro_batch)
-    step = DistributedTrainStep(model=model, optimizer=opt, strategy=strategy, device_type="cpu")
+    step = DistributedTrainStep(model=model, optimizer=opt, strategy=strategy, device_type="cpu", **step_kw)
     return model, opt, step, undo
+
+
+@_in_group
+def fsdp_summed_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """FSDP2 on ``world`` gloo ranks with ``summed_loss`` under loss_reduction "auto"; rank 0 writes the losses."""
+    from memopt.distributed.train_step import shard_batch
+    from memopt.step.batch import TrainingStep
+    from memopt.step.loss_reduction import LossReduction
+
+    reduction = LossReduction("auto")
+    _, _, step, undo = _fsdp_step(rank, world, loss_fn=TrainingStep(summed_loss), reduction=reduction)
+    losses = [step.step(shard_batch(global_batch(s * GLOBAL_BATCH), rank, world)) for s in range(steps)]
+    undo()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "reduction": reduction.mode}))
 
 
 @_in_group

@@ -41,6 +41,16 @@ def test_fsdp2_two_ranks_follow_the_single_process_trajectory(tmp_path):
     assert got["undo_plain"]
 
 
+def test_a_summed_loss_over_two_ranks_is_measured_agreed_and_exact(tmp_path):
+    """Each rank measures its share, the ranks agree, and the gradient is the whole batch's sum (DDP-style averaging
+    over the ranks undone) rather than a quarter of it per rank."""
+    out = tmp_path / "summed.json"
+    _spawn(w.fsdp_summed_trajectory, 2, str(out), STEPS)
+    got = json.loads(out.read_text())
+    assert got["reduction"] == "sum"
+    assert got["losses"] == pytest.approx(w.summed_reference(STEPS), rel=1e-5)
+
+
 def test_fsdp2_cpu_offload_moves_the_estimated_bytes(tmp_path):
     out = tmp_path / "offload.json"
     _spawn(w.fsdp_trajectory, 2, str(out), 2, True)
