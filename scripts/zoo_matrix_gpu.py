@@ -143,6 +143,12 @@ ROWS: list[ZooRow] = [
            extra={"nanogpt_loop": True}),
     ZooRow("summed-gru-lm-16x1024-6GiB", "custom", "gru_lm", dict(vocab=16000, width=2048, layers=2), 16, 1024,
            budget="6GiB", extra={"tuple": True, "loss_reduction": "sum"}),
+    # budgets that split the batch, so the loss's reduction is measured: in the plan's step (micro-batches of 4) and
+    # in the one-GPU offload engine's (micro-batches of 1, the check's forward at 2 samples)
+    ZooRow("summed-gru-lm-16x1024-4GiB", "custom", "gru_lm", dict(vocab=16000, width=2048, layers=2), 16, 1024,
+           budget="4GiB", extra={"tuple": True, "loss_reduction": "sum"}),
+    ZooRow("summed-gru-lm-16x1024-2.5GiB", "custom", "gru_lm", dict(vocab=16000, width=2048, layers=2), 16, 1024,
+           budget="2.5GiB", extra={"tuple": True, "loss_reduction": "sum"}),
 ]
 
 # families and plain-PyTorch shapes that no earlier row ran on the GPU: q/k norms, tied big vocabularies, logit
@@ -641,6 +647,7 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
                 totals.append(used)
                 outside.append(used - int(torch.cuda.memory_reserved()))
         out["final_plan"] = wrapped.plan.strategy.label()
+        out["loss_reduction"] = getattr(getattr(wrapped, "_reduction", None), "mode", None)  # as measured
         out["losses"] = losses
         out["step_s"] = times
         out["measured_step_s"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
@@ -797,8 +804,9 @@ def main() -> int:
         res = run_row(row, args.steps)
         with Path(args.out).open("a") as f:
             f.write(json.dumps(res) + "\n")
-        print(json.dumps({k: res.get(k) for k in ("id", "final_plan", "allocated_error", "first_try_oom",
-                                                   "crashed", "error", "time_to_first_step_end_s")}), flush=True)
+        shown = ("id", "final_plan", "loss_reduction", "allocated_error", "first_try_oom", "crashed", "error",
+                 "time_to_first_step_end_s")
+        print(json.dumps({k: res.get(k) for k in shown}), flush=True)
         return 0
     import torch
 
