@@ -195,6 +195,25 @@ def _tiers_fit(pred: ShardedEstimate, budget: int, margin: int, host_ram: int, n
     return ""
 
 
+def _engines_for(profile: Any, settings: list[ShardingSetting], notes: list[str]) -> list[ShardingSetting]:
+    """The engines that can run this model as estimated. cuDNN runs a recurrent layer on its weights as one
+    contiguous chunk; DeepSpeed keeps the weights as views of its flat buffers and FSDP2 gathers each shard into its
+    own storage, so cuDNN copies every weight of the layer at each call (torch warns "RNN module weights are not
+    part of single contiguous chunk of memory"): memory no estimate here holds, and on an H100 a GRU's one-GPU
+    ZeRO-2 offload plan ran out of its cap in the first backward. DDP leaves the weights as they are."""
+    layers = getattr(profile, "recurrent_layers", None) or []
+    if not layers:
+        return settings
+    kept = [s for s in settings if s.engine == "ddp"]
+    shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    why = (f"DeepSpeed and FSDP2 refused: the recurrent layers ({shown}) would no longer hold their weights as one "
+           "contiguous chunk, and cuDNN would copy them at every call")
+    if not kept:
+        raise ValueError(why)
+    notes.append(why)
+    return kept
+
+
 def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Policy, *, world_size: int, nodes: int,
                  host_memory_bytes: int | None = None, nvme_path: str | None = None, notes: list[str] | None = None,
                  settings: list[ShardingSetting] | None = None,
@@ -233,7 +252,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     shared = _SharedWork(profile, facts, hw)
     candidates: list[ShardedCandidate] = []
     if settings is None:
-        settings = SHARDING.options(world_size, nodes, policy, nvme_path=nvme_path)
+        settings = _engines_for(profile, SHARDING.options(world_size, nodes, policy, nvme_path=nvme_path), notes)
     n_blocks = len(facts.unit_params)
     micro_batches = _micro_batches_of(
         _rank_context(per_rank, n_blocks, hw, policy, micro_batch_refusal_for(profile, policy)), policy)

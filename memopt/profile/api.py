@@ -228,6 +228,7 @@ def _record_micro_batch_refusal(prof: Profile, module: nn.Module, probed: str | 
     """The profile's word on micro-batching: the module's batch-coupled layers (a static fact, so a cached profile
     gets it too), else what the sample-axis probe found for this batch layout (``probed``; a cached profile, keyed on
     the same structure and sample, keeps the probe's word)."""
+    prof.recurrent_layers = [name or "(root)" for name, m in module.named_modules() if isinstance(m, nn.RNNBase)]
     reason = micro_batch_refusal(module) or probed
     if reason == prof.micro_batch_refusal:
         return

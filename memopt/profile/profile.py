@@ -87,6 +87,8 @@ class Profile:
     # the aten ops the training forward draws random numbers with (memopt.profile.sample_axis_probe; empty: none;
     # None: not probed, as in profiles cached before it was recorded)
     forward_random_ops: list[str] | None = None
+    # the model's cuDNN recurrent layers (nn.RNN, nn.GRU, nn.LSTM): a static fact, read from the module each time
+    recurrent_layers: list[str] = field(default_factory=list)
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -292,6 +294,7 @@ class Profile:
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
             "chunked_ce_refusal": self.chunked_ce_refusal, "liger_ce_refusal": self.liger_ce_refusal,
             "micro_batch_refusal": self.micro_batch_refusal, "forward_random_ops": self.forward_random_ops,
+            "recurrent_layers": self.recurrent_layers,
         }
 
     @classmethod
@@ -315,7 +318,7 @@ class Profile:
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
                    engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"),
                    liger_ce_refusal=d.get("liger_ce_refusal"), micro_batch_refusal=d.get("micro_batch_refusal"),
-                   forward_random_ops=d.get("forward_random_ops"))
+                   forward_random_ops=d.get("forward_random_ops"), recurrent_layers=d.get("recurrent_layers", []))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
