@@ -124,20 +124,23 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start, reclaimable)
         else:
             result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
-            offload = None
+            offload, offload_refused = None, None
             if result.best is None and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
                     and hw.supports_bf16:
                 try:
                     offload = _sharded(prof, hw, budget_bytes, pol, list(notes), 1, 1, host, nvme, start,
                                        reclaimable)
                 except ValueError as exc:  # the model cannot run as the engine runs it: the single-GPU report stands
-                    notes.append(f"offloading the model states to the host was not possible: {exc}")
+                    offload_refused = f"offloading the model states to the host was not possible: {exc}"
+                    notes.append(offload_refused)
             # where an offload plan answers, the single-GPU report is only a note: its relaxations are given by
             # their trace-free floors
             plan = build_plan(prof, hw, budget_bytes, pol, result, notes, time.perf_counter() - start, store,
                               floors_only=offload is not None and offload.fits)
             if offload is not None:
                 plan = _with_offload(plan, offload)
+            elif offload_refused and plan.infeasible is not None:
+                plan.infeasible["message"] += f"; {offload_refused}"
             if attribute:
                 # lazy: keeps memopt.estimate.attribution out of import memopt
                 from memopt.estimate.attribution import attach_to_plan

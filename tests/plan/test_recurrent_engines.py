@@ -19,11 +19,11 @@ from memopt.plan.sharded import plan_sharded
 
 
 class GRULM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 500, width: int = 64) -> None:
         super().__init__()
-        self.embed = nn.Embedding(500, 64)
-        self.rnn = nn.GRU(64, 64, num_layers=2, batch_first=True)
-        self.head = nn.Linear(64, 500)
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.GRU(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(self.embed(ids))[0])
@@ -52,3 +52,14 @@ def test_several_gpus_keep_ddp_and_say_why_the_others_went():
                                     host_memory_bytes=1 << 40)
     assert plan.fits and {c.setting.engine for c in candidates} == {"ddp"}
     assert any("DeepSpeed and FSDP2 refused" in n for n in plan.notes)
+
+
+def test_a_budget_only_offload_could_meet_says_offload_was_refused_and_why():
+    """Nothing fits one GPU alone, and the offload engines are refused: the plan's message says both."""
+    sample = (torch.randint(0, 20000, (8, 32)), torch.randint(0, 20000, (8, 32)))
+    # 11M parameters: 176 MB of fp32 weights, gradients and AdamW states, above what 950 MB leaves beside the runtime
+    plan = memopt.plan(GRULM(20000, 256), sample, budget="950MB", hardware="h100_80gb", use_cache=False,
+                       loss_fn=lambda out, b: F.cross_entropy(out.flatten(0, 1), b[1].flatten()))
+    assert not plan.fits
+    assert "offloading the model states to the host was not possible" in plan.infeasible["message"]
+    assert "recurrent layers (rnn)" in plan.infeasible["message"]
