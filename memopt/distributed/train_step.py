@@ -121,9 +121,11 @@ class DistributedTrainStep(TrainStep):
         if self.reduction is None:
             return "mean"
         if self.reduction.mode == "auto" and len(micro) * self.world_size > 1:
-            model = self.engine if self.engine is not None else self.model
+            # DeepSpeed's engine runs its own mixed precision (its step calls it without autocast, and it warns of one)
+            model, precision = (self.engine, "fp32") if self.engine is not None else (self.model,
+                                                                                     self.strategy.precision)
             verdict, why = classify_reduction(model, micro_batch_to(micro[0], self.device), self.loss_fn,
-                                              precision=self.strategy.precision, device_type=self.device_type)
+                                              precision=precision, device_type=self.device_type)
             votes = self._all_reduce([float(verdict == v) for v in _VERDICTS])
             agreed = dict(zip(_VERDICTS, votes))
             if agreed["coupled"] and verdict != "coupled":

@@ -73,3 +73,14 @@ def test_deepspeed_engine_runs_on_the_group_memopt_started(tmp_path):
     ref = w.reference_losses(3)
     assert got["losses"][0] == pytest.approx(ref[0], rel=1e-5)
     assert got["losses"] == pytest.approx(ref, rel=1e-3)  # DeepSpeed's flat fp32 partitions and its AdamW
+
+
+@pytest.mark.slow
+def test_a_summed_loss_through_the_deepspeed_engine_is_measured_and_exact(tmp_path):
+    """The same through DeepSpeed's engine (ZeRO-2, no CPUAdam build needed), whose own precision the check keeps."""
+    pytest.importorskip("deepspeed")
+    got = _run(tmp_path, "deepspeed_zero2", "budget", "summed")
+    assert got["engine"] == "DeepSpeedEngine" and got["reduction"] == "sum"
+    ref = w.summed_reference(3)
+    assert got["losses"][0] == pytest.approx(ref[0], rel=1e-5)
+    assert got["losses"] == pytest.approx(ref, rel=1e-3)  # DeepSpeed's flat fp32 partitions and its AdamW
