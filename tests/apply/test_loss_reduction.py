@@ -47,36 +47,32 @@ def _summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="sum")
 
 
+def _assert_trains_as_unwrapped(loss_of, measured: str, **kw) -> None:
+    """Three steps at micro-batches of 2 equal the unwrapped loop over whole batches; the reduction is ``measured``."""
+    batches = _data()
+    ref = _mlp()
+    want = _unwrapped(ref, batches, loss_of)
+    model = _mlp()
+    w = _wrap(model, batches[0], micro=2, **kw)
+    got = [w.step(b) for b in batches]
+    assert w._reduction.mode == measured
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("how", ["loss_fn", "training_step", "declared"])
 def test_a_summed_loss_trains_through_micro_batches_as_the_unwrapped_loop(how):
     """Weighted as a mean, each micro-batch's summed loss scaled the gradient by 1/4 (4 micro-batches of 2)."""
-    batches = _data()
-    ref = _mlp()
-    want = _unwrapped(ref, batches, _summed)
-    model = _mlp()
     kw = {"training_step": lambda m, b: _summed(m(b[0]), b[1])} if how == "training_step" else \
         {"loss_fn": lambda out, b: _summed(out, b[1])}
     if how == "declared":
         kw["loss_reduction"] = "sum"
-    w = _wrap(model, batches[0], micro=2, **kw)
-    got = [w.step(b) for b in batches]
-    assert w._reduction.mode == "sum"
-    assert got == pytest.approx(want, rel=1e-5)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_trains_as_unwrapped(_summed, "sum", **kw)
 
 
 def test_a_mean_loss_is_measured_as_a_mean_and_stays_exact():
-    batches = _data()
-    ref = _mlp()
-    want = _unwrapped(ref, batches, F.cross_entropy)
-    model = _mlp()
-    w = _wrap(model, batches[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
-    got = [w.step(b) for b in batches]
-    assert w._reduction.mode == "mean"
-    assert got == pytest.approx(want, rel=1e-5)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_trains_as_unwrapped(F.cross_entropy, "mean", loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
 
 
 def test_a_loss_that_couples_the_samples_is_refused_before_any_parameter_changes():
