@@ -48,7 +48,8 @@ def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[
     groups = [({k: v for k, v in g.items() if k != "params"}, [position[id(p)] for p in g["params"]])
               for g in opt.param_groups]
     widest = max(groups, key=lambda g: len(g[1]))[0] if groups else {}
-    every_param_trained = all(i in set(trainable) for _, idx in groups for i in idx)
+    trained = set(trainable)
+    every_param_trained = all(i in trained for _, idx in groups for i in idx)
     state = opt.state_dict() if opt.state else None
     cls, defaults = type(opt), dict(opt.defaults)
 
