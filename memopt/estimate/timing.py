@@ -36,7 +36,8 @@ from dataclasses import dataclass, fields, replace
 from memopt.hardware import HardwareSpec
 from memopt.profile.costs import PhaseCost
 
-__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "segment_time", "step_time", "timing_for"]
+__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "optimizer_time", "pass_time", "segment_time", "step_time",
+           "timing_for"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,18 @@ def host_time(terms: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> floa
             + terms.get("sac_ops", 0.0) * tm.sac_dispatch_s + terms.get("ckpt_ops", 0.0) * tm.ckpt_dispatch_s)
 
 
+def pass_time(gpu_s: float, host_s: float, tm: TimingModel = DEFAULT_TIMING) -> float:
+    """Seconds of one micro-batch pass whose kernels take ``gpu_s`` on the GPU and ``host_s`` to issue: the longer
+    of the two, plus ``overlap_loss`` of the shorter (the queue drains in stretches of small kernels). Rising in
+    both, so lower bounds of both give a lower bound of the pass."""
+    return max(gpu_s, host_s) + tm.overlap_loss * min(gpu_s, host_s)
+
+
+def optimizer_time(opt: dict[str, float], tm: TimingModel = DEFAULT_TIMING) -> float:
+    """Seconds of the optimizer step from its terms: its kernels' GPU time, or the host's time to issue them."""
+    return max(terms_time(opt, tm), opt["launches"] * tm.dispatch_s)
+
+
 def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dict[str, float]]:
     """Seconds of one training step from its summed terms (``Estimate.detail["time_terms"]``): ``forward`` and
     ``backward`` of one micro-batch (ideal seconds per resource and counts, :func:`segment_terms`; ``sac_ops`` in
@@ -192,8 +205,8 @@ def step_time(terms: dict, tm: TimingModel = DEFAULT_TIMING) -> tuple[float, dic
     copy_s = terms.get("offload_s", 0.0) / tm.offload_efficiency
     if copy_s:
         gpu_s = max(fwd_s, copy_s) + bwd_s + copy_s
-    opt_s = max(terms_time(opt, tm), opt["launches"] * tm.dispatch_s)
-    pass_s = max(gpu_s, host_s) + tm.overlap_loss * min(gpu_s, host_s)
+    opt_s = optimizer_time(opt, tm)
+    pass_s = pass_time(gpu_s, host_s, tm)
     parts = {"forward_s": fwd_s * m, "backward_s": bwd_s * m, "optimizer_s": opt_s, "host_s": host_s * m,
              "host_bound": float(host_s > gpu_s)}
     if copy_s:

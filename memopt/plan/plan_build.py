@@ -37,14 +37,16 @@ def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tup
     for technique in TECHNIQUES:
         f = technique.name
         mine = getattr(chosen, f)
-        others = [e for e in evaluated if getattr(e.strategy, f) != mine and (e.estimate is not None or e.floor_only)]
+        others = [e for e in evaluated if getattr(e.strategy, f) != mine
+                  and (e.estimate is not None or e.floor_only or e.time_bound_s is not None)]
         if not others:
             continue
         reasons = []
         for value in sorted({_key(getattr(e.strategy, f)) for e in others}):
             group = [e for e in others if _key(getattr(e.strategy, f)) == value]
             fit = [e for e in group if e.fits]
-            unsimulated = [e for e in group if e.fits is None]
+            unsimulated = [e for e in group if e.fits is None and e.estimate is not None]
+            bounded = [e.time_bound_s for e in group if e.time_bound_s is not None]
             if fit:
                 b = min(fit, key=lambda e: e.estimate.step_time_s)
                 slower = b.estimate.step_time_s / best.estimate.step_time_s
@@ -53,6 +55,9 @@ def _rejections(best: Evaluated, evaluated: list[Evaluated], budget: int) -> tup
                 b = min(unsimulated, key=lambda e: e.estimate.step_time_s)
                 slower = b.estimate.step_time_s / best.estimate.step_time_s
                 reasons.append(f"{value}: {slower:.2f}x the chosen step time at best")
+            elif bounded:
+                reasons.append(f"{value}: at least {min(bounded) / best.estimate.step_time_s:.2f}x the chosen "
+                               "step time (a lower bound; not traced)")
             else:
                 smallest = min(group, key=lambda e: e.total_bytes)
                 reasons.append(f"{value}: needs {format_bytes(smallest.total_bytes)} + margin at the least "
@@ -111,7 +116,7 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
     notes = notes + [n for n in unestimated_notes(result) if n not in notes]
     if result.best is not None:
         best = result.best
-        rejected, savings = _rejections(best, result.evaluated + result.floored, budget)
+        rejected, savings = _rejections(best, result.evaluated + result.floored + result.slower, budget)
         if best.strategy.extras:
             _method_notes(best, result, budget, notes, rejected)
         feasible = [e for e in result.feasible if e is not best]

@@ -34,7 +34,7 @@ from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
-from memopt.plan.search_bounds import no_bigger, optimistic_time
+from memopt.plan.search_bounds import no_bigger, optimistic_time, refined_time
 from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
@@ -52,6 +52,7 @@ class Evaluated:
     total_bytes: int
     reason: str = ""
     floor_only: bool = False  # total_bytes is only a lower bound (pruned by its state floor, never estimated)
+    time_bound_s: float | None = None  # pruned as slower: a lower bound of its step time (never estimated)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class SearchResult:
     seconds: float
     feasible: list[Evaluated] = field(default_factory=list)
     floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by their state floor (not estimated)
+    slower: list[Evaluated] = field(default_factory=list)  # pruned as slower by a bound of their time (not estimated)
     levels_tried: list[tuple[tuple[str, Any], ...]] = field(default_factory=list)  # extras levels, in order
     # levels skipped because their smallest footprint (bytes, None: not estimable) does not fit
     level_minimums: dict[tuple[tuple[str, Any], ...], int | None] = field(default_factory=dict)
@@ -144,6 +146,7 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
         result.best, result.feasible = r.best, r.feasible
         result.evaluated += r.evaluated
         result.floored += r.floored
+        result.slower += r.slower
         result.num_candidates += r.num_candidates
         result.pruned_slower += r.pruned_slower
         result.pruned_too_big += r.pruned_too_big
@@ -175,11 +178,12 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
     top: list[Evaluated] = []  # fitting, by time
     too_big: list[Strategy] = []
     floored: list[Evaluated] = []
+    slower: list[Evaluated] = []
     floors: dict = {}
-    pruned_slower = pruned_big = 0
+    pruned_big = 0
     for n, (bound, i) in enumerate(bounds):
         if len(top) > runners_up and bound > rank(top[runners_up]):
-            pruned_slower = len(bounds) - n
+            slower += [_slower(cands[j], b) for b, j in bounds[n:]]
             break
         s = cands[i]
         if any(no_bigger(t, s, total_blocks) for t in too_big):
@@ -190,6 +194,10 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
             pruned_big += 1
             too_big.append(s)
             floored.append(Evaluated(s, None, False, floor, FLOOR_REASON, floor_only=True))
+            continue
+        refined = refined_time(profile, s, hw, base_group, cache) if len(top) > runners_up else 0.0
+        if len(top) > runners_up and refined > rank(top[runners_up]):
+            slower.append(_slower(s, refined))  # its host time or its optimizer step alone makes it slower
             continue
         ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
         evaluated.append(ev)
@@ -205,8 +213,15 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
                 top.append(ev)
         top.sort(key=rank)
     return SearchResult(best=top[0] if top else None, evaluated=evaluated, num_candidates=len(cands),
-                        pruned_slower=pruned_slower, pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
-                        feasible=top, floored=floored)
+                        pruned_slower=len(slower), pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
+                        feasible=top, floored=floored, slower=slower)
+
+
+SLOWER_REASON = "slower than the runners-up by a lower bound of its step time (not traced)"
+
+
+def _slower(s: Strategy, bound_s: float) -> Evaluated:
+    return Evaluated(s, None, None, 0, SLOWER_REASON, time_bound_s=bound_s)
 
 
 def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin: int, best: Evaluated,

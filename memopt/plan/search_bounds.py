@@ -11,14 +11,14 @@ from typing import Any
 
 from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
-from memopt.estimate.timing import segment_terms, terms_time, timing_for
+from memopt.estimate.timing import host_time, optimizer_time, pass_time, segment_terms, terms_time, timing_for
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile
-from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey
+from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, variant_key
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes
 
-__all__ = ["no_bigger", "optimistic_time"]
+__all__ = ["no_bigger", "optimistic_time", "refined_time"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -28,17 +28,21 @@ _TERMS = ("matmul", "attention", "memory", "launches", "bnb4_calls", "library_ke
 
 
 def _pass_terms(profile: Profile, key: VariantKey, b: int, hw: HardwareSpec) -> dict[str, dict[str, float]]:
+    """Summed terms of the plain pass: forward, backward, the blocks' forward, and the blocks' forward and backward
+    (what every variant of the same precision runs, whatever its loss kernel)."""
     trace = profile.variant(key, b)
     modes = [[key] * n for n in profile.full_block_counts]
     layout = pass_layout({key: trace}, key, modes, profile.full_block_counts)
-    out = {part: dict.fromkeys(_TERMS, 0.0) for part in ("fwd", "bwd", "blk")}
+    out = {part: dict.fromkeys(_TERMS, 0.0) for part in ("fwd", "bwd", "blk", "blocks")}
     for part, insts in (("fwd", layout.forward), ("bwd", layout.backward)):
         for inst in insts:
             seg = trace.segments[inst.segment]
             for k, v in segment_terms(seg.cost1, seg.cost2, b, hw, lo=trace.lo, hi=trace.hi).items():
                 out[part][k] += v
-                if part == "fwd" and inst.block is not None:
-                    out["blk"][k] += v
+                if inst.block is not None:
+                    out["blocks"][k] += v
+                    if part == "fwd":
+                        out["blk"][k] += v
     out["saved"] = {"bytes": float(_saved_activation_bytes(trace, layout, b))}
     return out
 
@@ -72,6 +76,43 @@ def _rescale(terms: dict[str, float], group: str, base_group: str, hw: HardwareS
 
 
 def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
+    """A lower bound of ``s``'s step time from the base precision's plain trace alone: its GPU time."""
+    return max(_gpu_pass(profile, s, hw, base_group, cache), 0.0) * s.grad_accum_steps * _SLACK
+
+
+def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
+    """A tighter lower bound of ``s``'s step time: a pass takes at least the host's time to issue the blocks' ops of
+    ``s``'s own plain trace (its precision and extras, no checkpointing, the plain loss: every variant of it runs
+    those ops and more), and the optimizer step is added, traced as the estimate traces it. It may trace that plain
+    pass, so the search asks for it only of a candidate it would otherwise estimate. With another attention kernel,
+    whose ops the plain trace does not bound, it is :func:`optimistic_time`."""
+    gpu = max(_gpu_pass(profile, s, hw, base_group, cache), 0.0)
+    if s.attention != "auto":
+        return gpu * s.grad_accum_steps * _SLACK
+    tm = timing_for(hw)
+    plain = variant_key(s.replace(checkpointing=Checkpointing(), chunked_ce=0, activation_offload=False))
+    key = ("own", plain, s.micro_batch_size)
+    try:
+        if key not in cache:
+            cache[key] = _pass_terms(profile, plain, s.micro_batch_size, hw)
+        opt = profile.optimizer(s.precision, s.optimizer, profile.variant(plain, s.micro_batch_size))
+    except ValueError:  # the variant or the optimizer cannot be traced: the candidate's estimate says why
+        return gpu * s.grad_accum_steps * _SLACK
+    blocks = cache[key]["blocks"]
+    base = BaseTimes(forward_s=0.0, backward_s=0.0, block_forward_s=0.0, block_forward_matmul_s=0.0,
+                     extra={"blocks": float(max(profile.full_block_counts, default=1))},
+                     block_forward_ops=cache[key]["blk"]["launches"],
+                     host_op_s={"ckpt": tm.ckpt_dispatch_s, "sac": tm.sac_dispatch_s})
+    host = host_time(blocks, tm) + tm.micro_batch_s
+    for tech in TECHNIQUES:
+        host += tech.host_lower_bound(getattr(s, tech.name), base)
+    opt_s = optimizer_time(segment_terms(opt.cost, opt.cost, 1, hw), tm)
+    return (pass_time(gpu, host, tm) * s.grad_accum_steps + opt_s) * _SLACK
+
+
+def _gpu_pass(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
+    """GPU seconds of one micro-batch pass of ``s``, at least: the base group's plain pass rescaled to its
+    precision, plus what its techniques must add."""
     b = s.micro_batch_size
     if b not in cache:
         cache[b] = _pass_terms(profile, VariantKey(precision=base_group, checkpointing="none"), b, hw)
@@ -92,7 +133,7 @@ def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group:
     per_pass = base.forward_s + base.backward_s * (0.5 if s.extra("adapters") is not None else 1.0)
     for tech in TECHNIQUES:
         per_pass += tech.time_lower_bound(getattr(s, tech.name), base)
-    return max(per_pass, 0.0) * s.grad_accum_steps * _SLACK
+    return per_pass
 
 
 # -- memory dominance ----------------------------------------------------------------------------

@@ -71,6 +71,10 @@ class BaseTimes:
     block_forward_matmul_s: float  # the matmul part of it (what selective recomputation keeps)
     attention_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    block_forward_ops: float = 0.0  # ops the blocks' forward issues, each dispatched by the host
+    # host seconds per op of what a technique adds: "ckpt" (a fully checkpointed block's forward packs what it
+    # saves through Python hooks), "sac" (selective checkpointing's dispatch mode, forward and recompute)
+    host_op_s: Mapping[str, float] = field(default_factory=dict)
 
 
 class Technique(Protocol):
@@ -113,7 +117,12 @@ class SearchedTechnique(Technique, Protocol):
         ...
 
     def time_lower_bound(self, value: Any, base: BaseTimes) -> float:
-        """Seconds this value adds to one micro-batch pass, at least (0 when it may add nothing)."""
+        """GPU seconds this value adds to one micro-batch pass, at least (0 when it may add nothing)."""
+        ...
+
+    def host_lower_bound(self, value: Any, base: BaseTimes) -> float:
+        """Host seconds this value adds to issuing one micro-batch pass, at least (a pass takes the longer of its
+        GPU and host times: small models are bound by the host)."""
         ...
 
     def engaged(self, strategy: Strategy) -> int:
@@ -159,6 +168,9 @@ class _Independent:
 
     def engaged(self, strategy: Strategy) -> int:
         return int(getattr(strategy, self.name) != self.off)
+
+    def host_lower_bound(self, value: Any, base: BaseTimes) -> float:
+        return 0.0
 
 
 class _Precision(_Independent):
@@ -213,6 +225,16 @@ class _Checkpointing(_Independent):
         if value.mode == "full":
             return base.block_forward_s * share
         return max(0.0, base.block_forward_s - base.block_forward_matmul_s) * share
+
+    def host_lower_bound(self, value: Checkpointing, base: BaseTimes) -> float:
+        # the recompute is not counted: non-reentrant checkpointing may stop it early
+        if value.mode == "none":
+            return 0.0
+        total = max(1, base.extra.get("blocks", 1))
+        ops = base.block_forward_ops * (value.num_blocks if value.num_blocks is not None else total) / total
+        if value.mode == "full":
+            return ops * base.host_op_s.get("ckpt", 0.0)
+        return 2 * ops * base.host_op_s.get("sac", 0.0)
 
     def label(self, strategy: Strategy) -> str | None:
         return f"ac={strategy.checkpointing.label()}"
@@ -310,6 +332,9 @@ class _CEKernel:
         return strategy.chunked_ce == 0 or ctx.causal_lm  # memopt's chunked loss where it is exact
 
     def time_lower_bound(self, value: str, base: BaseTimes) -> float:
+        return 0.0
+
+    def host_lower_bound(self, value: str, base: BaseTimes) -> float:
         return 0.0
 
     def label(self, strategy: Strategy) -> str | None:
