@@ -34,7 +34,7 @@ from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
 from memopt.hardware import HardwareSpec
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
-from memopt.plan.search_bounds import no_bigger, optimistic_time, refined_time
+from memopt.plan.search_bounds import no_bigger, optimistic_time, refined_time, twin_time
 from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
@@ -179,6 +179,7 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
     too_big: list[Strategy] = []
     floored: list[Evaluated] = []
     slower: list[Evaluated] = []
+    uncapped: dict[Strategy, float] = {}  # step times estimated without the hard cap's retries
     floors: dict = {}
     pruned_big = 0
     for n, (bound, i) in enumerate(bounds):
@@ -195,12 +196,19 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
             too_big.append(s)
             floored.append(Evaluated(s, None, False, floor, FLOOR_REASON, floor_only=True))
             continue
-        refined = refined_time(profile, s, hw, base_group, cache) if len(top) > runners_up else 0.0
-        if len(top) > runners_up and refined > rank(top[runners_up]):
-            slower.append(_slower(s, refined))  # its host time or its optimizer step alone makes it slower
-            continue
+        if len(top) > runners_up:
+            # its host time, its optimizer step, or the same plan without a technique that only adds work, is
+            # already slower than the runners-up
+            bound = twin_time(s, uncapped)
+            if bound <= rank(top[runners_up]):
+                bound = max(bound, refined_time(profile, s, hw, base_group, cache))
+            if bound > rank(top[runners_up]):
+                slower.append(_slower(s, bound))
+                continue
         ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
         evaluated.append(ev)
+        if ev.estimate is not None and not ev.estimate.detail.get("capped"):
+            uncapped[s] = ev.estimate.step_time_s
         if ev.fits is False and ev.reason.startswith("allocated"):
             too_big.append(s)
         if ev.fits:

@@ -7,6 +7,7 @@ not fit either). :mod:`memopt.plan.search` orders and prunes by them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from memopt.categories import MemoryCategory
@@ -18,7 +19,7 @@ from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, variant_ke
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, BaseTimes
 
-__all__ = ["no_bigger", "optimistic_time", "refined_time"]
+__all__ = ["no_bigger", "optimistic_time", "refined_time", "twin_time"]
 
 _SLACK = 0.97  # optimistic times are scaled down a little: the time model is not exactly additive
 
@@ -108,6 +109,14 @@ def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: st
         host += tech.host_lower_bound(getattr(s, tech.name), base)
     opt_s = optimizer_time(segment_terms(opt.cost, opt.cost, 1, hw), tm)
     return (pass_time(gpu, host, tm) * s.grad_accum_steps + opt_s) * _SLACK
+
+
+def twin_time(s: Strategy, known: Mapping[Strategy, float]) -> float:
+    """A lower bound of ``s``'s step time from plans already estimated: for each technique that only adds work
+    (``adds_work``), the same plan without it takes no longer (``known``: step times estimated without the hard
+    cap's retries; 0 when no twin is known)."""
+    twins = (s.replace(**{t.name: t.off}) for t in TECHNIQUES if t.adds_work and getattr(s, t.name) != t.off)
+    return max((known.get(twin, 0.0) for twin in twins), default=0.0) * _SLACK
 
 
 def _gpu_pass(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:

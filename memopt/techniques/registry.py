@@ -108,6 +108,9 @@ class SearchedTechnique(Technique, Protocol):
 
     # the value without this technique, the plan's savings of a choice are measured against (None: no such value)
     off: Any
+    # its values other than ``off`` run the same step with work added (a recompute, copies): a plan with one takes
+    # at least the time of the same plan with ``off``, so an estimated twin bounds it
+    adds_work: bool
 
     def options(self, ctx: SearchContext) -> list[Any]: ...
 
@@ -162,6 +165,7 @@ class _Independent:
 
     name: str
     off: Any
+    adds_work = False
 
     def admits(self, strategy: Strategy, ctx: SearchContext) -> bool:
         return True
@@ -200,6 +204,7 @@ class _Checkpointing(_Independent):
     name = "checkpointing"
     title = "activation checkpointing"
     off = Checkpointing()
+    adds_work = True
     apply = staticmethod(checkpointing.change_model)
     coarse = staticmethod(checkpointing.coarse_options)  # the sharded planner's grid: it bisects from there
 
@@ -250,6 +255,7 @@ class _Offload(_Independent):
     name = "activation_offload"
     title = "activation offload"
     off = False
+    adds_work = True
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:
@@ -321,6 +327,7 @@ class _CEKernel:
     name = "ce_kernel"
     title = "fused loss kernel"
     off = "memopt"
+    adds_work = False
     render = staticmethod(_on_off)
 
     def options(self, ctx: SearchContext) -> list[Any]:

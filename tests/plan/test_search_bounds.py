@@ -17,7 +17,7 @@ from memopt.models import with_overrides
 from memopt.plan import Policy
 from memopt.plan.context import search_context
 from memopt.plan.search import candidates
-from memopt.plan.search_bounds import optimistic_time, refined_time
+from memopt.plan.search_bounds import optimistic_time, refined_time, twin_time
 
 HW = load_hardware("h200")
 
@@ -69,26 +69,33 @@ def test_every_bound_is_below_its_candidates_estimate(make, fidelity, keep):
     pol = Policy.build(fidelity=fidelity)
     ctx = search_context(prof, HW, 2, pol, user_optimizer=False)
     cands = [s for s in candidates(ctx, pol) if keep is None or keep(s)]
-    seen, cache, host_bound = set(), {}, 0
+    times, cache, host_bound = {}, {}, 0
     for s in cands:
         # the allocator mode changes neither bound nor the quick estimate's time
-        key = s.replace(expandable_segments=True)
-        if key in seen:
+        if s.replace(expandable_segments=True) in times:
             continue
-        seen.add(key)
+        s = s.replace(expandable_segments=True)
         est = estimate_strategy(prof, s, hardware=HW, exact_reserved=False)
         low, refined = optimistic_time(prof, s, HW, "amp", cache), refined_time(prof, s, HW, "amp", cache)
         assert low <= refined <= est.step_time_s, (s.label(), low, refined, est.step_time_s)
         host_bound += refined > 2 * low
+        times[s] = est.step_time_s
     # these models are bound by the host: the GPU-only bound is far below, the refined one is not
-    assert host_bound > len(seen) // 2
+    assert host_bound > len(times) // 2
+    # checkpointing and offload only add work: the plan without them bounds the plan with them
+    twinned = 0
+    for s, t in times.items():
+        assert twin_time(s, times) <= t, s.label()
+        twinned += twin_time(s, times) > 0
+    assert twinned >= len(times) // 2
 
 
-def test_the_refined_bound_prunes_without_changing_the_plan(monkeypatch):
-    """The plan with the refined bound is the plan without it, found with fewer candidates traced."""
+def test_the_refined_bounds_prune_without_changing_the_plan(monkeypatch):
+    """The plan with the refined and twin bounds is the plan without them, found with fewer candidates traced."""
     prof = _llama()
     plan = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW, profile=prof, fidelity="lossy")
     monkeypatch.setattr(search_module, "refined_time", lambda *a, **k: 0.0)
+    monkeypatch.setattr(search_module, "twin_time", lambda *a, **k: 0.0)
     without = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW, profile=prof, fidelity="lossy")
     assert plan.strategy == without.strategy and plan.prediction == without.prediction
     assert plan.runners_up == without.runners_up
