@@ -256,7 +256,7 @@ def run_memopt(case: Case, steps: int, out: Path) -> None:
         rec.update(ok=True, plan=plan.strategy.label(), predicted_step_s=float(plan.step_time_s),
                    predicted_peak_allocated_bytes=int(plan.peak_allocated_bytes), step_times_s=times,
                    losses=[first, *losses], measured_step_s=statistics.median(times[1:]),
-                   autotune=[n for n in plan.notes if n.startswith("autotune")])
+                   autotune=[n for n in plan.notes if n.startswith("autotune")], search=plan.search)
         rec["throughput"] = per_step / rec["measured_step_s"]
         wrapped.close()
     except Exception as exc:

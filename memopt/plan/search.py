@@ -201,7 +201,7 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
             # already slower than the runners-up
             bound = twin_time(s, uncapped)
             if bound <= rank(top[runners_up]):
-                bound = max(bound, refined_time(profile, s, hw, base_group, cache))
+                bound = max(bound, refined_time(profile, s, hw, base_group, cache, rank(top[runners_up])))
             if bound > rank(top[runners_up]):
                 slower.append(_slower(s, bound))
                 continue

@@ -81,16 +81,25 @@ def optimistic_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group:
     return max(_gpu_pass(profile, s, hw, base_group, cache), 0.0) * s.grad_accum_steps * _SLACK
 
 
-def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict) -> float:
-    """A tighter lower bound of ``s``'s step time: a pass takes at least the host's time to issue the blocks' ops of
-    ``s``'s own plain trace (its precision and extras, no checkpointing, the plain loss: every variant of it runs
-    those ops and more), and the optimizer step is added, traced as the estimate traces it. It may trace that plain
-    pass, so the search asks for it only of a candidate it would otherwise estimate. With another attention kernel,
-    whose ops the plain trace does not bound, it is :func:`optimistic_time`."""
+def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: str, cache: dict,
+                 above: float) -> float:
+    """A tighter lower bound of ``s``'s step time, for a candidate the search would otherwise estimate because
+    :func:`optimistic_time` is not above ``above`` (the runners-up's time): a pass takes at least the host's time to
+    issue the blocks' ops of ``s``'s own plain trace (its precision and extras, no checkpointing, the plain loss:
+    every variant of it runs those ops and more), and the optimizer step is added, traced as the estimate traces it.
+
+    Those two may need traces of their own, which cost more than they save where the GPU is the limit (large
+    models): they are made only where the base precision's plain trace, at half its ops, already puts the bound
+    above ``above``. With another attention kernel, whose ops the plain trace does not bound, it is
+    :func:`optimistic_time`."""
     gpu = max(_gpu_pass(profile, s, hw, base_group, cache), 0.0)
+    gpu_only = gpu * s.grad_accum_steps * _SLACK
     if s.attention != "auto":
-        return gpu * s.grad_accum_steps * _SLACK
+        return gpu_only
     tm = timing_for(hw)
+    likely = _host_bound(profile, s, cache[s.micro_batch_size], tm, share=0.5)
+    if pass_time(gpu, likely, tm) * s.grad_accum_steps * _SLACK <= above:
+        return gpu_only
     plain = variant_key(s.replace(checkpointing=Checkpointing(), chunked_ce=0, activation_offload=False))
     key = ("own", plain, s.micro_batch_size)
     try:
@@ -98,17 +107,25 @@ def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: st
             cache[key] = _pass_terms(profile, plain, s.micro_batch_size, hw)
         opt = profile.optimizer(s.precision, s.optimizer, profile.variant(plain, s.micro_batch_size))
     except ValueError:  # the variant or the optimizer cannot be traced: the candidate's estimate says why
-        return gpu * s.grad_accum_steps * _SLACK
-    blocks = cache[key]["blocks"]
+        return gpu_only
+    opt_s = optimizer_time(segment_terms(opt.cost, opt.cost, 1, hw), tm)
+    host = _host_bound(profile, s, cache[key], tm)
+    return (pass_time(gpu, host, tm) * s.grad_accum_steps + opt_s) * _SLACK
+
+
+def _host_bound(profile: Profile, s: Strategy, terms: dict[str, dict[str, float]], tm: Any,
+                share: float = 1.0) -> float:
+    """Host seconds of one pass of ``s``, at least: ``share`` of the blocks' ops of the plain pass ``terms``, plus
+    what its techniques add to them."""
+    blocks = {k: v * share for k, v in terms["blocks"].items()}
     base = BaseTimes(forward_s=0.0, backward_s=0.0, block_forward_s=0.0, block_forward_matmul_s=0.0,
                      extra={"blocks": float(max(profile.full_block_counts, default=1))},
-                     block_forward_ops=cache[key]["blk"]["launches"],
+                     block_forward_ops=terms["blk"]["launches"] * share,
                      host_op_s={"ckpt": tm.ckpt_dispatch_s, "sac": tm.sac_dispatch_s})
     host = host_time(blocks, tm) + tm.micro_batch_s
     for tech in TECHNIQUES:
         host += tech.host_lower_bound(getattr(s, tech.name), base)
-    opt_s = optimizer_time(segment_terms(opt.cost, opt.cost, 1, hw), tm)
-    return (pass_time(gpu, host, tm) * s.grad_accum_steps + opt_s) * _SLACK
+    return host
 
 
 def twin_time(s: Strategy, known: Mapping[Strategy, float]) -> float:

@@ -76,7 +76,7 @@ def test_every_bound_is_below_its_candidates_estimate(make, fidelity, keep):
             continue
         s = s.replace(expandable_segments=True)
         est = estimate_strategy(prof, s, hardware=HW, exact_reserved=False)
-        low, refined = optimistic_time(prof, s, HW, "amp", cache), refined_time(prof, s, HW, "amp", cache)
+        low, refined = optimistic_time(prof, s, HW, "amp", cache), refined_time(prof, s, HW, "amp", cache, 0.0)
         assert low <= refined <= est.step_time_s, (s.label(), low, refined, est.step_time_s)
         host_bound += refined > 2 * low
         times[s] = est.step_time_s
