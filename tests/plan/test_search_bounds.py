@@ -5,9 +5,6 @@ of every candidate, and the host's share of the bound is checked to bind where t
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 import memopt
 import memopt.plan.search as search_module
@@ -18,27 +15,9 @@ from memopt.plan import Policy
 from memopt.plan.context import search_context
 from memopt.plan.search import candidates
 from memopt.plan.search_bounds import optimistic_time, refined_time, twin_time
+from tests.zoo.torch_patterns import PATTERNS
 
 HW = load_hardware("h200")
-
-
-class ConvNet(nn.Module):
-    """Convolutions, batch norm and pooling: ops of another kind than a transformer block's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-                                    for _ in range(3))
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.head = nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x.mean((2, 3)))
-
-
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512})
 SAMPLE = {"batch_size": 2, "seq_len": 32}
@@ -49,9 +28,9 @@ def _llama():
 
 
 def _conv():
-    sample = (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,)))
-    return memopt.profile(ConvNet(), sample, hardware=HW, use_cache=False,
-                          loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    """Convolutions, batch norm and pooling: ops of another kind than a transformer block's."""
+    pattern = next(p for p in PATTERNS if p.name == "batchnorm")
+    return memopt.profile(pattern.build(), pattern.sample(2), hardware=HW, use_cache=False)
 
 
 def _adapted(s) -> bool:
