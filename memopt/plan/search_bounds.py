@@ -12,7 +12,15 @@ from typing import Any
 
 from memopt.categories import MemoryCategory
 from memopt.estimate.compose import pass_layout, trace_index
-from memopt.estimate.timing import host_time, optimizer_time, pass_time, segment_terms, terms_time, timing_for
+from memopt.estimate.timing import (
+    TimingModel,
+    host_time,
+    optimizer_time,
+    pass_time,
+    segment_terms,
+    terms_time,
+    timing_for,
+)
 from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, variant_key
@@ -113,7 +121,7 @@ def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: st
     return (pass_time(gpu, host, tm) * s.grad_accum_steps + opt_s) * _SLACK
 
 
-def _host_bound(profile: Profile, s: Strategy, terms: dict[str, dict[str, float]], tm: Any,
+def _host_bound(profile: Profile, s: Strategy, terms: dict[str, dict[str, float]], tm: TimingModel,
                 share: float = 1.0) -> float:
     """Host seconds of one pass of ``s``, at least: ``share`` of the blocks' ops of the plain pass ``terms``, plus
     what its techniques add to them."""
