@@ -222,11 +222,16 @@ class _Checkpointing(_Independent):
         return ([Checkpointing()] + [Checkpointing(mode="full", num_blocks=n) for n in counts]
                 + [Checkpointing(mode="full"), Checkpointing(mode="selective")])
 
-    def time_lower_bound(self, value: Checkpointing, base: BaseTimes) -> float:
+    @staticmethod
+    def _share(value: Checkpointing, base: BaseTimes) -> float:
+        """The fraction of the blocks ``value`` checkpoints."""
         total = max(1, base.extra.get("blocks", 1))
+        return (value.num_blocks if value.num_blocks is not None else total) / total
+
+    def time_lower_bound(self, value: Checkpointing, base: BaseTimes) -> float:
         if value.mode == "none":
             return 0.0
-        share = (value.num_blocks if value.num_blocks is not None else total) / total
+        share = self._share(value, base)
         if value.mode == "full":
             return base.block_forward_s * share
         return max(0.0, base.block_forward_s - base.block_forward_matmul_s) * share
@@ -235,8 +240,7 @@ class _Checkpointing(_Independent):
         # the recompute is not counted: non-reentrant checkpointing may stop it early
         if value.mode == "none":
             return 0.0
-        total = max(1, base.extra.get("blocks", 1))
-        ops = base.block_forward_ops * (value.num_blocks if value.num_blocks is not None else total) / total
+        ops = base.block_forward_ops * self._share(value, base)
         if value.mode == "full":
             return ops * base.host_op_s.get("ckpt", 0.0)
         return 2 * ops * base.host_op_s.get("sac", 0.0)
