@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["BlockStack", "block_signature", "find_block_stacks", "tied_parameter_groups"]
 
@@ -30,7 +31,7 @@ class BlockStack:
 
     @property
     def block_class(self) -> str:
-        return type(self.blocks[0]).__name__
+        return module_class(self.blocks[0]).__name__
 
     @property
     def uniform_tail(self) -> bool:
@@ -41,10 +42,18 @@ class BlockStack:
         return all(block_signature(b) == ref for b in self.blocks[2:])
 
 
+def module_class(module: nn.Module) -> type:
+    """The class a module was built as. ``torch.nn.utils.parametrize`` (``weight_norm``, ``spectral_norm``,
+    ``orthogonal``) swaps each parametrized module's class for a fresh subclass of its own, so n weight-normed
+    ``nn.Conv1d`` are n different classes; they are still one kind of block."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
 def block_signature(module: nn.Module) -> tuple:
     """What makes two blocks interchangeable: class and every parameter's name, shape and dtype."""
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
-    return (type(module).__qualname__, params)
+    return (module_class(module).__qualname__, params)
 
 
 def _is_stack(container: nn.Module) -> bool:
@@ -57,10 +66,10 @@ def _is_stack(container: nn.Module) -> bool:
     children = list(container)
     if len({id(c) for c in children}) < len(children):
         return False
-    cls = type(children[0])
+    cls = module_class(children[0])
     if not any(True for _ in children[0].parameters()):  # parameter-free lists (activations, dropouts)
         return False
-    return all(type(c) is cls for c in children[1:])
+    return all(module_class(c) is cls for c in children[1:])
 
 
 def find_block_stacks(model: nn.Module) -> list[BlockStack]:

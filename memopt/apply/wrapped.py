@@ -129,8 +129,12 @@ class Wrapped:
             taken = room_taken_on_device(self._user_model, int(plan.prediction.get("runtime_bytes", 0)), self.device)
             plan = self._plan_for_room_left(plan, merged_pins, taken) if taken else plan
         if not plan.fits:
-            progress.done("no strategy fits the budget")
-            raise ValueError(f"no strategy fits the budget: {plan.infeasible['message'] if plan.infeasible else ''}")
+            infeasible = plan.infeasible or {}
+            # nothing could be estimated at all: the model cannot take the pinned techniques, not a memory problem
+            said = ("no strategy can be planned" if infeasible.get("smallest_total_bytes") is None
+                    else "no strategy fits the budget")
+            progress.done(said)
+            raise ValueError(f"{said}: {infeasible.get('message', '')}")
         progress.report(f"planned: {plan.strategy.label()} (predicted {format_bytes(plan.total_bytes)} of "
                         f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step)")
         if plan.strategy.extra("sharding") is not None and user_opt is not None:

@@ -37,7 +37,7 @@ from memopt.step.train_step import TrainStep, count_loss_items, discard_accumula
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
 
-_VERDICTS = ("mean", "sum", "coupled")
+_VERDICTS = ("mean", "sum", "coupled", "masked")
 
 
 def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
@@ -125,11 +125,14 @@ class DistributedTrainStep(TrainStep):
             model, precision = (self.engine, "fp32") if self.engine is not None else (self.model,
                                                                                      self.strategy.precision)
             verdict, why = classify_reduction(model, micro_batch_to(micro[0], self.device), self.loss_fn,
-                                              precision=precision, device_type=self.device_type)
+                                              precision=precision, device_type=self.device_type,
+                                              causal=self.causal_lm)
             votes = self._all_reduce([float(verdict == v) for v in _VERDICTS])
             agreed = dict(zip(_VERDICTS, votes))
             if agreed["coupled"] and verdict != "coupled":
                 verdict, why = "coupled", "another rank's check measured it"
+            elif agreed["masked"] and verdict != "masked":
+                verdict, why = "masked", "another rank's check measured it"
             elif agreed["mean"] and agreed["sum"]:
                 verdict, why = "coupled", "the ranks' checks found a mean on some ranks and a sum on others"
             elif agreed["sum"] or agreed["mean"]:  # a rank that could not tell follows the others

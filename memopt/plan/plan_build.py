@@ -149,7 +149,7 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
     message = (f"needs {'at least ' if bound else ''}{format_bytes(reach)} with every allowed technique"
                f"{', for its model states alone plus the CUDA runtime (no activations yet)' if bound else ''} "
                f"(budget {format_bytes(budget)}, "
-               f"margin {format_bytes(margin)})" if reach is not None else "no candidate could be estimated")
+               f"margin {format_bytes(margin)})" if reach is not None else _unestimated_message(result))
     for r in relax:
         if not r["lower_bound"]:
             message += f"; allowing {r['allow']} reaches {format_bytes(r['reaches_bytes'])}"
@@ -158,7 +158,7 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
                         f"{format_bytes(r['reaches_bytes'])} (not estimated further)")
         else:
             message += f"; allowing {r['allow']} still needs at least {format_bytes(r['reaches_bytes'])}"
-    if not any(r["fits"] for r in relax):
+    if reach is not None and not any(r["fits"] for r in relax):
         message += "; beyond that: more GPUs (sharding), CPU/NVMe offload of model states, or a smaller batch"
     chosen = smallest if smallest is not None else (result.evaluated[0] if result.evaluated else None)
     if chosen is not None and chosen.estimate is not None:
@@ -173,3 +173,9 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
                 global_batch=global_batch, infeasible={"message": message, "smallest_total_bytes": reach,
                                                        "smallest_is_lower_bound": bound, "relaxations": relax},
                 search=search_info, notes=notes)
+
+
+def _unestimated_message(result: SearchResult) -> str:
+    """Why a plan has no estimate at all: not memory, but a technique the model cannot take (a pin that forces it)."""
+    reasons = [n.split(": ", 1)[1] for n in unestimated_notes(result)]
+    return "no candidate could be estimated" + (f": {'; '.join(reasons)}" if reasons else "")

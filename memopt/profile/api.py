@@ -247,7 +247,7 @@ def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_f
     if probe is None:
         return
     prof.forward_random_ops = list(probe.random_ops)
-    _record_micro_batch_refusal(prof, module, probe.axis_refusal)
+    _record_micro_batch_refusal(prof, module, probe.axis_refusal or probe.state_refusal)
 
 
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,

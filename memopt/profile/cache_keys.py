@@ -37,7 +37,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #     layers, 256 bytes of padding), not the earlier assumption
 # 12: activation offload releases a saved tensor at the next save (one copy in flight), not when 256 MiB of copies
 #     are outstanding (memopt.techniques.activation_offload)
-TRACE_REVISION = 12
+# 13: the profile refuses micro-batching for a training forward that writes persistent buffers
+#     (memopt.profile.sample_axis_probe)
+TRACE_REVISION = 13
 
 
 def cache_dir() -> Path:

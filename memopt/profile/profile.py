@@ -31,6 +31,7 @@ from memopt.profile.cuda_semantics import KernelPolicy
 from memopt.profile.model_state import expand_model_state
 from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trace, trainable_params
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
+from memopt.profile.step_failures import describe_step_failure
 from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.techniques.micro_batching import MicroBatchTooSmall
@@ -177,8 +178,7 @@ class Profile:
         except (RuntimeError, TypeError, MicroBatchTooSmall) as exc:
             # the model's own step fails under this variant (an fp32 input meeting bf16 weights, say): the
             # candidates that need it cannot run, which is the planner's to report, not a crash
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            self._failed[key] = f"{STEP_FAILS}{key.label()} ({type(exc).__name__}: {first})"
+            self._failed[key] = f"{STEP_FAILS}{key.label()} ({describe_step_failure(exc)})"
             raise VariantFailed(self._failed[key]) from exc
         for t in traces:
             self.variants[t.key] = t

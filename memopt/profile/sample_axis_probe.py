@@ -36,7 +36,8 @@ from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 
-__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only"]
+__all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only",
+           "state_buffers", "state_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
 # aten ops that draw from a random generator
@@ -57,16 +58,38 @@ class BatchProbe:
 
     axis_refusal: str | None = None
     random_ops: tuple[str, ...] = ()
+    state_refusal: str | None = None  # the persistent buffers a training forward writes, or None
 
 
 class _RandomOps(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Records the random ops a forward draws with, and which of ``watched`` (tensor id -> buffer name) an op
+    writes in place."""
+
+    def __init__(self, watched: dict[int, str] | None = None) -> None:
         super().__init__()
         self.seen: set[str] = set()
+        self.watched = watched or {}
+        self.written: list[str] = []
+
+    def _record_writes(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        named = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        for arg in schema.arguments:
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            t = named.get(arg.name)
+            t = getattr(t, "_base", None) if isinstance(t, torch.Tensor) and id(t) not in self.watched else t
+            name = self.watched.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is not None and name not in self.written:
+                self.written.append(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = getattr(func, "_overloadpacket", None)
         name = packet.__name__ if packet is not None else str(func)
+        if self.watched:
+            self._record_writes(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if name in _RANDOM_OPS:
             # a single number drawn is a per-step decision (LayerDrop's "skip this layer?"), which OPT and BART
@@ -93,6 +116,29 @@ def random_draws_refusal(random_ops: tuple[str, ...] | list[str]) -> str | None:
             "whole batch draws (the same distribution, not the same masks)")
 
 
+def state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by name, without BatchNorm's (refused on their own,
+    ``memopt.techniques.micro_batching``): the state a forward may update. Non-persistent buffers are constants
+    (masks, rotary frequencies) or caches rebuilt from constants."""
+    found: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                found.setdefault(f"{mod_name}.{name}" if mod_name else name, b)
+    return found
+
+
+def state_refusal(written: list[str]) -> str | None:
+    """Why micro-batches would not be exact for a training forward that writes the persistent buffers ``written``."""
+    if not written:
+        return None
+    shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    return (f"its training forward updates the buffer(s) {shown} (running statistics, a moving average or a counter), "
+            "so micro-batches would update them once per micro-batch, each time from part of the batch")
+
+
 def axis_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers whose input layout names a batch axis (``batch_first``): recurrent layers and multi-head
     attention."""
@@ -108,9 +154,10 @@ def _batch_axis_size(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return int(x.shape[0] if getattr(module, "batch_first", False) else x.shape[1])
 
 
-def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> tuple[dict[str, int], set[str]]:
+def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
+             samples: int) -> tuple[dict[str, int], set[str], list[str]]:
     """One training forward (and loss) of a fake copy at ``samples`` samples: the batch-axis size each axis layer
-    saw, and the random ops drawn."""
+    saw, the random ops drawn, and the persistent buffers written (in place, or rebound to a new tensor)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     clone = fake_copy(model, mode, "cpu", keep_blocks=1)
     clone.train()
@@ -124,7 +171,8 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
             if size is not None:
                 seen.setdefault(name, size)
         hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
-    draws = _RandomOps()
+    before = state_buffers(clone)
+    draws = _RandomOps({id(b): name for name, b in before.items()})
     try:
         with contextlib.ExitStack() as stack:
             if any(isinstance(m, nn.RNNBase) for m in clone.modules()):
@@ -152,7 +200,9 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
         # the fused kernel draws the dropout between stacked recurrent layers inside itself, as cuDNN does
         if isinstance(layer, nn.RNNBase) and layer.dropout > 0 and layer.num_layers > 1:
             draws.seen.add(f"{type(layer).__name__.lower()}(dropout={layer.dropout:g})")
-    return seen, draws.seen
+    after = state_buffers(clone)
+    rebound = [name for name, b in before.items() if after.get(name) is not b and name not in draws.written]
+    return seen, draws.seen, draws.written + rebound
 
 
 def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) -> str | None:
@@ -187,8 +237,9 @@ def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> Ba
     run (the trace itself reports a model that cannot). ``batch_factory(b, device)`` makes a batch of ``b``
     samples."""
     try:
-        one, draws = _forward(model, batch_factory, loss_fn, 1)
+        one, draws, written = _forward(model, batch_factory, loss_fn, 1)
         two = _forward(model, batch_factory, loss_fn, 2)[0] if one else {}
     except Exception:
         return None
-    return BatchProbe(axis_refusal=_axis_refusal(model, one, two), random_ops=tuple(sorted(draws)))
+    return BatchProbe(axis_refusal=_axis_refusal(model, one, two), random_ops=tuple(sorted(draws)),
+                      state_refusal=state_refusal(written))

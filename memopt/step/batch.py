@@ -183,10 +183,11 @@ def labels_of(batch: Any) -> Any:
 
 
 def token_labels(batch: Any, causal: bool = False) -> torch.Tensor | None:
-    """Per-token integer labels that may carry loss (shifted by one for a causal LM: its first position carries
-    none), or None when the labels are per sample (or absent)."""
+    """Integer labels whose ``-100`` entries carry no loss (``F.cross_entropy``'s default ``ignore_index``): per
+    token (shifted by one for a causal LM: its first position carries none), or one per sample, where a sample
+    labelled -100 is left out of the mean as well. None for other labels (floating, boolean) or none."""
     labels = labels_of(batch)
-    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+    if not isinstance(labels, torch.Tensor) or labels.dim() < (2 if causal else 1):
         return None
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         return None  # regression / soft targets: weighted by samples
@@ -194,7 +195,7 @@ def token_labels(batch: Any, causal: bool = False) -> torch.Tensor | None:
 
 
 def count_loss_items(batch: Any, *, causal: bool = False) -> int:
-    """Tokens that carry loss (labels != -100) where the batch has per-token labels, else its samples."""
+    """The labels that carry loss (labels != -100) where the batch has integer labels, else its samples."""
     labels = token_labels(batch, causal)
     if labels is not None:
         if _is_fake(labels):

@@ -104,17 +104,22 @@ def _side_effects_undone(model: nn.Module) -> Iterator[None]:
 
 
 def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str,
-                       device_type: str) -> tuple[str, str]:
+                       device_type: str, causal: bool = False) -> tuple[str, str]:
     """(verdict, why): how the loss of ``micro_batch`` (on the device) reduces over its samples. The verdict is
-    "mean", "sum", "coupled" (neither: ``why`` says what was measured) or "unknown" (the check cannot tell: the loss
-    is 0 or not finite, or the forward fails in eval mode)."""
+    "mean", "sum", "coupled" (neither: ``why`` says what was measured), "masked" (a mean, but not over the items
+    memopt weights micro-batches by: :func:`_weighting_mismatch`) or "unknown" (the check cannot tell: the loss is 0
+    or not finite, or the forward fails in eval mode). ``causal``: the labels are shifted inside the model."""
     m = _batch.batch_size(micro_batch)
-    head = _batch.split(micro_batch, max(1, m // 2))[0]
+    parts = _batch.split(micro_batch, max(1, m // 2))
+    head = parts[0]
     twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
     try:
         with _side_effects_undone(model), forward_context(precision, device_type):
             once = float(_batch.compute_loss(model, head, loss_fn))
             doubled = float(_batch.compute_loss(model, twice, loss_fn))
+            mismatch = (_weighting_mismatch(model, micro_batch, parts, once, loss_fn, precision, causal)
+                        if len(parts) == 2 and abs(doubled - once) <= _TOLERANCE * max(abs(once), abs(doubled))
+                        else None)
     except torch.cuda.OutOfMemoryError:
         return "unknown", "the check's forward ran out of memory"
     except Exception as exc:  # a model whose eval forward differs: the check only informs
@@ -129,6 +134,8 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     is_mean = abs(doubled - once) <= _TOLERANCE * scale
     is_sum = abs(doubled - 2 * once) <= _TOLERANCE * scale
     if is_mean != is_sum:
+        if is_mean and mismatch is not None:
+            return "masked", mismatch
         return ("mean" if is_mean else "sum"), ""
     if is_mean:  # both: the loss is about 0 on these samples
         return "unknown", f"the loss of the check's samples is {once:g}"
@@ -136,10 +143,38 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     return "coupled", f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once"
 
 
-def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str) -> str:
-    """"mean" or "sum" (:func:`classify_reduction`). Raises :class:`LossNotSplittable` when it is neither; returns
-    "mean" with a warning when the check cannot tell."""
-    verdict, why = classify_reduction(model, micro_batch, loss_fn, precision=precision, device_type=device_type)
+def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: float, loss_fn: Any,
+                        precision: str, causal: bool) -> str | None:
+    """A mean loss is split exactly only if the whole's loss is its parts' losses weighted by their loss items
+    (samples, or labels != -100): what the accumulation does. A mean over items the batch's values choose (a mask,
+    padding left out under another ``ignore_index``) is weighted otherwise, silently. The whole and its second half
+    run here (the first half's loss is ``first``); None when the weights hold (``why`` otherwise). fp32 agrees to
+    rounding; bf16 autocast may pick other kernels at another batch size."""
+    counts = [_batch.count_loss_items(h, causal=causal) for h in halves]
+    if min(counts) <= 0:
+        return None
+    second = float(_batch.compute_loss(model, halves[1], loss_fn))
+    whole_loss = float(_batch.compute_loss(model, whole, loss_fn))
+    weighted = (counts[0] * first + counts[1] * second) / sum(counts)
+    if not math.isfinite(whole_loss):
+        return None
+    if not math.isfinite(weighted):  # a half with nothing to average over (every item masked): 0/0
+        return (f"the loss of {_batch.batch_size(whole)} samples is {whole_loss:.6g}, but the loss of a part of them "
+                f"is {first if not math.isfinite(first) else second:g}")
+    tol = (_TOLERANCE / 5 if precision != "fp32" else 1e-4) * max(abs(whole_loss), abs(weighted), 1e-12)
+    if abs(whole_loss - weighted) <= tol:
+        return None
+    unit = "samples" if _batch.token_labels(whole, causal) is None else "labels other than -100"
+    return (f"the loss of {_batch.batch_size(whole)} samples is {whole_loss:.6g}, but its two halves' losses "
+            f"({first:.6g}, {second:.6g}) weighted by their {unit} ({counts[0]}, {counts[1]}) give {weighted:.6g}")
+
+
+def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str,
+                      causal: bool = False) -> str:
+    """"mean" or "sum" (:func:`classify_reduction`). Raises :class:`LossNotSplittable` when it is neither, or a
+    mean weighted otherwise than by loss items; returns "mean" with a warning when the check cannot tell."""
+    verdict, why = classify_reduction(model, micro_batch, loss_fn, precision=precision, device_type=device_type,
+                                      causal=causal)
     return settle(verdict, why)
 
 
@@ -151,6 +186,12 @@ def settle(verdict: str, why: str) -> str:
             "statistic of the whole batch?), so micro-batches cannot reproduce the whole batch's gradient; give a "
             "budget that fits the whole batch, or pass loss_reduction='mean' to accumulate micro-batches weighted by "
             "their samples anyway")
+    if verdict == "masked":
+        raise LossNotSplittable(
+            f"{why}: the loss is a mean over items the batch's values select (a mask, or an ignore_index other than "
+            "-100?), so micro-batches weighted by their share of the batch would not reproduce its gradient; give a "
+            "budget that fits the whole batch, mark the items left out with label -100, or pass "
+            "loss_reduction='mean' to split it anyway")
     if verdict == "unknown":
         return _unknown(why)
     return verdict

@@ -157,13 +157,16 @@ class TrainStep:
             self.lr_scheduler.step()
         self.steps_done += 1
 
-    def _reduction_mode(self, micro: list[Any]) -> str:
-        """"mean" or "sum"; measured on the first micro-batch the first time a batch is split under "auto"."""
+    def _reduction_mode(self, micro: list[Any], counts: list[int]) -> str:
+        """"mean" or "sum"; measured on the first micro-batch that carries loss items (a loss of none is 0/0) the
+        first time a batch is split under "auto"."""
         if self.reduction is None:
             return "mean"
         if self.reduction.mode == "auto" and len(micro) > 1:
-            self.reduction.mode = measure_reduction(self.model, micro[0], self.loss_fn,
-                                                    precision=self.strategy.precision, device_type=self.device_type)
+            first = next((mb for mb, n in zip(micro, counts) if n > 0), micro[0])
+            self.reduction.mode = measure_reduction(self.model, first, self.loss_fn,
+                                                    precision=self.strategy.precision, device_type=self.device_type,
+                                                    causal=self.causal_lm)
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
     def step(self, batch: Any) -> float:
@@ -175,11 +178,15 @@ class TrainStep:
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")
         micro = _stage(micro, self.device)
-        weights = micro_batch_weights(counts, self._reduction_mode(micro))
+        weights = micro_batch_weights(counts, self._reduction_mode(micro, counts))
         total = 0.0
         self.last_micro_losses = []
         try:
             for i, (mb, w) in enumerate(zip(micro, weights)):
+                if w == 0 and counts[i] == 0:
+                    # a mean over no labelled item is 0/0: its forward would add nothing but NaN gradients, which
+                    # the whole batch's one pass never sees
+                    continue
                 self._phase(f"forward[{i}]")
                 loss = self.loss(mb)
                 weighted = loss * w

@@ -143,3 +143,47 @@ def test_a_bad_loss_reduction_is_one_line():
     with pytest.raises(ValueError, match="loss_reduction='avg'") as exc:
         _wrap(_mlp(), _data()[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]), loss_reduction="avg")
     assert "Traceback" not in str(exc.value)
+
+
+def _data_partly_labelled(ignore: int, steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Samples labelled ``ignore`` carry no loss: 1 of the first 4 and 3 of the last 4, so parts weigh unequally."""
+    batches = _data(steps)
+    for _, y in batches:
+        y[[0, 5, 6, 7]] = ignore
+    return batches
+
+
+def test_a_mean_over_samples_the_labels_select_is_refused_before_any_parameter_changes():
+    """A mean over the samples a mask keeps (here: labels other than -1) is weighted by the kept samples, which
+    micro-batches weighted by their share of the batch would get wrong silently."""
+
+    def kept(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keep = y >= 0
+        return F.cross_entropy(out[keep], y[keep])
+
+    batches = _data_partly_labelled(-1)
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    w = _wrap(model, batches[0], micro=4, loss_fn=lambda out, b: kept(out, b[1]))
+    with pytest.raises(LossNotSplittable,
+                       match=r"weighted by their labels other than -100 .*a mean over items the batch's values"):
+        w.step(batches[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("micro", [4, 1])
+def test_samples_labelled_minus_100_weigh_nothing_and_a_micro_batch_of_none_is_skipped(micro):
+    """``F.cross_entropy``'s default ignore_index on per-sample labels: micro-batches are weighted by their labelled
+    samples. At micro-batch 1, a sample labelled -100 is a micro-batch with nothing to average (0/0): skipped, not
+    NaN."""
+    batches = _data_partly_labelled(-100)
+    ref = _mlp()
+    want = _unwrapped(ref, batches, F.cross_entropy)
+    model = _mlp()
+    w = _wrap(model, batches[0], micro=micro, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    got = [w.step(b) for b in batches]
+    assert w._reduction.mode == "mean"
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

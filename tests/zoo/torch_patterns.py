@@ -262,6 +262,47 @@ class SpectralNet(SequenceNet):
         super().__init__(SpectralBlock)
 
 
+class ParametrizedStack(nn.Module):
+    """A stack of weight-normed layers (``torch.nn.utils.parametrizations.weight_norm``, as vocoders and wav2vec2's
+    convolutions use): parametrize gives each layer a class of its own, yet they are one kind of block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, H)
+        self.blocks = nn.ModuleList(nn.utils.parametrizations.weight_norm(nn.Linear(H, H)) for _ in range(4))
+        self.head = nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return {"loss": F.cross_entropy(self.head(h), labels)}
+
+
+class InplaceBlock(Block):
+    """Writes into a Linear's output in place: ``nn.ReLU(inplace=True)`` and ``out += x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(self.act(self.up(self.norm(x))))
+        out += x
+        return out
+
+
+class InplaceActivations(ResidualMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(InplaceBlock() for _ in range(4))
+
+
+def _masked_mean(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy over the samples whose label is not -100 (unlabelled samples in a semi-supervised batch)."""
+    return F.cross_entropy(output["logits"], batch["labels"])
+
+
 @dataclass(frozen=True)
 class Pattern:
     name: str
@@ -283,6 +324,13 @@ def _sequences(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tens
 
 def _images(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     return {"pixels": torch.randn(n, 3, 8, 8, generator=g), "labels": torch.randint(0, 4, (n,), generator=g)}
+
+
+def _partly_labelled(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Every fourth sample unlabelled (-100), so micro-batches hold different numbers of labelled samples."""
+    batch = _vectors(n, g)
+    batch["labels"][1::4] = -100
+    return batch
 
 
 def _tokens(n: int, g: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -307,4 +355,7 @@ PATTERNS: list[Pattern] = [
     Pattern("returns_logits_and_loss", LogitsAndLoss, _vectors, "partial"),
     Pattern("loss_summed_over_samples", ResidualLogits, _vectors, "micro_batch", loss_fn=_summed_mse),
     Pattern("complex_parameters", SpectralNet, _sequences, "full", optimizer="adamw_foreach"),
+    Pattern("parametrized_blocks", ParametrizedStack, _vectors, "partial"),
+    Pattern("inplace_activations", InplaceActivations, _vectors, "full"),
+    Pattern("partly_labelled_samples", ResidualLogits, _partly_labelled, "micro_batch", loss_fn=_masked_mean),
 ]

@@ -1,0 +1,77 @@
+"""A training forward that writes the model's own state (a moving average, a counter, running minima) cannot be split
+into micro-batches exactly: each micro-batch would update the state once, from part of the batch. The profile's
+fake forward finds the persistent buffers written (in place or rebound) and refuses micro-batching with their names;
+constants and caches (non-persistent buffers) and BatchNorm (refused on its own) are not named."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+from memopt.profile.sample_axis_probe import probe_batch
+from tests.zoo.torch_patterns import PATTERNS
+
+
+def _factory(b: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 8, device=device), torch.randint(0, 3, (b,), device=device)
+
+
+def _loss(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+class _WithState(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("cache", torch.zeros(8), persistent=False)
+        self.register_buffer("x_max", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "ema":
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+        elif self.how == "view":
+            self.ema[:4].add_(1.0)  # through a view of the buffer
+        elif self.how == "rebound":
+            self.x_max = torch.maximum(self.x_max, x.detach().abs().max())  # a new tensor, not a write
+        elif self.how == "cache":
+            self.cache.copy_(x.mean(0).detach())  # a non-persistent buffer: a cache, not state
+        return self.body(x - self.ema)
+
+
+def _refusal(how: str) -> str | None:
+    probe = probe_batch(_WithState(how), _factory, _loss)
+    assert probe is not None
+    return probe.state_refusal
+
+
+def test_written_state_is_named_in_place_through_a_view_or_rebound() -> None:
+    assert "buffer(s) ema " in _refusal("ema")
+    assert "buffer(s) ema " in _refusal("view")
+    assert "buffer(s) x_max " in _refusal("rebound")
+
+
+def test_constants_caches_and_batch_norm_are_not_state_writes() -> None:
+    assert _refusal("none") is None
+    assert _refusal("cache") is None
+    bn = nn.Sequential(nn.Unflatten(1, (2, 4)), nn.BatchNorm1d(2), nn.Flatten(), nn.Linear(8, 3))
+    probe = probe_batch(bn, _factory, _loss)
+    assert probe is not None and probe.state_refusal is None
+
+
+def test_the_plan_keeps_the_whole_batch_and_says_why() -> None:
+    """At a budget where splitting would otherwise be free to choose, the plan refuses it with the buffer's name;
+    a pinned micro-batch size is still honoured (the user's call)."""
+    pat = next(p for p in PATTERNS if p.name == "buffer_updated_in_forward")
+    plan = memopt.plan(pat.build(), pat.sample(8), budget="10GB", hardware="h200", loss_fn=pat.loss_fn)
+    assert plan.strategy.micro_batch_size == 8
+    assert any("micro-batching refused (it would not be exact): its training forward updates the buffer(s) mean"
+               in n for n in plan.notes)
+    pinned = memopt.plan(pat.build(), pat.sample(8), budget="10GB", hardware="h200", loss_fn=pat.loss_fn,
+                         pins={"micro_batch_size": 2})
+    assert pinned.strategy.micro_batch_size == 2
