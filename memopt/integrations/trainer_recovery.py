@@ -158,6 +158,8 @@ class MicroBatchedTrainingStep:
         total_items = max(1, sum(counts))
         total: torch.Tensor | None = None
         for mb, n in zip(micro, counts):
+            if n == 0 and not normalized and sum(counts) > 0:
+                continue  # a mean over no labelled token is 0/0: NaN gradients the whole batch's pass never has
             # not normalized: each micro-batch's mean loss (num_items_in_batch withheld, so that no part of the
             # Trainer divides by it) weighted by its share of the batch's loss items
             with contextlib.nullcontext() if normalized else self._weighted(n / total_items):

@@ -16,21 +16,24 @@ SEQ = 32
 STEPS = 4
 
 
-def _trainer(tmp_path, *, per_device: int = 2, accumulation: int = 4):
+def _trainer(tmp_path, *, per_device: int = 2, accumulation: int = 4, unlabelled_every: int = 0,
+             optim: str = "adamw_torch"):
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = build_model("tiny_llama", device="cpu")
     g = torch.Generator().manual_seed(1)
     data = []
-    for _ in range(64):
+    for i in range(64):
         ids = torch.randint(3, 256, (SEQ,), generator=g)
         labels = ids.clone()
         labels[: int(torch.randint(0, SEQ // 2, (1,), generator=g))] = -100  # uneven loss tokens per sample
+        if unlabelled_every and i % unlabelled_every == 1:
+            labels[:] = -100  # a prompt with no answer left after truncation: no token carries loss
         data.append({"input_ids": ids, "labels": labels})
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=per_device,
                              gradient_accumulation_steps=accumulation, max_steps=STEPS, learning_rate=1e-2,
-                             lr_scheduler_type="constant", optim="adamw_torch", report_to=[], use_cpu=True,
+                             lr_scheduler_type="constant", optim=optim, report_to=[], use_cpu=True,
                              save_strategy="no", logging_strategy="no", seed=0, data_seed=0, disable_tqdm=True)
     return Trainer(model=model, args=args, train_dataset=data)
 
@@ -53,6 +56,19 @@ def test_micro_batches_inside_training_step_match_the_trainers_own_accumulation(
     wrapped.train()
     # the same samples per optimizer step, token-weighted: the same training up to float summation order
     for k, v in _params(plain.model).items():
+        torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
+
+
+def test_a_micro_batch_without_a_labelled_token_adds_nothing_rather_than_nan(tmp_path):
+    """Its mean loss is 0/0; the Trainer's own accumulation divides its sum by the batch's tokens, so it adds 0.
+    SGD: Adam would turn float summation order into visible differences where a gradient is near 0."""
+    plain = _trainer(tmp_path / "a", unlabelled_every=4, optim="sgd")
+    want = plain.train().training_loss
+    wrapped = _wrap(_trainer(tmp_path / "b", unlabelled_every=4, optim="sgd"),
+                    pins={"micro_batch_size": 1, "precision": "fp32", "optimizer": "sgd"})
+    assert wrapped.train().training_loss == pytest.approx(want, rel=1e-5)  # not NaN
+    for k, v in _params(plain.model).items():
+        assert torch.isfinite(wrapped.model.get_parameter(k)).all(), k
         torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
 
 
