@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
-from memopt.step.prepare import disable_kv_cache
+from memopt.step.prepare import disable_kv_cache, disable_own_checkpointing
 from memopt.strategy import Checkpointing
 from memopt.techniques.checkpointing import apply_checkpointing
+from memopt.techniques.model_change import no_change
 
 __all__ = ["TrainerCheckpointing", "preserved_random_state", "set_trainer_precision"]
 
@@ -106,22 +107,27 @@ class TrainerCheckpointing:
 
     def apply(self, setting: Checkpointing) -> None:
         """Checkpoint what ``setting`` says (replacing what was checkpointed before)."""
-        if setting == self.setting:
+        if setting == self.setting and self._undo is not None:
             return
         if setting.mode != "none" and not self.stacks:
             raise ValueError(f"the plan checkpoints activations, but {type(self.model).__name__} has no repeated "
                              "blocks (an nn.ModuleList of identical layers) to checkpoint: plan with "
                              "pins={'checkpointing': 'none'}")
         self.remove()
+        # the plan decides which blocks recompute: a model that checkpoints itself (gradient_checkpointing_enable()
+        # before the Trainer was built) would recompute every block on top
+        undo_own = disable_own_checkpointing(self.model)
+        undo_checkpointing, undo_cache = no_change, no_change
         if setting.mode != "none":
             undo_checkpointing = apply_checkpointing(self.stacks, setting)
             undo_cache = disable_kv_cache(self.model)  # recomputation would append to a KV cache twice
 
-            def undo() -> None:
-                undo_checkpointing()
-                undo_cache()
+        def undo() -> None:
+            undo_checkpointing()
+            undo_cache()
+            undo_own()
 
-            self._undo = undo
+        self._undo = undo
         self.setting = setting
 
     def remove(self) -> None:

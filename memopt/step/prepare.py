@@ -95,6 +95,23 @@ def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     return undo
 
 
+def disable_own_checkpointing(model: nn.Module) -> Callable[[], None]:
+    """Turn off checkpointing the model does by itself (Hugging Face's ``gradient_checkpointing_enable()``, a common
+    line of fine-tuning scripts), which would recompute every block on top of what the plan checkpoints: the plan
+    decides which blocks recompute, and its estimate is of a model that does not checkpoint itself. The undo turns
+    it back on."""
+    own = [m for m in model.modules()
+           if getattr(m, "gradient_checkpointing", None) is True and hasattr(m, "_gradient_checkpointing_func")]
+    for m in own:
+        m.gradient_checkpointing = False
+
+    def undo() -> None:
+        for m in own:
+            m.gradient_checkpointing = True
+
+    return undo
+
+
 def _place(change: ModelChange) -> Undo:
     """Placement: the model (its quantized layers already there) moves to the training device."""
     return _move(change.model, change.move_to) if change.move_to is not None else no_change
@@ -133,6 +150,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
     undo: list[Callable[[], None]] = []
     try:
         undo.append(disable_kv_cache(model))
+        undo.append(disable_own_checkpointing(model))
         change = ModelChange(model=model, strategy=strategy,
                              stacks=find_block_stacks(model) if stacks is None else stacks,
                              move_to=torch.device(move_to) if move_to is not None else None,

@@ -72,6 +72,15 @@ def test_a_micro_batch_without_a_labelled_token_adds_nothing_rather_than_nan(tmp
         torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames gradient_checkpointing_enable
+def test_a_model_that_checkpoints_itself_is_checkpointed_as_the_plan_says_under_the_trainer(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    wrapped = _wrap(trainer, pins={"checkpointing": "none", "precision": "fp32", "optimizer": "adamw"})
+    assert wrapped.memopt_plan.strategy.checkpointing.mode == "none"
+    assert not wrapped.model.is_gradient_checkpointing and not wrapped.args.gradient_checkpointing
+
+
 class _OOMAt:
     """An out-of-memory error at the ``call``-th model forward (``where="forward"``) or in the backward of
     that forward (``where="backward"``: after some gradients were accumulated)."""

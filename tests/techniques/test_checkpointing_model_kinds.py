@@ -53,3 +53,37 @@ def test_selective_is_refused_where_blocks_write_a_matmul_output_in_place() -> N
     with pytest.raises(ValueError, match=r"^no strategy can be planned: .*nn.ReLU\(inplace=True\)"):
         memopt.wrap(pat.build(), budget="10GB", sample=pat.sample(4), hardware="h200", guard=False, autotune=False,
                     pins={"checkpointing": "selective"})
+
+
+def _tiny_llama(own_checkpointing: bool) -> nn.Module:
+    from memopt.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tiny_llama", device="cpu")
+    if own_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renames gradient_checkpointing_enable
+def test_a_model_that_checkpoints_itself_is_planned_and_trained_as_the_plan_says() -> None:
+    """``model.gradient_checkpointing_enable()`` before ``wrap``: without memopt turning it off, every block would
+    recompute whatever the plan says, and the plan would price a model it is not (its "no checkpointing" traced
+    with Hugging Face's recomputation inside)."""
+    sample = {"input_ids": torch.randint(0, 100, (4, 32)), "labels": torch.randint(0, 100, (4, 32))}
+    pins = {"checkpointing": "none", "precision": "fp32"}
+    plans = [memopt.plan(_tiny_llama(own), sample, budget="10GB", hardware="h200", use_cache=False, pins=pins)
+             for own in (False, True)]
+    assert plans[1].prediction["peak_allocated_bytes"] == plans[0].prediction["peak_allocated_bytes"]
+    assert plans[1].step_time_s == pytest.approx(plans[0].step_time_s)
+    model = _tiny_llama(True)
+    w = memopt.wrap(model, budget="10GB", sample=sample, hardware="h200", guard=False, autotune=False, pins=pins,
+                    optimizer="sgd", lr=0.05)
+    assert not model.is_gradient_checkpointing
+    got = w.step(sample)
+    w.unwrap()
+    assert model.is_gradient_checkpointing  # the user's setting, back
+    ref = _tiny_llama(False)
+    w_ref = memopt.wrap(ref, budget="10GB", sample=sample, hardware="h200", guard=False, autotune=False, pins=pins,
+                        optimizer="sgd", lr=0.05)
+    assert got == pytest.approx(w_ref.step(sample), rel=1e-6)
