@@ -258,10 +258,12 @@ def takes_the_whole_dict(model: nn.Module, batch: Mapping[str, Any]) -> bool:
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The user's module inside a wrapper that forwards ``*args, **kwargs`` to it (DDP's and DeepSpeed's
-    ``module``), whose signature says nothing."""
+    ``module``, peft's base model), whose signature says nothing."""
     inner = model
     for _ in range(4):
         candidate = getattr(inner, "module", None)
+        if type(inner).__module__.startswith("peft.") and callable(getattr(inner, "get_base_model", None)):
+            candidate = inner.get_base_model()  # a PeftModel: its forward(*args, **kwargs) calls the base model
         if not isinstance(candidate, nn.Module) or candidate is inner:
             break
         try:

@@ -379,3 +379,28 @@ def test_a_forward_that_takes_the_whole_dict_is_called_with_it(micro):
     _assert_same(w, ref, got, want)
     # a forward with one parameter named after a key still gets the keys
     assert not B.takes_the_whole_dict(nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_a_model_the_user_gave_lora_adapters_with_peft_trains_as_the_unwrapped_loop(task_type):
+    """``get_peft_model`` without a task type returns a ``PeftModel`` whose ``forward(*args, **kwargs)`` names no
+    key of the batch: its base model's signature decides what the batch passes."""
+    peft = pytest.importorskip("peft")
+    from memopt.models import build_model
+
+    def lora() -> nn.Module:
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task_type)
+        return peft.get_peft_model(build_model("tiny_llama", device="cpu"), config)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [{"input_ids": (ids := torch.randint(0, 200, (4, 16), generator=g)), "labels": ids,
+                "source": torch.zeros(4)} for _ in range(3)]  # a key forward does not take
+    ref = lora()
+    want = _reference(ref, batches, lambda m, b: m(input_ids=b["input_ids"], labels=b["labels"]).loss)
+    model = lora()
+    w = _wrap(model, batches[0], micro=2)
+    got = [w.step(b) for b in batches]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
