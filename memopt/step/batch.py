@@ -289,6 +289,12 @@ def default_loss(output: Any, batch: Any) -> torch.Tensor:
         # number among the outputs is the loss
         scalars = [t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0]
         loss = scalars[0] if len(scalars) == 1 else None
+    if loss is None and isinstance(output, torch.Tensor):
+        # a tensor of one element may be a loss kept 1-d or one sample's prediction: not guessed
+        hint = " (for a loss kept as shape (1,): loss_fn=lambda out, b: out)" if output.numel() == 1 else ""
+        raise ValueError(f"the model returned a tensor of shape {tuple(output.shape)}, not a loss (a 0-d tensor): "
+                         f"pass loss_fn=(output, batch) -> loss{hint} (e.g. lambda out, b: F.cross_entropy(out, "
+                         "b[1]) for an (x, y) batch) or training_step=(model, batch) -> loss to memopt.wrap")
     if loss is None:
         raise ValueError(f"the model returned a {type(output).__name__} without a loss: pass "
                          "loss_fn=(output, batch) -> loss (e.g. lambda out, b: F.cross_entropy(out, b[1]) for an "

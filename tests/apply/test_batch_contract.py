@@ -404,3 +404,19 @@ def test_a_model_the_user_gave_lora_adapters_with_peft_trains_as_the_unwrapped_l
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+class ReturnsLossOfShapeOne(Blocks):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(x), y).reshape(1)
+
+
+def test_a_model_output_that_is_not_a_loss_is_named_by_its_shape_and_the_fix_works():
+    """A one-element output may be a loss kept 1-d or a prediction of one sample: memopt does not guess; the line
+    says the shape (not torch's FakeTensor) and what to pass, and that works."""
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    with pytest.raises(ValueError, match=r"^the model returned a tensor of shape \(1,\), not a loss .*"
+                                         r"loss_fn=lambda out, b: out\)"):
+        _wrap(ReturnsLossOfShapeOne(), {"x": x, "y": y}, 8)
+    w = _wrap(ReturnsLossOfShapeOne(), {"x": x, "y": y}, 4, loss_fn=lambda out, b: out)
+    assert w.step({"x": x, "y": y}) > 0
