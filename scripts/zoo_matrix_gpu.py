@@ -269,6 +269,19 @@ ROWS += [
 ]
 
 
+# session 31: what a user's script does to the model before wrap, and blocks of unusual form
+ROWS += [
+    _llm("tinyllama-owngc-8x2048-16GiB", "llama", TINYLLAMA, 8, 2048, "16GiB", extra={"own_checkpointing": True}),
+    _llm("tinyllama-peftlora-8x2048-12GiB", "llama", TINYLLAMA, 8, 2048, "12GiB", extra={"peft_lora": True}),
+    ZooRow("ema-resmlp-16blk-8x1024-10GiB", "custom", "ema_resmlp", dict(vocab=32000, width=1536, blocks=16), 8,
+           1024, budget="10GiB"),
+    ZooRow("inplace-resmlp-16blk-8x1024-10GiB", "custom", "inplace_resmlp", dict(vocab=32000, width=1536, blocks=16),
+           8, 1024, budget="10GiB"),
+    ZooRow("weightnorm-resmlp-16blk-8x4096-3GiB", "custom", "weightnorm_resmlp",
+           dict(vocab=32000, width=1536, blocks=16), 8, 4096, budget="3GiB"),
+]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # models and batches
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,6 +303,52 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
             h = self.embed(input_ids)
             for block in self.blocks:
                 h = h + block(h)
+            logits = self.norm(h) @ self.embed.weight.t()
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class EMAResMLP(TiedResMLP):  # a moving average of the embeddings kept as state: micro-batches may not split
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("embed_mean", torch.zeros(c["width"]))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                self.embed_mean.mul_(0.99).add_(0.01 * self.embed(input_ids).float().mean((0, 1)))
+            return super().forward(input_ids, labels)
+
+    class _InplaceBlock(nn.Module):  # nn.ReLU(inplace=True) and `out += x` on Linear outputs: selective refused
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up = nn.LayerNorm(c["width"]), nn.Linear(c["width"], 4 * c["width"])
+            self.act, self.down = nn.ReLU(inplace=True), nn.Linear(4 * c["width"], c["width"])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.down(self.act(self.up(self.norm(x))))
+            out += x
+            return out
+
+    class InplaceResMLP(TiedResMLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_InplaceBlock() for _ in range(c["blocks"]))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = block(h)
+            logits = self.norm(h) @ self.embed.weight.t()
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class WeightNormResMLP(TiedResMLP):  # every block a weight-normed layer: parametrize gives each its own class
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.utils.parametrizations.weight_norm(nn.Linear(c["width"], c["width"]))
+                                        for _ in range(c["blocks"]))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = h + nn.functional.gelu(block(h))
             logits = self.norm(h) @ self.embed.weight.t()
             return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
 
@@ -409,7 +468,8 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
             return x + self.mlp(self.ln_2(x))
 
     return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder,
-            "fno2d": FNO2d, "looped_encoder": LoopedEncoder, "nanogpt": NanoGPT}[name]()
+            "fno2d": FNO2d, "looped_encoder": LoopedEncoder, "nanogpt": NanoGPT, "ema_resmlp": EMAResMLP,
+            "inplace_resmlp": InplaceResMLP, "weightnorm_resmlp": WeightNormResMLP}[name]()
 
 
 def build(row: ZooRow) -> Any:
@@ -532,6 +592,13 @@ def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
     model = build(row)
     if row.kind == "torchvision":
         model = _TorchvisionAdapter.wrap(model)
+    if row.extra.get("own_checkpointing"):  # a fine-tuning script's usual line before wrap
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if row.extra.get("peft_lora"):  # adapters the user added with peft, without a task type
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"]))
     batch = batch_for(row, model)
     if row.extra.get("nanogpt_loop"):
         return _nanogpt_loop(model, batch)

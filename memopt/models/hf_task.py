@@ -48,6 +48,14 @@ def _peft_inner(model: Any) -> Any:
     return inner if inner is not None and inner is not model else model
 
 
+def peft_unwrapped(model: Any) -> Any:
+    """The transformers model inside a peft wrapper the user made (``get_peft_model``: its adapters live in that
+    model's layers), else ``model`` itself: what the head and its loss are read from."""
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
 def is_hf_model(model: Any) -> bool:
     """A ``transformers.PreTrainedModel``, through a peft wrapper too (without importing transformers when the user
     never did)."""

@@ -11,6 +11,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memopt.models.hf_task import peft_unwrapped
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
@@ -107,6 +108,7 @@ def head_refusal(model: nn.Module, *, probe: bool = True) -> str | None:
     Exact means the model's own loss is the standard causal-LM cross-entropy of the transformed
     ``base_model(...).last_hidden_state @ lm_head.weight.T``: no head bias, auxiliary loss or custom loss, and no
     transform but a declared scale or softcap. ``probe`` also runs a one-block fake copy to check that structure."""
+    model = peft_unwrapped(model)
     reason = static_head_refusal(model)
     if reason is None and probe:
         transform = head_transform(model)

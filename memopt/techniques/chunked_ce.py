@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memopt.models.hf_task import peft_unwrapped
 from memopt.techniques.liger_ce import liger_linear_cross_entropy
 from memopt.techniques.lm_head import HeadTransform, head_transform, static_head_refusal
 
@@ -79,6 +80,7 @@ def causal_lm_chunked_loss(model: nn.Module, batch: dict[str, Any], *, chunks: i
     """The causal-LM loss of ``model`` on ``batch`` with a fused head (labels shifted as HF does): memopt's
     chunked loss in ``chunks`` chunks, or Liger-kernel's fused linear cross-entropy (``kernel="liger"``, which
     picks its own chunks; :mod:`memopt.techniques.liger_ce`)."""
+    model = peft_unwrapped(model)  # a user's PeftModel: its adapters are in the inner model's layers
     reason = static_head_refusal(model)
     if reason is not None:
         raise ValueError(f"a fused cross-entropy head is not exact here: {reason}; plan with chunked_ce=0")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memopt.models.hf_task import hf_task
+from memopt.models.hf_task import hf_task, peft_unwrapped
 
 __all__ = ["HeadTransform", "head_transform", "static_head_refusal"]
 
@@ -95,6 +95,7 @@ def head_transform(model: nn.Module) -> HeadTransform | str:
 
 def static_head_refusal(model: nn.Module) -> str | None:
     """Why no fused loss reproduces ``model``'s head, from its classes and config alone (None: none found)."""
+    model = peft_unwrapped(model)
     name = type(model).__name__
     if hf_task(model) != "causal_lm":
         return f"{name} is not a Hugging Face causal LM"

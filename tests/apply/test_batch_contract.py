@@ -381,16 +381,18 @@ def test_a_forward_that_takes_the_whole_dict_is_called_with_it(micro):
     assert not B.takes_the_whole_dict(nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
 
 
-@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
-def test_a_model_the_user_gave_lora_adapters_with_peft_trains_as_the_unwrapped_loop(task_type):
+@pytest.mark.parametrize("task_type, chunked_ce", [(None, 0), ("CAUSAL_LM", 0), (None, 4)])
+def test_a_model_the_user_gave_lora_adapters_with_peft_trains_as_the_unwrapped_loop(task_type, chunked_ce):
     """``get_peft_model`` without a task type returns a ``PeftModel`` whose ``forward(*args, **kwargs)`` names no
-    key of the batch: its base model's signature decides what the batch passes."""
+    key of the batch: its base model's signature decides what the batch passes. Its head is the inner model's, so
+    the chunked loss is exact on it too."""
     peft = pytest.importorskip("peft")
     from memopt.models import build_model
 
     def lora() -> nn.Module:
         torch.manual_seed(0)
-        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task_type)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task_type,
+                                 init_lora_weights=False)  # adapters that change the output from the first step
         return peft.get_peft_model(build_model("tiny_llama", device="cpu"), config)
 
     g = torch.Generator().manual_seed(3)
@@ -399,7 +401,11 @@ def test_a_model_the_user_gave_lora_adapters_with_peft_trains_as_the_unwrapped_l
     ref = lora()
     want = _reference(ref, batches, lambda m, b: m(input_ids=b["input_ids"], labels=b["labels"]).loss)
     model = lora()
-    w = _wrap(model, batches[0], micro=2)
+    assert not any("chunked cross-entropy refused" in n for n in memopt.plan(
+        lora(), batches[0], budget="4GB", hardware="h100_80gb", use_cache=False).notes)
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    pins={"micro_batch_size": 2, "precision": "fp32", "chunked_ce": chunked_ce},
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
     got = [w.step(b) for b in batches]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
