@@ -277,8 +277,8 @@ ROWS += [
            1024, budget="10GiB"),
     ZooRow("inplace-resmlp-16blk-8x1024-10GiB", "custom", "inplace_resmlp", dict(vocab=32000, width=1536, blocks=16),
            8, 1024, budget="10GiB"),
-    ZooRow("weightnorm-resmlp-16blk-8x4096-3GiB", "custom", "weightnorm_resmlp",
-           dict(vocab=32000, width=1536, blocks=16), 8, 4096, budget="3GiB"),
+    ZooRow("weightnorm-resmlp-16blk-8x4096-5GiB", "custom", "weightnorm_resmlp",
+           dict(vocab=32000, width=1536, blocks=16), 8, 4096, budget="5GiB"),
 ]
 
 
