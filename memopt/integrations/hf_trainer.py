@@ -25,6 +25,7 @@ import torch
 from memopt import progress
 from memopt.guard.attribution_hooks import TrainerStepAttribution
 from memopt.guard.transaction import StepTransaction
+from memopt.integrations.trainer_loss import trainer_loss
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
 from memopt.plan.context import resolve_hardware
@@ -236,11 +237,14 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             # is the training to reproduce (memopt.techniques.micro_batching refuses any other split)
             trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
         sample = _sample_from_trainer(trainer, sample)
+        step = trainer_loss(trainer)  # a subclass's compute_loss, a compute_loss_func, label smoothing
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             hardware = resolve_hardware(hardware)
-            profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache)
+            profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache,
+                                    training_step=step)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
-                         pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile)
+                         pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile,
+                         training_step=step)
     return plan, profile
 
 

@@ -21,6 +21,7 @@ from memopt.profile.cache_keys import cache_dir, spec_key, structure_key
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
+from memopt.profile.loss_key import loss_key
 from memopt.profile.profile import Profile, VariantFailed
 from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
@@ -238,6 +239,12 @@ def _record_micro_batch_refusal(prof: Profile, module: nn.Module, probed: str | 
                           "split the batch anyway")
 
 
+def _loss_part(loss_fn: Any) -> dict[str, str]:
+    """The loss's part of the profile key: the model's own loss adds nothing, so keys made before the loss was part
+    of them stay valid for it."""
+    return {} if loss_fn is None else {"loss": loss_key(loss_fn)}
+
+
 def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_fn: Any) -> None:
     """What splitting the batch does to the model (``memopt.profile.sample_axis_probe``), for a batch that can be
     split."""
@@ -268,12 +275,14 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
         build = _lazy_builder(spec)
         name = spec.name
         factory, sample_dict, tokens = _spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
-        key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key})
+        key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key,
+                                                **_loss_part(loss_fn)})
         source = build
     else:
         module, spec, name = resolve_model(model)
         factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
-        key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key})
+        key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key,
+                                                **_loss_part(loss_fn)})
         source = module
     path = cache_dir() / "profiles" / f"{key}.json"
     prof = _load_cached(path) if use_cache and path.exists() else None

@@ -1,0 +1,39 @@
+"""The loss a Hugging Face Trainer computes, where it is not the model's own: a subclass's ``compute_loss``, a
+``compute_loss_func``, or label smoothing (``label_smoothing_factor``, whose smoother takes a log-softmax of the
+logits). The profile must trace the step that runs, so the plan of such a Trainer traces its ``compute_loss``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from memopt.profile.loss_key import loss_key
+
+__all__ = ["TrainerLoss", "trainer_loss"]
+
+
+class TrainerLoss:
+    """``(model, batch) -> loss`` through the Trainer's ``compute_loss``. ``key`` identifies it for the profile
+    cache: the class's ``compute_loss``, the ``compute_loss_func`` and the smoothing factor."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        smoothing = float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0)
+        self.key = (f"{loss_key(type(trainer).compute_loss)}:{loss_key(trainer.compute_loss_func)}:"
+                    f"{smoothing:g}")
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        # compute_loss pops the labels out of the dict it is given
+        return self._trainer.compute_loss(model, dict(batch))
+
+
+def trainer_loss(trainer: Any) -> TrainerLoss | None:
+    """The Trainer's loss where it differs from the model's own, else None (the profile then traces the model's)."""
+    from transformers import Trainer
+
+    custom = getattr(type(trainer), "compute_loss", Trainer.compute_loss) is not Trainer.compute_loss
+    if custom or getattr(trainer, "compute_loss_func", None) is not None or \
+            getattr(trainer, "label_smoother", None) is not None:
+        return TrainerLoss(trainer)
+    return None
