@@ -115,8 +115,8 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
     try:
         with _side_effects_undone(model), forward_context(precision, device_type):
-            once = float(_batch.compute_loss(model, head, loss_fn))
-            doubled = float(_batch.compute_loss(model, twice, loss_fn))
+            once = float(_loss_of_copy(model, head, loss_fn))
+            doubled = float(_loss_of_copy(model, twice, loss_fn))
             mismatch = (_weighting_mismatch(model, micro_batch, parts, once, loss_fn, precision, causal)
                         if len(parts) == 2 and abs(doubled - once) <= _TOLERANCE * max(abs(once), abs(doubled))
                         else None)
@@ -143,6 +143,12 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     return "coupled", f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once"
 
 
+def _loss_of_copy(model: nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
+    """The loss of a copy of ``batch``: a forward that writes into its inputs (``x.sub_(mean)``) would otherwise change
+    the batch the step then trains on, and the check's next forward."""
+    return _batch.compute_loss(model, _batch.tree_map(lambda t: t.clone(), batch), loss_fn)
+
+
 def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: float, loss_fn: Any,
                         precision: str, causal: bool) -> str | None:
     """A mean loss is split exactly only if the whole's loss is its parts' losses weighted by their loss items
@@ -153,8 +159,8 @@ def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: 
     counts = [_batch.count_loss_items(h, causal=causal) for h in halves]
     if min(counts) <= 0:
         return None
-    second = float(_batch.compute_loss(model, halves[1], loss_fn))
-    whole_loss = float(_batch.compute_loss(model, whole, loss_fn))
+    second = float(_loss_of_copy(model, halves[1], loss_fn))
+    whole_loss = float(_loss_of_copy(model, whole, loss_fn))
     weighted = (counts[0] * first + counts[1] * second) / sum(counts)
     if not math.isfinite(whole_loss):
         return None

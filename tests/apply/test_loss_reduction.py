@@ -187,3 +187,28 @@ def test_samples_labelled_minus_100_weigh_nothing_and_a_micro_batch_of_none_is_s
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _NormalizesItsInput(nn.Module):
+    """Writes into its input (``x.sub_(mean).div_(std)``): the check's forwards must not run on the batch itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.sub_(0.5).mul_(2.0)
+        return self.body(x)
+
+
+def test_the_check_leaves_a_batch_that_the_forward_writes_into_as_the_step_gets_it():
+    batches = _data()
+    ref = _NormalizesItsInput()
+    want = _unwrapped(ref, [(x.clone(), y) for x, y in batches], F.cross_entropy)
+    model = _NormalizesItsInput()
+    w = _wrap(model, batches[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    got = [w.step((x.clone(), y)) for x, y in batches]
+    assert w._reduction.mode == "mean"
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
