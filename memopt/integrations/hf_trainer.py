@@ -27,7 +27,12 @@ from memopt.guard.attribution_hooks import TrainerStepAttribution
 from memopt.guard.transaction import StepTransaction
 from memopt.integrations.trainer_loss import trainer_loss
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
-from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state, set_trainer_precision
+from memopt.integrations.trainer_setup import (
+    TrainerCheckpointing,
+    fit_evaluation,
+    preserved_random_state,
+    set_trainer_precision,
+)
 from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
@@ -284,6 +289,9 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     if hasattr(trainer, "_train_batch_size"):  # the Trainer copies the batch size at init; its loader reads the copy
         trainer._train_batch_size = trainer.args.train_batch_size
     set_trainer_precision(trainer, plan.strategy.precision)
+    for note in fit_evaluation(trainer, plan.strategy.micro_batch_size):
+        progress.report(note)
+        plan.notes.append(note)
     checkpointing = TrainerCheckpointing(trainer.model)
     checkpointing.apply(plan.strategy.checkpointing)
     trainer.memopt_checkpointing = checkpointing

@@ -96,6 +96,31 @@ def set_trainer_precision(trainer: Any, precision: str) -> str:
     return mixed
 
 
+def fit_evaluation(trainer: Any, micro_batch_size: int) -> list[str]:
+    """Evaluation inside the run stays within the plan: what it changes, as notes.
+
+    An evaluation forward runs without gradients beside the training state, so at the plan's micro-batch size it
+    holds less than the planned training step; a larger ``per_device_eval_batch_size`` (8 by default, whatever the
+    model) is not planned, and is capped to it. The Trainer keeps every evaluation batch's logits on the GPU until the
+    loop ends unless ``eval_accumulation_steps`` is set (a vocabulary's logits per token, for all of the evaluation
+    set): it is set to 1, which moves them to the CPU after each batch and changes no metric."""
+    args = trainer.args
+    evaluates = str(getattr(args, "eval_strategy", "no")).lower() not in ("no", "intervalstrategy.no") or \
+        getattr(args, "do_eval", False)
+    if not evaluates and getattr(trainer, "eval_dataset", None) is None:
+        return []
+    notes = []
+    if args.per_device_eval_batch_size > micro_batch_size:
+        notes.append(f"evaluation batch {args.per_device_eval_batch_size} per device capped to the plan's micro-batch "
+                     f"of {micro_batch_size}: a larger one is not planned")
+        args.per_device_eval_batch_size = micro_batch_size
+    if args.eval_accumulation_steps is None and not args.prediction_loss_only:
+        args.eval_accumulation_steps = 1
+        notes.append("evaluation predictions move to the CPU after each batch (eval_accumulation_steps=1): the "
+                     "Trainer would otherwise keep all of them on the GPU")
+    return notes
+
+
 class TrainerCheckpointing:
     """memopt's activation checkpointing on a Trainer's model, for any setting (every block, some, selective)."""
 

@@ -59,3 +59,28 @@ def test_a_subclass_compute_loss_is_traced(tmp_path):
 
     custom = _trainer(tmp_path / "c", cls=KeepsFp32Copies)
     assert _peak(custom) > _peak(_trainer(tmp_path / "d")) + BATCH * SEQ * VOCAB * 4 // 2
+
+
+def test_evaluation_inside_the_run_is_kept_within_the_plan(tmp_path):
+    """An evaluation batch larger than the plan's micro-batch is capped to it, and predictions leave the GPU after
+    each batch; evaluation runs and reports its loss."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (ids := torch.randint(3, VOCAB, (SEQ,), generator=g)), "labels": ids.clone()}
+            for _ in range(32)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=2,
+                             per_device_eval_batch_size=64, eval_strategy="steps", eval_steps=1, learning_rate=1e-3,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True)
+    trainer = Trainer(model=build_model("tiny_llama", device="cpu"), args=args, train_dataset=data,
+                      eval_dataset=data[:16])
+    wrapped = memopt.wrap(trainer, budget="8GB", hardware="h200", pins={"micro_batch_size": 2})
+    assert wrapped.args.per_device_eval_batch_size == 2 and wrapped.args.eval_accumulation_steps == 1
+    assert any("evaluation batch 64 per device capped" in n for n in wrapped.memopt_plan.notes)
+    wrapped.train()
+    assert wrapped.evaluate()["eval_loss"] > 0
+    plain = _trainer(tmp_path / "plain")  # no evaluation: its arguments are left alone
+    wrapped = memopt.wrap(plain, budget="8GB", hardware="h200", pins={"micro_batch_size": 2})
+    assert wrapped.args.per_device_eval_batch_size == 8 and wrapped.args.eval_accumulation_steps is None
