@@ -272,6 +272,8 @@ ROWS += [
 # session 31: what a user's script does to the model before wrap, and blocks of unusual form
 ROWS += [
     _llm("tinyllama-owngc-8x2048-16GiB", "llama", TINYLLAMA, 8, 2048, "16GiB", extra={"own_checkpointing": True}),
+    _llm("qwen3like0.6b-owngc-16x2048-16GiB", "qwen3", QWEN3_06B, 16, 2048, "16GiB",
+         extra={"own_checkpointing": True}),
     _llm("tinyllama-peftlora-8x2048-12GiB", "llama", TINYLLAMA, 8, 2048, "12GiB", extra={"peft_lora": True}),
     ZooRow("ema-resmlp-16blk-8x1024-10GiB", "custom", "ema_resmlp", dict(vocab=32000, width=1536, blocks=16), 8,
            1024, budget="10GiB"),

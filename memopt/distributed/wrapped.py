@@ -39,7 +39,7 @@ from memopt.models.hf_task import is_causal_lm
 from memopt.step.batch import check_batch
 from memopt.step.hard_cap import cap_to_plan, set_expandable_segments
 from memopt.step.loss_reduction import LossReduction
-from memopt.step.prepare import disable_kv_cache
+from memopt.step.prepare import disable_kv_cache, disable_own_checkpointing
 from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.precision import cast_float_inputs
 from memopt.techniques.sharding import ShardingSetting, sharding_of
@@ -124,6 +124,8 @@ class ShardedWrapped:
         # no KV cache in training, as in memopt's one-GPU step and in the profile the plan was traced from: a
         # checkpointed block would otherwise keep its keys and values alive until the loss
         disable_kv_cache(model)
+        # the plan decides which blocks recompute, as it was traced: not a model's own gradient checkpointing
+        disable_own_checkpointing(model)
         stacks = find_block_stacks(model)
         apply_checkpointing(stacks, strategy.checkpointing)
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}

@@ -55,6 +55,7 @@ def main(out: str, engine: str, mode: str, loss: str = "model") -> None:
     assert not dist.is_initialized()
     model = w.tiny_model()
     model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's: its forward keeps a KV cache
+    model.gradient_checkpointing, model._gradient_checkpointing_func = True, None  # gradient_checkpointing_enable()
     user = {"training_step": w.summed_loss} if loss == "summed" else {}
     if mode == "plan":
         wrapped = memopt.wrap(model, plan=plan, device="cpu", lr=1e-2, **user)
@@ -67,6 +68,7 @@ def main(out: str, engine: str, mode: str, loss: str = "model") -> None:
     result = {"losses": losses, "group": dist.is_initialized() and dist.get_world_size(),
               "engine": type(engine_obj).__name__, "wrapped": type(wrapped).__name__,
               "use_cache_in_training": model.config.use_cache,
+              "own_checkpointing_in_training": model.gradient_checkpointing,
               "started_group": getattr(getattr(wrapped, "_sharded", wrapped), "started_group", None),
               "reduction": getattr(getattr(wrapped, "_reduction", None), "mode", None)}
     wrapped.close()

@@ -39,6 +39,8 @@ def test_fsdp2_offload_plan_applied_in_process(tmp_path, mode):
     assert got["losses"] == pytest.approx(w.reference_losses(3), rel=1e-5)
     # the plan was traced without a KV cache; checkpointed blocks would keep one's keys and values alive
     assert got["use_cache_in_training"] is False
+    # nor with the model's own gradient checkpointing: the plan decides which blocks recompute
+    assert got["own_checkpointing_in_training"] is False
 
 
 
