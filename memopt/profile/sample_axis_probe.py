@@ -14,6 +14,10 @@ attention dropout inside a fused kernel). Micro-batches draw their masks one aft
 masks one pass over the whole batch would draw: the same distribution, not the same numbers. Under the "exact"
 fidelity that refuses micro-batching (``memopt.plan.context``); the other fidelities, which already trade bitwise
 equality for speed (bf16 autocast), allow it. The forward runs on a fake copy that keeps one block of each stack.
+
+It also records which of the model's persistent buffers the training forward writes, in place or by rebinding (a
+moving average, a counter, running minima of a quantization-aware layer): micro-batches would update that state once
+each, from part of the batch, so micro-batching is refused under every fidelity, as for BatchNorm.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class BatchProbe:
     state_refusal: str | None = None  # the persistent buffers a training forward writes, or None
 
 
-class _RandomOps(TorchDispatchMode):
+class _ForwardLog(TorchDispatchMode):
     """Records the random ops a forward draws with, and which of ``watched`` (tensor id -> buffer name) an op
     writes in place."""
 
@@ -172,7 +176,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
                 seen.setdefault(name, size)
         hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
     before = state_buffers(clone)
-    draws = _RandomOps({id(b): name for name, b in before.items()})
+    draws = _ForwardLog({id(b): name for name, b in before.items()})
     try:
         with contextlib.ExitStack() as stack:
             if any(isinstance(m, nn.RNNBase) for m in clone.modules()):
