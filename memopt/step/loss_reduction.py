@@ -11,11 +11,13 @@ micro-batches.
 The user may say which (``memopt.wrap(..., loss_reduction="mean" | "sum")``). Left at ``"auto"``, the first step
 that splits a batch measures it when the loss is the user's (a ``loss_fn``, a ``training_step``, or a model that is
 not a Hugging Face model returning its own loss): the loss of ``k`` samples is compared with the loss of the same
-``k`` samples given twice. A mean gives the same number, a sum twice it, and anything else couples the samples.
-Both forwards run without gradients, in eval mode (dropout off, so duplicated samples give the same values), on at
-most the micro-batch's own number of samples (two for a micro-batch of one); the modules' training flags, the
-buffers and the random generators are put back as they were, so training is unchanged by the check (the model's
-forward hooks do see the two forwards).
+``k`` samples given twice. A mean gives the same number, a sum twice it, and anything else couples the samples. A
+mean is then checked against its weights: the micro-batch's loss must equal its two halves' losses weighted by their
+loss items, or the mean is over items the batch's values select otherwise (a mask of the user's own), which no
+weighting of micro-batches reproduces. The forwards (at most four) run without gradients, in eval mode (dropout off,
+so duplicated samples give the same values), each on a copy of at most the micro-batch's own number of samples (two
+for a micro-batch of one); the modules' training flags, the buffers and the random generators are put back as they
+were, so training is unchanged by the check (the model's forward hooks do see its forwards).
 """
 
 from __future__ import annotations
