@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["BlockStack", "block_signature", "find_block_stacks", "tied_parameter_groups"]
+__all__ = ["BlockStack", "block_signature", "find_block_stacks", "module_class", "persistent_buffers",
+           "tied_parameter_groups"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,22 @@ class BlockStack:
             return True
         ref = block_signature(self.blocks[1])
         return all(block_signature(b) == ref for b in self.blocks[2:])
+
+
+def persistent_buffers(model: nn.Module, skip: tuple[type, ...] = ()) -> dict[str, torch.Tensor]:
+    """The persistent buffers by name (a shared one under its first name), outside modules of the ``skip`` types:
+    the state a forward may update. Non-persistent buffers are constants (masks, rotary frequencies) or caches rebuilt
+    from constants, which no forward's result depends on having been written."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        if skip and isinstance(module, skip):
+            continue
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                found[f"{mod_name}.{name}" if mod_name else name] = b
+    return found
 
 
 def module_class(module: nn.Module) -> type:

@@ -156,9 +156,10 @@ class MicroBatchedTrainingStep:
             and self._model_loss_uses_num_items(model, micro[0])))
         counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
         total_items = max(1, sum(counts))
+        skip_empty = not normalized and sum(counts) > 0
         total: torch.Tensor | None = None
         for mb, n in zip(micro, counts):
-            if n == 0 and not normalized and sum(counts) > 0:
+            if n == 0 and skip_empty:
                 continue  # a mean over no labelled token is 0/0: NaN gradients the whole batch's pass never has
             # not normalized: each micro-batch's mean loss (num_items_in_batch withheld, so that no part of the
             # Trainer divides by it) weighted by its share of the batch's loss items

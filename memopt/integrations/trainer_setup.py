@@ -105,8 +105,7 @@ def fit_evaluation(trainer: Any, micro_batch_size: int) -> list[str]:
     loop ends unless ``eval_accumulation_steps`` is set (a vocabulary's logits per token, for all of the evaluation
     set): it is set to 1, which moves them to the CPU after each batch and changes no metric."""
     args = trainer.args
-    evaluates = str(getattr(args, "eval_strategy", "no")).lower() not in ("no", "intervalstrategy.no") or \
-        getattr(args, "do_eval", False)
+    evaluates = getattr(args, "eval_strategy", "no") != "no" or getattr(args, "do_eval", False)
     if not evaluates and getattr(trainer, "eval_dataset", None) is None:
         return []
     notes = []

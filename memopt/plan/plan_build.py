@@ -12,7 +12,7 @@ from memopt.plan.floors import state_floor
 from memopt.plan.footprint import Estimates, min_footprint
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, unestimated_notes
+from memopt.plan.search import Evaluated, SearchResult, unestimated_notes, unestimated_reasons
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.quantization import extras_label, method_change_note
@@ -177,5 +177,5 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
 
 def _unestimated_message(result: SearchResult) -> str:
     """Why a plan has no estimate at all: not memory, but a technique the model cannot take (a pin that forces it)."""
-    reasons = [n.split(": ", 1)[1] for n in unestimated_notes(result)]
+    reasons = [reason for reason, _ in unestimated_reasons(result)]
     return "no candidate could be estimated" + (f": {'; '.join(reasons)}" if reasons else "")

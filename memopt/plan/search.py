@@ -40,7 +40,7 @@ from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
-           "unestimated_notes"]
+           "unestimated_notes", "unestimated_reasons"]
 
 
 
@@ -267,9 +267,15 @@ _STEP_FAILS = re.compile(re.escape(STEP_FAILS) + r"(?P<variant>.+?) \((?P<cause>
 
 def unestimated_notes(result: SearchResult) -> list[str]:
     """What the plan must say about candidates that could not be estimated (a technique refused for this model):
-    each distinct reason once, with how many candidates it removed; a model step that fails the same way under
-    several variants is one reason, naming the variants. Internal errors are not among them: they propagate
-    (``EventStreamError``), so no candidate disappears without a word."""
+    each distinct reason once, with how many candidates it removed (:func:`unestimated_reasons`)."""
+    return [f"{n} candidate(s) not considered, they cannot be estimated: {reason}"
+            for reason, n in unestimated_reasons(result)]
+
+
+def unestimated_reasons(result: SearchResult) -> list[tuple[str, int]]:
+    """(reason, candidates it removed) for the candidates that could not be estimated; a model step that fails the
+    same way under several variants is one reason, naming the variants. Internal errors are not among them: they
+    propagate (``EventStreamError``), so no candidate disappears without a word."""
     counts: dict[str, int] = {}
     variants: dict[str, list[str]] = {}
     for ev in result.evaluated:
@@ -282,14 +288,14 @@ def unestimated_notes(result: SearchResult) -> list[str]:
                 if failed["variant"] not in seen:
                     seen.append(failed["variant"])
             counts[reason] = counts.get(reason, 0) + 1
-    notes = []
+    reasons = []
     for reason, n in counts.items():
         named = variants.get(reason, [])
         if named:
             more = f" and {len(named) - 3} more" if len(named) > 3 else ""
             reason += f" under {', '.join(named[:3])}{more}"
-        notes.append(f"{n} candidate(s) not considered, they cannot be estimated: {reason}")
-    return notes
+        reasons.append((reason, n))
+    return reasons
 
 
 def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:

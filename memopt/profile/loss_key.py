@@ -16,6 +16,8 @@ import hashlib
 import types
 from typing import Any
 
+from memopt.step.batch import TrainingStep
+
 __all__ = ["loss_key"]
 
 _PLAIN = (int, float, str, bool, bytes, type(None))
@@ -62,7 +64,7 @@ def _feed(h: Any, obj: Any, depth: int) -> None:
                 _feed(h, cell.cell_contents, depth + 1)
             except ValueError:  # an empty cell
                 h.update(b"<empty>")
-    elif hasattr(obj, "fn") and type(obj).__name__ == "TrainingStep":
+    elif isinstance(obj, TrainingStep):
         h.update(b"training_step")
         _feed(h, obj.fn, depth + 1)
     elif isinstance(obj, type):

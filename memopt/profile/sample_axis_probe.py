@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memopt.blocks import persistent_buffers
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
@@ -124,14 +125,7 @@ def state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's persistent buffers by name, without BatchNorm's (refused on their own,
     ``memopt.techniques.micro_batching``): the state a forward may update. Non-persistent buffers are constants
     (masks, rotary frequencies) or caches rebuilt from constants."""
-    found: dict[str, torch.Tensor] = {}
-    for mod_name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            continue
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                found.setdefault(f"{mod_name}.{name}" if mod_name else name, b)
-    return found
+    return persistent_buffers(model, skip=(nn.modules.batchnorm._BatchNorm,))
 
 
 def state_refusal(written: list[str]) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.models.hf_task import hf_forward_kwargs, is_hf_model
+from memopt.models.hf_task import hf_forward_kwargs, is_hf_model, peft_unwrapped
 
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
            "forward_kwargs", "leaves", "like", "scalar_loss", "shard", "split", "structure", "tensors", "to_device",
@@ -261,9 +261,8 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     ``module``, peft's base model), whose signature says nothing."""
     inner = model
     for _ in range(4):
-        candidate = getattr(inner, "module", None)
-        if type(inner).__module__.startswith("peft.") and callable(getattr(inner, "get_base_model", None)):
-            candidate = inner.get_base_model()  # a PeftModel: its forward(*args, **kwargs) calls the base model
+        peft_inner = peft_unwrapped(inner)  # a PeftModel: its forward(*args, **kwargs) calls the base model
+        candidate = peft_inner if peft_inner is not inner else getattr(inner, "module", None)
         if not isinstance(candidate, nn.Module) or candidate is inner:
             break
         try:

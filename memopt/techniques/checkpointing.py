@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memopt.blocks import BlockStack
+from memopt.blocks import BlockStack, persistent_buffers
 from memopt.strategy import Checkpointing
 from memopt.techniques.model_change import ModelChange, Undo
 
@@ -68,12 +68,7 @@ def _selective_context() -> tuple[Any, Any]:
 def _state_buffers(block: nn.Module) -> list[torch.Tensor]:
     """The block's persistent buffers (state a forward may update); non-persistent ones are constants (masks,
     rotary frequencies) that no forward writes."""
-    out: dict[int, torch.Tensor] = {}
-    for module in block.modules():
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                out.setdefault(id(b), b)
-    return list(out.values())
+    return list(persistent_buffers(block).values())
 
 
 @contextlib.contextmanager
