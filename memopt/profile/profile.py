@@ -322,7 +322,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{path}.tmp")
+        tmp = Path(f"{path}.{os.getpid()}.tmp")  # one per process: the ranks of one job share the cache
         tmp.write_text(json.dumps(self.to_dict()))
         tmp.replace(path)
 

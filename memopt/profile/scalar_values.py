@@ -24,13 +24,14 @@ many tokens each got) then follow from the shadow instead of stopping the trace.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -58,6 +59,31 @@ def _upper(dtype: torch.dtype, high: float = 1.0) -> float:
     return float(torch.nextafter(torch.tensor(high, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)))
 
 
+def _tensor_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: an aten schema nests at most one list deep (``cat``'s tensors,
+    ``index``'s optional indices), so this is ``tree_flatten``'s answer without its per-op cost."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, torch.Tensor))
+    return found
+
+
+def _unaliased(result: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``result`` as an output's own shadow: copied where it shares memory with an input's shadow (a view, which a
+    later in-place op on either would otherwise change in both), kept where it is new or is the written input
+    itself (an in-place op's result is its first argument's shadow, already updated)."""
+    if any(result is s for s in inputs):
+        return result
+    ptr = result.untyped_storage().data_ptr()
+    if ptr and all(s.untyped_storage().data_ptr() != ptr for s in inputs):
+        return result
+    return result.clone()
+
+
+@functools.cache
 def _writes_first_argument(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.arguments:
@@ -95,38 +121,41 @@ class ScalarShadows:
             self._shadow[fake] = real
 
     def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        # called for every op of every trace: the cheap refusals come before the mode stack is left
         if isinstance(out, (tuple, list)):
             self._observe_many(func, args, kwargs, out)
             return
         if not isinstance(out, torch.Tensor) or out.numel() > MAX_INDEX_ELEMENTS:
             return
-        with real_values():
-            if func in _CHOICES and self.value(args[0]) is None:
+        if func in _CHOICES and self.value(args[0]) is None:
+            with real_values():
                 self._shadow[out] = _balanced_choice(func, args, kwargs, out)
+            return
+        if func in _UNIFORM:
+            if out.numel() > MAX_ELEMENTS:
                 return
-            if func in _UNIFORM:
-                if out.numel() > MAX_ELEMENTS:
-                    return
-                high = kwargs.get("to", args[2] if func in (aten.uniform_.default, aten.uniform.default)
-                                  and len(args) > 2 else 1.0)
+            high = kwargs.get("to", args[2] if func in (aten.uniform_.default, aten.uniform.default)
+                              and len(args) > 2 else 1.0)
+            with real_values():
                 self._shadow[out] = torch.full(tuple(out.shape), _upper(out.dtype, float(high)), dtype=out.dtype)
-                return
-            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            if not tensors and func not in _DETERMINISTIC_FACTORIES:
-                return
-            shadows = [self.value(a) for a in tensors]
-            if any(s is None for s in shadows):
-                if _writes_first_argument(func) and args and isinstance(args[0], torch.Tensor):
-                    self._shadow.pop(args[0], None)  # written with values it cannot know: its shadow is stale
-                return
+            return
+        tensors = _tensor_arguments(args, kwargs)
+        if not tensors and func not in _DETERMINISTIC_FACTORIES:
+            return
+        shadows = [self.value(a) for a in tensors]
+        if any(s is None for s in shadows):
+            if _writes_first_argument(func) and args and isinstance(args[0], torch.Tensor):
+                self._shadow.pop(args[0], None)  # written with values it cannot know: its shadow is stale
+            return
+        with real_values():
             result = self._run_real(func, args, kwargs)
             if isinstance(result, torch.Tensor):
-                self._shadow[out] = result.clone()
+                self._shadow[out] = _unaliased(result, shadows)
 
     def _run_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``func`` on the shadows of its tensor arguments (the caller checked they all have one), on the CPU;
         None where the CPU cannot run it on these values (a read then keeps its default)."""
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = _tensor_arguments(args, kwargs)
         by_id = {id(a): self.value(a) for a in tensors}
 
         def real(a: Any) -> Any:
@@ -145,7 +174,7 @@ class ScalarShadows:
     def _observe_many(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> None:
         """Shadows for an op with several outputs: ``unbind`` and ``split`` of a shadowed tensor (iterating over
         the hit experts), ``sort`` of routed indices; a router's ``topk``/``max`` gets balanced indices."""
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        tensors = _tensor_arguments(args, kwargs)
         if not tensors or any(o.numel() > MAX_INDEX_ELEMENTS for o in outs if isinstance(o, torch.Tensor)):
             return
         with real_values():

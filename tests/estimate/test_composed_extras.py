@@ -15,7 +15,7 @@ from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.adapters import AdapterSetting
 from memopt.techniques.quantization import QuantSetting, qlora, with_extra
 
-from .test_composed_vs_simulated import simulate_whole_step
+from .test_composed_vs_simulated import shared_profile, simulate_whole_step
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -38,7 +38,7 @@ CONFIGS = {
 def _compare(strategy: Strategy, layers: int = 7, hardware: str = "h200"):
     spec = with_overrides("tiny_llama", {"num_hidden_layers": layers})
     sample = {"batch_size": 4, "seq_len": 64}
-    prof = memopt.profile(spec, sample=sample, hardware=hardware, use_cache=False)
+    prof = shared_profile("tiny_llama", (("num_hidden_layers", layers),), tuple(sorted(sample.items())), hardware)
     est = memopt.estimate(prof, strategy, exact_reserved=True, num_steps=3)
     return (prof, est, *simulate_whole_step(spec, sample, strategy, hardware))
 

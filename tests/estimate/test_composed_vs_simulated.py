@@ -1,6 +1,8 @@
 """The composed estimate (4 traced blocks, repeated) against a fake-tensor simulation of the whole model with the
 strategy applied for real (not a replay of the traces): allocated peak within 1% — in practice exact."""
 
+import functools
+
 import pytest
 
 import memopt
@@ -28,9 +30,18 @@ CONFIGS = {
 }
 
 
+@functools.cache
+def shared_profile(model_name: str, overrides: tuple, sample: tuple, hardware: str) -> memopt.Profile:
+    """One cold profile per model and sample, shared by the strategies compared on it: a strategy's estimate reads
+    only its own variants' traces, so an estimate from a profile that already holds another's equals a fresh one
+    (tests/plan/test_estimate_store.py: a plan from stored estimates equals one computed afresh)."""
+    return memopt.profile(with_overrides(model_name, dict(overrides)), sample=dict(sample), hardware=hardware,
+                          use_cache=False)
+
+
 def _compare(model_name: str, overrides: dict, sample: dict, strategy: Strategy, hardware: str = "h200"):
     spec = with_overrides(model_name, overrides)
-    prof = memopt.profile(spec, sample=sample, hardware=hardware, use_cache=False)
+    prof = shared_profile(model_name, tuple(sorted(overrides.items())), tuple(sorted(sample.items())), hardware)
     est = memopt.estimate(prof, strategy, exact_reserved=True, num_steps=3)
     return (est, *simulate_whole_step(spec, sample, strategy, hardware))
 
