@@ -46,6 +46,19 @@ def shard_batch(batch: Any, rank: int, world_size: int) -> Any:
     return _batch.shard(batch, rank, world_size)
 
 
+def _labelled_stand_ins(micro: list[Any], counts: list[int], weights: list[float]) -> list[Any]:
+    """The micro-batches a rank runs. Every rank must run each of its micro-batches' forward and backward (the
+    engines' gathers and reductions are in them), but one without a labelled item has a loss of 0/0: its weight of 0
+    does not cancel that (a masked mean's backward divides by the zero count, and the reported loss is NaN either
+    way). One process skips it (``TrainStep.step``); a rank runs a labelled micro-batch of its own in its place, at
+    the same weight 0: the same shapes and collectives, gradients and loss unchanged. A rank none of whose
+    micro-batches is labelled runs them as they are."""
+    labelled = next((mb for mb, n in zip(micro, counts) if n > 0), None)
+    if labelled is None:
+        return micro
+    return [labelled if n == 0 and w == 0 else mb for mb, n, w in zip(micro, counts, weights)]
+
+
 @dataclass
 class DistributedTrainStep(TrainStep):
     """``TrainStep`` for a model under FSDP2 / DDP, or a DeepSpeed engine (``engine``).
@@ -109,22 +122,26 @@ class DistributedTrainStep(TrainStep):
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
         if total_items == 0:
             raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
-        weights = micro_batch_weights(counts, self._agreed_reduction(micro), self.world_size, total=total_items)
-        local = (self._deepspeed_step if self.kind == "deepspeed" else self._local_step)(micro, weights)
+        weights = micro_batch_weights(counts, self._agreed_reduction(micro, counts), self.world_size,
+                                      total=total_items)
+        runs = _labelled_stand_ins(micro, counts, weights)
+        local = (self._deepspeed_step if self.kind == "deepspeed" else self._local_step)(runs, weights)
         (mean,) = self._all_reduce([local])
         self.samples_seen += int(total_samples)
         return mean
 
-    def _agreed_reduction(self, micro: list[Any]) -> str:
+    def _agreed_reduction(self, micro: list[Any], counts: list[int]) -> str:
         """"mean" or "sum". Under "auto", measured the first time the global batch is split (over micro-batches or
-        ranks) on each rank's first micro-batch, and agreed over the ranks, so that every rank raises or none does."""
+        ranks) on each rank's first micro-batch that carries loss items (a loss of none is 0/0), and agreed over the
+        ranks, so that every rank raises or none does."""
         if self.reduction is None:
             return "mean"
         if self.reduction.mode == "auto" and len(micro) * self.world_size > 1:
             # DeepSpeed's engine runs its own mixed precision (its step calls it without autocast, and it warns of one)
             model, precision = (self.engine, "fp32") if self.engine is not None else (self.model,
                                                                                      self.strategy.precision)
-            verdict, why = classify_reduction(model, micro_batch_to(micro[0], self.device), self.loss_fn,
+            first = next((mb for mb, n in zip(micro, counts) if n > 0), micro[0])
+            verdict, why = classify_reduction(model, micro_batch_to(first, self.device), self.loss_fn,
                                               precision=precision, device_type=self.device_type,
                                               causal=self.causal_lm)
             votes = self._all_reduce([float(verdict == v) for v in _VERDICTS])
@@ -155,9 +172,10 @@ class DistributedTrainStep(TrainStep):
                     loss = self.loss(micro_batch_to(mb, self.device))
                     self._phase(f"backward[{i}]")
                     self.backward(loss * weight)
-                value = float(loss.detach())
-                self.last_micro_losses.append(value)
-                local += value * weight / w
+                if weight:  # a micro-batch without labelled items adds nothing (``_labelled_stand_ins``)
+                    value = float(loss.detach())
+                    self.last_micro_losses.append(value)
+                    local += value * weight / w
                 del loss
         except BaseException:
             discard_accumulation(self)  # as the one-GPU step: a step that did not finish leaves no gradients
@@ -185,9 +203,10 @@ class DistributedTrainStep(TrainStep):
             self._phase(f"backward[{i}]")
             engine.backward(loss * weight, scale_wrt_gas=False)
             engine.step()
-            value = float(loss.detach().float())
-            self.last_micro_losses.append(value)
-            local += value * weight / w
+            if weight:  # a micro-batch without labelled items adds nothing (``_labelled_stand_ins``)
+                value = float(loss.detach().float())
+                self.last_micro_losses.append(value)
+                local += value * weight / w
             del loss
         self.steps_done += 1
         return local

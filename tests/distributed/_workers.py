@@ -108,6 +108,36 @@ def summed_reference(steps: int, lr: float = 1e-2) -> list[float]:
     return losses
 
 
+def masked_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A user's training_step averaging over the labelled tokens by hand: over none, it is 0/0."""
+    logits = model(input_ids=batch["input_ids"])["logits"].float()
+    labels = batch["labels"].flatten()
+    mask = (labels != -100).float()
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0), reduction="none")
+    return (ce * mask).sum() / mask.sum()
+
+
+def batch_with_an_unlabelled_micro_batch(position: int) -> dict[str, torch.Tensor]:
+    """``global_batch`` whose first two samples (rank 0's first micro-batch of 2) carry no labelled token."""
+    batch = global_batch(position)
+    batch["labels"][:2] = -100
+    return batch
+
+
+def masked_mean_reference(steps: int, lr: float = 1e-2) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unwrapped loop over the whole global batch with ``masked_mean_loss``: losses and trained parameters."""
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for s in range(steps):
+        loss = masked_mean_loss(model, batch_with_an_unlabelled_micro_batch(s * GLOBAL_BATCH))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _init(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -170,6 +200,23 @@ def fsdp_summed_trajectory(rank: int, world: int, port: int, out: str, steps: in
     undo()
     if rank == 0:
         Path(out).write_text(json.dumps({"losses": losses, "reduction": reduction.mode}))
+
+
+@_in_group
+def fsdp_unlabelled_micro_batch_trajectory(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """FSDP2 on ``world`` gloo ranks with ``masked_mean_loss``, rank 0's first micro-batch unlabelled every step;
+    rank 0 writes the losses and the trained parameters."""
+    from memopt.distributed.train_step import shard_batch
+    from memopt.step.batch import TrainingStep
+
+    model, _, step, undo = _fsdp_step(rank, world, loss_fn=TrainingStep(masked_mean_loss))
+    losses = [step.step(shard_batch(batch_with_an_unlabelled_micro_batch(s * GLOBAL_BATCH), rank, world))
+              for s in range(steps)]
+    undo()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses}))
+        torch.save(full, out + ".params.pt")
 
 
 @_in_group

@@ -51,6 +51,21 @@ def test_a_summed_loss_over_two_ranks_is_measured_agreed_and_exact(tmp_path):
     assert got["losses"] == pytest.approx(w.summed_reference(STEPS), rel=1e-5)
 
 
+def test_a_micro_batch_without_labelled_tokens_on_one_rank_changes_nothing(tmp_path):
+    """Rank 0's first micro-batch has no labelled token and the loss is a hand-written masked mean (0/0 there): the
+    rank still runs a forward and backward (its peers wait on the collectives in them), and the losses and trained
+    parameters are the unwrapped loop's over the whole batch, not NaN."""
+    out = tmp_path / "unlabelled.json"
+    _spawn(w.fsdp_unlabelled_micro_batch_trajectory, 2, str(out), STEPS)
+    want_losses, want_params = w.masked_mean_reference(STEPS)
+    assert json.loads(out.read_text())["losses"] == pytest.approx(want_losses, rel=1e-5)
+    got = torch.load(str(out) + ".params.pt")
+    for name, p in want_params.items():
+        # AdamW divides by the root of the squared gradient: summation-order noise in a near-zero gradient moves an
+        # element by up to ~1% of the learning rate (1e-2)
+        torch.testing.assert_close(got[name], p, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_fsdp2_cpu_offload_moves_the_estimated_bytes(tmp_path):
     out = tmp_path / "offload.json"
     _spawn(w.fsdp_trajectory, 2, str(out), 2, True)
