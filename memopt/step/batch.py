@@ -64,11 +64,29 @@ class TrainingStep:
 def as_loss(loss_fn: Any, training_step: Any) -> Any:
     """The one loss callable every path carries: ``loss_fn``, or ``training_step`` wrapped (not both)."""
     if training_step is None:
+        first = _first_parameter(loss_fn) if loss_fn is not None and not isinstance(loss_fn, TrainingStep) else None
+        if first in _MODEL_NAMES:
+            raise ValueError("loss_fn is called as loss_fn(output, batch), but its first parameter is named "
+                             f"{first!r}: a function that calls the model itself is a training_step; pass "
+                             "training_step=(model, batch) -> loss instead")
         return loss_fn
     if loss_fn is not None:
         raise ValueError("pass loss_fn=(output, batch) -> loss or training_step=(model, batch) -> loss, not both: "
                          "a training_step calls the model and makes the loss itself")
     return training_step if isinstance(training_step, TrainingStep) else TrainingStep(training_step)
+
+
+# the first parameter names that say a function takes the model, not its output
+_MODEL_NAMES = {"model", "module", "net", "network"}
+
+
+def _first_parameter(fn: Any) -> str | None:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional[0].name if positional else None
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -321,7 +339,15 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
                          "list or dict of tensors (samples along dim 0)")
     if loss_fn is None:
         return default_loss(output, batch)
-    return scalar_loss(loss_fn(output, batch), "loss_fn")
+    try:
+        value = loss_fn(output, batch)
+    except TypeError as exc:
+        if f"'{type(output).__name__}' object is not callable" not in str(exc):
+            raise
+        raise ValueError(f"loss_fn(output, batch) called its first argument, the model's output (a "
+                         f"{type(output).__name__}): a function that calls the model itself is passed as "
+                         "training_step=(model, batch) -> loss") from exc
+    return scalar_loss(value, "loss_fn")
 
 
 def scalar_loss(value: Any, source: str) -> torch.Tensor:

@@ -213,6 +213,21 @@ def test_loss_fn_and_training_step_together_are_refused():
                     loss_fn=lambda o, b: o.sum(), training_step=lambda m, b: m(b[0]).sum())
 
 
+def test_a_training_step_passed_as_loss_fn_is_named_with_the_fix():
+    """A (model, batch) function passed as loss_fn is refused where it is given when its first parameter names the
+    model, and in one line at the trace otherwise (it calls the output); passed as training_step, it trains."""
+    def step_of(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match=r"first parameter is named 'model'.*pass training_step="):
+        _wrap(Blocks(), _xy(), 4, loss_fn=step_of)
+    with pytest.raises(ValueError, match=r"called its first argument, the model's output.*training_step=") as info:
+        _wrap(Blocks(), _xy(), 4, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert "\n" not in str(info.value)
+    x, y = _xy()
+    assert _wrap(Blocks(), (x, y), 4, training_step=step_of).step((x, y)) > 0
+
+
 def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
     """The trace follows the contract: the model traced from (x, y) allocates what it does from {'x', 'y'}."""
     torch.manual_seed(0)
