@@ -18,6 +18,7 @@ configured it; memopt keeps it and chooses how to split it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -215,7 +216,7 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     except Exception as exc:  # a collator that needs what the Trainer's loader adds
         raise ValueError(f"memopt could not collate a sample batch with the Trainer's data_collator "
                          f"({type(exc).__name__}: {exc}); pass sample=<one global batch> to memopt.wrap") from None
-    return dict(batch) if isinstance(batch, dict) else batch
+    return dict(batch) if isinstance(batch, Mapping) else batch  # a collator's BatchEncoding too
 
 
 def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | None, hardware: Any, policy: Any,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -173,7 +173,7 @@ class MicroBatchedTrainingStep:
         """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in
         eval mode without gradients, with two item counts; the random state and the train mode are restored)."""
         if self._loss_takes_num_items is None:
-            if not isinstance(batch, dict):
+            if not isinstance(batch, Mapping):  # a dict, or the collator's BatchEncoding
                 self._loss_takes_num_items = False
                 return False
             was_training = model.training

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,8 @@ def _is_model_batch(sample: Any) -> bool:
 
 def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
+    if isinstance(sample, Mapping) and not isinstance(sample, dict):
+        sample = dict(sample)  # a tokenizer's or collator's BatchEncoding (a UserDict) is the dict batch it holds
     if spec is None and (_is_shapes(sample) or isinstance(sample, dict)):
         derived = spec_from_module(module)
         if derived is not None and (_is_shapes(sample) or _is_model_batch(sample)):

@@ -228,6 +228,38 @@ def test_a_training_step_passed_as_loss_fn_is_named_with_the_fix():
     assert _wrap(Blocks(), (x, y), 4, training_step=step_of).step((x, y)) > 0
 
 
+@pytest.mark.parametrize("hf_model", [False, True], ids=["custom", "llama"])
+def test_a_tokenizers_batch_encoding_is_the_dict_it_holds(hf_model):
+    """A tokenizer's or collator's ``BatchEncoding`` (a ``UserDict``, not a ``dict``) is planned and trained as the
+    dict batch it holds: the same losses and parameters as the unwrapped loop, at micro-batch 2 of 4."""
+    from transformers import BatchEncoding, LlamaConfig, LlamaForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    if hf_model:
+        build = lambda: LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,  # noqa: E731
+                                                     num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2))
+        ids = torch.randint(0, 64, (4, 8), generator=g)
+        batch, kw = BatchEncoding({"input_ids": ids, "labels": ids.clone()}), {}
+        loss_of = lambda m, b: m(**b).loss  # noqa: E731
+    else:
+        build = Blocks
+        batch = BatchEncoding({"x": torch.randn(4, 16, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)})
+        kw = {"loss_fn": lambda out, b: F.cross_entropy(out, b["labels"])}
+        loss_of = lambda m, b: F.cross_entropy(m(b["x"]), b["labels"])  # noqa: E731
+    torch.manual_seed(0)
+    ref = build()
+    model = copy.deepcopy(ref)
+    want = _reference(ref, [batch] * 3, loss_of)
+    w = _wrap(model, batch, 2, **kw)
+    got = [w.step(batch) for _ in range(3)]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    for (n, p), q in zip(w.model.named_parameters(), ref.parameters()):
+        # AdamW (lr 1e-2) divides by the root of the squared gradient: the two micro-batches' summation order moves
+        # an element of a near-zero gradient by up to ~1e-3 of the learning rate
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
     """The trace follows the contract: the model traced from (x, y) allocates what it does from {'x', 'y'}."""
     torch.manual_seed(0)

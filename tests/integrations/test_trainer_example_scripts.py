@@ -186,7 +186,9 @@ def test_whether_a_models_loss_divides_by_num_items_in_batch_is_asked_of_the_mod
         num_key_value_heads=2))
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for model, inputs, expected in ((trainer.model, batch, False),
-                                    (llama, {"input_ids": ids, "labels": ids}, True)):
+                                    (llama, {"input_ids": ids, "labels": ids}, True),
+                                    # a collator's BatchEncoding (a UserDict, not a dict) is asked the same
+                                    (llama, transformers.BatchEncoding({"input_ids": ids, "labels": ids}), True)):
         assert trainer.model_accepts_loss_kwargs  # what the Trainer believes of both
         model.train()
         step = MicroBatchedTrainingStep(trainer, plan=None)
