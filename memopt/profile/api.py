@@ -120,10 +120,10 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
     ``memopt.step.batch``), ``b`` samples each."""
-    if not isinstance(sample, (torch.Tensor, dict, list, tuple)) or not batch_contract.tensors(sample):
+    if not batch_contract.is_batch(sample) or not batch_contract.tensors(sample):
         raise ValueError(
-            "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list or dict of tensors shaped like "
-            "one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
+            "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list, dict or dataclass of tensors "
+            "shaped like one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
             "torch.zeros(32, dtype=torch.long)) or {'x': torch.randn(32, 784), 'labels': torch.zeros(32, "
             f"dtype=torch.long)}}; got {type(sample).__name__}"
             + ("; pass one batch of it: sample=next(iter(loader))" if hasattr(sample, "__iter__")

@@ -4,7 +4,8 @@ Every path that runs a training step (``memopt.wrap``, the profile's fake-tensor
 guard's retry of a batch, the distributed steps, the Hugging Face Trainer path) goes through this module, so they
 all accept the same batches.
 
-**A batch** is a tensor, or a tuple, list or dict of batches (nested to any depth; a namedtuple keeps its type).
+**A batch** is a tensor, or a tuple, list, dict or dataclass of batches (nested to any depth; a namedtuple, a
+``BatchEncoding`` and a dataclass keep their types).
 Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
 and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every micro-batch.
 
@@ -15,7 +16,7 @@ and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every mi
 2. a dict batch: ``model(**batch)`` with only the keys ``forward`` accepts (all of them when it takes
    ``**kwargs``): a target kept beside the inputs for ``loss_fn`` is not passed to the model; ``model(batch)``
    when ``forward`` takes the dict itself (one parameter, named after none of the keys).
-3. a tensor batch: ``model(batch)``.
+3. a tensor or dataclass batch: ``model(batch)``.
 4. a tuple/list batch: with ``loss_fn``, ``(inputs..., target)``: ``model(*batch[:-1])`` (a one-element batch:
    ``model(batch[0])``); without ``loss_fn``, ``model(*batch)`` (a model that takes the target and returns the loss).
 
@@ -32,6 +33,7 @@ items is accumulated unweighted instead (``memopt.step.loss_reduction`` measures
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,8 +44,8 @@ from torch import nn
 from memopt.models.hf_task import hf_forward_kwargs, is_hf_model, peft_unwrapped
 
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
-           "forward_kwargs", "leaves", "like", "scalar_loss", "shard", "split", "structure", "tensors", "to_device",
-           "token_labels", "tree_map"]
+           "forward_kwargs", "is_batch", "leaves", "like", "scalar_loss", "shard", "split", "structure", "tensors",
+           "to_device", "token_labels", "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -93,6 +95,21 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+def _is_dataclass_batch(x: Any) -> bool:
+    """A dataclass instance holding the batch's tensors in its fields (``Batch(x=..., y=...)``)."""
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _fields(batch: Any) -> list[str]:
+    """A dataclass batch's fields that its constructor takes (the others are derived from them)."""
+    return [f.name for f in dataclasses.fields(batch) if f.init]
+
+
+def is_batch(x: Any) -> bool:
+    """Whether ``x`` is a structure this module trains on: a tensor, mapping, list, tuple or dataclass instance."""
+    return isinstance(x, (torch.Tensor, Mapping, list, tuple)) or _is_dataclass_batch(x)
+
+
 def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types."""
     if isinstance(batch, torch.Tensor):
@@ -107,6 +124,8 @@ def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         return type(batch)(*(tree_map(fn, v) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(tree_map(fn, v) for v in batch)
+    if _is_dataclass_batch(batch):
+        return dataclasses.replace(batch, **{k: tree_map(fn, getattr(batch, k)) for k in _fields(batch)})
     return batch
 
 
@@ -118,6 +137,8 @@ def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
         return [leaf for k, v in batch.items() for leaf in leaves(v, f"{path}.{k}" if path else str(k))]
     if isinstance(batch, (list, tuple)):
         return [leaf for i, v in enumerate(batch) for leaf in leaves(v, f"{path}[{i}]")]
+    if _is_dataclass_batch(batch):
+        return [leaf for k in _fields(batch) for leaf in leaves(getattr(batch, k), f"{path}.{k}" if path else k)]
     return []
 
 
@@ -195,7 +216,7 @@ def labels_of(batch: Any) -> Any:
         return batch.get("labels")
     if isinstance(batch, (list, tuple)) and not _is_namedtuple(batch) and len(batch) >= 2:
         return batch[-1]
-    if _is_namedtuple(batch):
+    if _is_namedtuple(batch) or _is_dataclass_batch(batch):
         return getattr(batch, "labels", None)
     return None
 
@@ -326,7 +347,7 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         return loss_fn(model, batch)
     if isinstance(batch, Mapping):
         output = model(batch) if takes_the_whole_dict(model, batch) else model(**forward_kwargs(model, batch))
-    elif isinstance(batch, torch.Tensor):
+    elif isinstance(batch, torch.Tensor) or _is_dataclass_batch(batch):
         output = model(batch)
     elif isinstance(batch, (list, tuple)):
         if not batch:
@@ -336,7 +357,7 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         output = model(*inputs)
     else:
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
-                         "list or dict of tensors (samples along dim 0)")
+                         "list, dict or dataclass of tensors (samples along dim 0)")
     if loss_fn is None:
         return default_loss(output, batch)
     try:
@@ -390,9 +411,9 @@ def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False
 
 def check_batch(batch: Any) -> int:
     """The batch's sample count, or a one-line ValueError saying what a batch may be."""
-    if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
+    if not is_batch(batch):
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
-                         "list or dict of tensors (samples along dim 0)")
+                         "list, dict or dataclass of tensors (samples along dim 0)")
     return batch_size(batch)
 
 
@@ -405,6 +426,9 @@ def structure(batch: Any) -> Any:
         return {"dict": {str(k): structure(v) for k, v in batch.items()}}
     if isinstance(batch, (list, tuple)):
         return {"list" if isinstance(batch, list) else "tuple": [structure(v) for v in batch]}
+    if _is_dataclass_batch(batch):
+        return {"dataclass": f"{type(batch).__module__}.{type(batch).__qualname__}",
+                "fields": {k: structure(getattr(batch, k)) for k in _fields(batch)}}
     return {"value": repr(batch)}
 
 

@@ -4,6 +4,7 @@ batches train through memopt.wrap exactly as an unwrapped loop does, micro-batch
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -258,6 +259,44 @@ def test_a_tokenizers_batch_encoding_is_the_dict_it_holds(hf_model):
         # AdamW (lr 1e-2) divides by the root of the squared gradient: the two micro-batches' summation order moves
         # an element of a near-zero gradient by up to ~1e-3 of the learning rate
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A dataclass batch: inputs, a target, a field that is not per sample and one derived from the others."""
+    x: torch.Tensor
+    y: torch.Tensor
+    tag: str = "train"
+    n: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.n = len(self.y)
+
+
+class TakesTheBatch(Blocks):
+    def forward(self, batch: Batch) -> torch.Tensor:  # type: ignore[override]
+        assert batch.tag == "train" and batch.n == len(batch.x)
+        return super().forward(batch.x)
+
+
+@pytest.mark.parametrize("how", ["loss_fn", "training_step"])
+def test_a_dataclass_batch_is_split_by_its_fields(how):
+    """Each micro-batch is the dataclass again (its derived field made anew, its other fields passed as they are);
+    the model takes it whole, or the training_step calls the model: losses and parameters are the unwrapped loop's."""
+    x, y = _xy()
+    batch = Batch(x, y)
+    torch.manual_seed(0)
+    ref = TakesTheBatch()
+    model = copy.deepcopy(ref)
+    want = _reference(ref, [batch] * 3, lambda m, b: F.cross_entropy(m(b), b.y))
+    kw = ({"loss_fn": lambda out, b: F.cross_entropy(out, b.y)} if how == "loss_fn"
+          else {"training_step": lambda m, b: F.cross_entropy(m(b), b.y)})
+    w = _wrap(model, batch, 2, **kw)
+    got = [w.step(batch) for _ in range(3)]
+    _assert_same(w, ref, got, want)
+    micro = B.split(batch, 2)
+    assert [type(mb) for mb in micro] == [Batch] * 4 and [mb.n for mb in micro] == [2] * 4
+    assert B.structure(batch)["fields"]["tag"] == {"value": "'train'"}
 
 
 def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
