@@ -353,7 +353,8 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         if not batch:
             raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
         inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
-        _check_takes(model, len(inputs), target_held_back=len(inputs) < len(batch))
+        rows = len(batch) if _looks_like_rows(batch) else 0
+        _check_takes(model, len(inputs), target_held_back=len(inputs) < len(batch), rows=rows)
         output = model(*inputs)
     else:
         raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
@@ -391,12 +392,23 @@ def scalar_loss(value: Any, source: str) -> torch.Tensor:
                      "'loss' (as a Lightning training_step may)")
 
 
-def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False) -> None:
+def _looks_like_rows(batch: Any) -> bool:
+    """A list of dataset rows not yet collated: two or more dicts with the same keys."""
+    return (isinstance(batch, (list, tuple)) and len(batch) >= 2 and all(isinstance(b, Mapping) for b in batch)
+            and len({tuple(b) for b in batch}) == 1)
+
+
+def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False, rows: int = 0) -> None:
     """A one-line error when a tuple batch's elements (less the target, under a ``loss_fn``) do not fit ``forward``."""
     name = type(_unwrapped(model)).__name__
     try:
         inspect.signature(_unwrapped(model).forward).bind(*range(count))
     except TypeError:
+        if rows:
+            raise ValueError(f"the batch is a list of {rows} dicts with the same keys, which {name}.forward does not "
+                             "take: dataset rows not yet collated? memopt takes one collated batch (every tensor with "
+                             "the samples along dim 0), e.g. torch.utils.data.default_collate(rows) or "
+                             "next(iter(loader))") from None
         if target_held_back:
             raise ValueError(f"{name}.forward does not take the {count} input(s) of the (inputs..., target) batch: "
                              "with loss_fn the last element is the target and is not passed to the model; to pass it "

@@ -299,6 +299,15 @@ def test_a_dataclass_batch_is_split_by_its_fields(how):
     assert B.structure(batch)["fields"]["tag"] == {"value": "'train'"}
 
 
+@pytest.mark.parametrize("loss", [False, True])
+def test_dataset_rows_not_collated_are_named_with_the_fix(loss):
+    rows = [{"x": torch.randn(16), "labels": torch.tensor(1)} for _ in range(4)]
+    kw = {"loss_fn": lambda out, b: out.sum()} if loss else {}
+    with pytest.raises(ValueError, match=r"list of 4 dicts with the same keys.*default_collate") as info:
+        _wrap(Blocks(), rows, 4, **kw)
+    assert "\n" not in str(info.value)
+
+
 def test_profile_of_a_tuple_batch_equals_the_same_batch_as_a_dict():
     """The trace follows the contract: the model traced from (x, y) allocates what it does from {'x', 'y'}."""
     torch.manual_seed(0)
