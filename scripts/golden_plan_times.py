@@ -5,9 +5,10 @@ plain-PyTorch pattern (``tests/golden/plans.json``, each case's ``plan_s``), by 
 
     python scripts/golden_plan_times.py BEFORE_COMMIT [AFTER_COMMIT] --out benchmarks/planner_speed/golden_NAME
 
-``AFTER_COMMIT`` left out: the working tree's record. A record is made by ``python -m tests.golden.record record
---jobs 2`` (two worker processes, one model's cases in one worker, so its first case carries the model's trace): the
-two records compared should come from the same machine under the same load.
+``AFTER_COMMIT`` left out: the working tree's record; either may be a record file's path instead of a commit. A
+record is made by ``python -m tests.golden.record record --jobs 2`` (two worker processes, one model's cases in one
+worker, so its first case carries the model's trace): the two records compared should come from the same machine
+under the same load (two records made side by side, one job each, share it).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ RECORD = "tests/golden/plans.json"
 
 
 def _record(commit: str | None) -> dict:
+    """The record's cases: the working tree's (None), a record file's (a path), or a commit's."""
     if commit is None:
         return json.loads((ROOT / RECORD).read_text())["cases"]
+    if Path(commit).is_file():  # a record made elsewhere (a worktree of another commit)
+        return json.loads(Path(commit).read_text())["cases"]
     return json.loads(subprocess.check_output(["git", "-C", str(ROOT), "show", f"{commit}:{RECORD}"]))["cases"]
 
 
