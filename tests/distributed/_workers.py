@@ -94,18 +94,24 @@ def summed_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="sum")
 
 
-def summed_reference(steps: int, lr: float = 1e-2) -> list[float]:
-    """The unwrapped loop over the whole global batch with ``summed_loss``."""
+def _unwrapped_loop(loss_of: Callable[..., torch.Tensor], batch_at: Callable[[int], Any], steps: int,
+                    lr: float) -> tuple[list[float], nn.Module]:
+    """The unwrapped loop over the whole global batch: ``loss_of(model, batch)``, AdamW; its losses and model."""
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for s in range(steps):
-        loss = summed_loss(model, global_batch(s * GLOBAL_BATCH))
+        loss = loss_of(model, batch_at(s * GLOBAL_BATCH))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+    return losses, model
+
+
+def summed_reference(steps: int, lr: float = 1e-2) -> list[float]:
+    """The unwrapped loop over the whole global batch with ``summed_loss``."""
+    return _unwrapped_loop(summed_loss, global_batch, steps, lr)[0]
 
 
 def masked_mean_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,15 +132,7 @@ def batch_with_an_unlabelled_micro_batch(position: int) -> dict[str, torch.Tenso
 
 def masked_mean_reference(steps: int, lr: float = 1e-2) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unwrapped loop over the whole global batch with ``masked_mean_loss``: losses and trained parameters."""
-    model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for s in range(steps):
-        loss = masked_mean_loss(model, batch_with_an_unlabelled_micro_batch(s * GLOBAL_BATCH))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    losses, model = _unwrapped_loop(masked_mean_loss, batch_with_an_unlabelled_micro_batch, steps, lr)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
