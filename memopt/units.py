@@ -113,10 +113,27 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
                     "name the hardware (hardware=h100_80gb) or give an absolute budget such as '40GB'"
                 )
             return int(device_total_bytes * pct / 100)
+    number = _unitless_number(text)
+    if number is not None and number < 1024 and not float(number).is_integer():
+        # a fraction meant as a share of the device ("0.8") would otherwise plan for one byte
+        hint = (f"for a share of the device's memory write '{number * 100:g}%'" if 0 < number <= 1
+                else f"give it a unit ('{number:g}GB')")
+        raise ValueError(f"budget {text!r} is not a whole number of bytes: {hint}; {_GRAMMAR_HELP}")
     value = parse_bytes(text, what="budget")
     if value == 0:
         raise ValueError(f"budget {text!r} is zero bytes; {_GRAMMAR_HELP}")
     return value
+
+
+def _unitless_number(text: str | int | float) -> float | None:
+    """The number of a budget written without a unit (a float, or a string of digits alone), else None."""
+    if isinstance(text, float):
+        return text
+    if isinstance(text, str):
+        match = _PATTERN.match(text)
+        if match and not match.group(2):
+            return float(match.group(1))
+    return None
 
 
 def format_bytes(num_bytes: int | float, *, binary: bool = True, precision: int = 2) -> str:

@@ -25,6 +25,14 @@ def test_bad_budgets_name_the_grammar(bad):
     assert "40GB" in str(err.value) or "percentage" in str(err.value) or "zero" in str(err.value)
 
 
+@pytest.mark.parametrize(("fraction", "fix"), [("0.8", "'80%'"), (0.8, "'80%'"), (0.5, "'50%'"), ("1.5", "'1.5GB'")])
+def test_a_unitless_fraction_is_not_read_as_one_byte(fraction, fix):
+    """"0.8" meant as 80% of the device planned for 1 byte; a budget computed in floats (1.3 * 10**9) still reads."""
+    with pytest.raises(ValueError, match=f"not a whole number of bytes: .*{fix}"):
+        parse_budget(fraction, device_total_bytes=GiB)
+    assert parse_budget(1.3 * 10**9) == 1_300_000_000 and parse_budget(2.0) == 2
+
+
 def test_format_bytes():
     assert format_bytes(3 * GiB) == "3.00 GiB"
     assert format_bytes(500) == "500 B"

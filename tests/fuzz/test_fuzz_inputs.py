@@ -50,8 +50,9 @@ def budget_bytes(text: object) -> int | None:
         return None
     if isinstance(text, int):
         return text if text > 0 else None
-    if isinstance(text, float):
-        return int(text) if math.isfinite(text) and text >= 1 else None
+    if isinstance(text, float):  # a unitless fraction of a byte below 1 KiB is a share meant as "80%": refused
+        fraction = math.isfinite(text) and text < 1024 and not text.is_integer()
+        return int(text) if math.isfinite(text) and text >= 1 and not fraction else None
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*", str(text))
     if not m:
         return None
@@ -61,6 +62,8 @@ def budget_bytes(text: object) -> int | None:
     unit = next((u for u in _UNITS if u.lower() == m.group(2).lower()), None)
     number = float(m.group(1))
     if unit is None or not math.isfinite(number):
+        return None
+    if not unit and number < 1024 and not number.is_integer():
         return None
     value = round(number * _UNITS[unit])
     return value if value > 0 else None
