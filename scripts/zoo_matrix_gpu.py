@@ -281,7 +281,18 @@ ROWS += [
            8, 1024, budget="10GiB"),
     ZooRow("weightnorm-resmlp-16blk-8x4096-5GiB", "custom", "weightnorm_resmlp",
            dict(vocab=32000, width=1536, blocks=16), 8, 4096, budget="5GiB"),
+    # batches as tokenizers, collators and typed loops hold them: a BatchEncoding, a dataclass
+    _llm("qwen3like0.6b-batchenc-16x2048-16GiB", "qwen3", QWEN3_06B, 16, 2048, "16GiB",
+         extra={"batch_encoding": True}),
+    _llm("tinyllama-dataclass-8x2048-12GiB", "llama", TINYLLAMA, 8, 2048, "12GiB", extra={"dataclass": True}),
 ]
+
+
+@dataclass
+class LoopBatch:
+    """A typed loop's batch: the model's inputs and its labels in the fields of a dataclass."""
+    input_ids: Any
+    labels: Any
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -608,6 +619,13 @@ def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
         return _as_tuple_loop(row, model, batch)
     if row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
         return model, batch, {"training_step": lambda m, b: m(**b)["loss"]}
+    if row.extra.get("batch_encoding"):  # what a tokenizer or a collator returns: a UserDict
+        import transformers
+
+        return model, transformers.BatchEncoding(batch), {"loss_fn": None}
+    if row.extra.get("dataclass"):
+        return model, LoopBatch(batch["input_ids"], batch["labels"]), {
+            "training_step": lambda m, b: m(input_ids=b.input_ids, labels=b.labels).loss}
     return model, batch, {"loss_fn": _torchvision_loss if row.kind == "torchvision" else None}
 
 
