@@ -114,9 +114,9 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
                 )
             return int(device_total_bytes * pct / 100)
     number = _unitless_number(text)
-    if number is not None and number < 1024 and not float(number).is_integer():
+    if number is not None and 0 < number < 1024 and not float(number).is_integer():
         # a fraction meant as a share of the device ("0.8") would otherwise plan for one byte
-        hint = (f"for a share of the device's memory write '{number * 100:g}%'" if 0 < number <= 1
+        hint = (f"for a share of the device's memory write '{number * 100:g}%'" if number <= 1
                 else f"give it a unit ('{number:g}GB')")
         raise ValueError(f"budget {text!r} is not a whole number of bytes: {hint}; {_GRAMMAR_HELP}")
     value = parse_bytes(text, what="budget")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from memopt.step import batch as _batch
-from memopt.step.loss_reduction import classify_reduction, micro_batch_weights, settle
+from memopt.step.loss_reduction import classify_reduction, first_labelled, micro_batch_weights, settle
 from memopt.step.train_step import TrainStep, count_loss_items, discard_accumulation, micro_batch_to, split_batch
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
@@ -53,7 +53,7 @@ def _labelled_stand_ins(micro: list[Any], counts: list[int], weights: list[float
     way). One process skips it (``TrainStep.step``); a rank runs a labelled micro-batch of its own in its place, at
     the same weight 0: the same shapes and collectives, gradients and loss unchanged. A rank none of whose
     micro-batches is labelled runs them as they are."""
-    labelled = next((mb for mb, n in zip(micro, counts) if n > 0), None)
+    labelled = first_labelled(micro, counts)
     if labelled is None:
         return micro
     return [labelled if n == 0 and w == 0 else mb for mb, n, w in zip(micro, counts, weights)]
@@ -140,7 +140,7 @@ class DistributedTrainStep(TrainStep):
             # DeepSpeed's engine runs its own mixed precision (its step calls it without autocast, and it warns of one)
             model, precision = (self.engine, "fp32") if self.engine is not None else (self.model,
                                                                                      self.strategy.precision)
-            first = next((mb for mb, n in zip(micro, counts) if n > 0), micro[0])
+            first = first_labelled(micro, counts, micro[0])
             verdict, why = classify_reduction(model, micro_batch_to(first, self.device), self.loss_fn,
                                               precision=precision, device_type=self.device_type,
                                               causal=self.causal_lm)

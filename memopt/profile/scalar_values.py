@@ -148,28 +148,9 @@ class ScalarShadows:
                 self._shadow.pop(args[0], None)  # written with values it cannot know: its shadow is stale
             return
         with real_values():
-            result = self._run_real(func, args, kwargs)
+            result = _run_real(func, args, kwargs, tensors, shadows)
             if isinstance(result, torch.Tensor):
                 self._shadow[out] = _unaliased(result, shadows)
-
-    def _run_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func`` on the shadows of its tensor arguments (the caller checked they all have one), on the CPU;
-        None where the CPU cannot run it on these values (a read then keeps its default)."""
-        tensors = _tensor_arguments(args, kwargs)
-        by_id = {id(a): self.value(a) for a in tensors}
-
-        def real(a: Any) -> Any:
-            if isinstance(a, torch.Tensor):
-                return by_id[id(a)]
-            if isinstance(a, torch.device):
-                return torch.device("cpu")
-            return a
-
-        real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        try:
-            return func(*tree_map(real, args), **tree_map(real, real_kwargs))
-        except Exception:
-            return None
 
     def _observe_many(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> None:
         """Shadows for an op with several outputs: ``unbind`` and ``split`` of a shadowed tensor (iterating over
@@ -181,14 +162,35 @@ class ScalarShadows:
             if func in _CHOICES and self.value(args[0]) is None:
                 self._shadow[outs[1]] = _balanced_choice(func, args, kwargs, outs[1])
                 return
-            if any(self.value(a) is None for a in tensors):
+            shadows = [self.value(a) for a in tensors]
+            if any(v is None for v in shadows):
                 return
-            results = self._run_real(func, args, kwargs)
+            results = _run_real(func, args, kwargs, tensors, shadows)
             if not isinstance(results, (tuple, list)) or len(results) != len(outs):
                 return
             for o, r in zip(outs, results):
                 if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
                     self._shadow[o] = r.clone()
+
+
+def _run_real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor],
+              shadows: list[torch.Tensor]) -> Any:
+    """``func`` on the CPU with each of its tensor arguments (``tensors``) replaced by its shadow; None where the CPU
+    cannot run it on these values (a read then keeps its default)."""
+    by_id = {id(a): v for a, v in zip(tensors, shadows)}
+
+    def real(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return by_id[id(a)]
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return a
+
+    real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+    try:
+        return func(*tree_map(real, args), **tree_map(real, real_kwargs))
+    except Exception:
+        return None
 
 
 # a router's choice over logits: the indices output is balanced (module docstring)

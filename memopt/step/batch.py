@@ -353,12 +353,10 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         if not batch:
             raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
         inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
-        rows = len(batch) if _looks_like_rows(batch) else 0
-        _check_takes(model, len(inputs), target_held_back=len(inputs) < len(batch), rows=rows)
+        _check_takes(model, batch, len(inputs))
         output = model(*inputs)
     else:
-        raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
-                         "list, dict or dataclass of tensors (samples along dim 0)")
+        raise _not_a_batch(batch)
     if loss_fn is None:
         return default_loss(output, batch)
     try:
@@ -398,16 +396,18 @@ def _looks_like_rows(batch: Any) -> bool:
             and len({tuple(b) for b in batch}) == 1)
 
 
-def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False, rows: int = 0) -> None:
-    """A one-line error when a tuple batch's elements (less the target, under a ``loss_fn``) do not fit ``forward``."""
+def _check_takes(model: nn.Module, batch: list[Any] | tuple[Any, ...], count: int) -> None:
+    """A one-line error when a tuple batch's first ``count`` elements (all but the target, under a ``loss_fn``) do
+    not fit ``forward``."""
     name = type(_unwrapped(model)).__name__
+    target_held_back = count < len(batch)
     try:
         inspect.signature(_unwrapped(model).forward).bind(*range(count))
     except TypeError:
-        if rows:
-            raise ValueError(f"the batch is a list of {rows} dicts with the same keys, which {name}.forward does not "
-                             "take: dataset rows not yet collated? memopt takes one collated batch (every tensor with "
-                             "the samples along dim 0), e.g. torch.utils.data.default_collate(rows) or "
+        if _looks_like_rows(batch):
+            raise ValueError(f"the batch is a list of {len(batch)} dicts with the same keys, which {name}.forward "
+                             "does not take: dataset rows not yet collated? memopt takes one collated batch (every "
+                             "tensor with the samples along dim 0), e.g. torch.utils.data.default_collate(rows) or "
                              "next(iter(loader))") from None
         if target_held_back:
             raise ValueError(f"{name}.forward does not take the {count} input(s) of the (inputs..., target) batch: "
@@ -424,9 +424,13 @@ def _check_takes(model: nn.Module, count: int, *, target_held_back: bool = False
 def check_batch(batch: Any) -> int:
     """The batch's sample count, or a one-line ValueError saying what a batch may be."""
     if not is_batch(batch):
-        raise ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, "
-                         "list, dict or dataclass of tensors (samples along dim 0)")
+        raise _not_a_batch(batch)
     return batch_size(batch)
+
+
+def _not_a_batch(batch: Any) -> ValueError:
+    return ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, list, "
+                      "dict or dataclass of tensors (samples along dim 0)")
 
 
 def structure(batch: Any) -> Any:

@@ -36,8 +36,8 @@ from memopt.models.hf_task import is_hf_model
 from memopt.step import batch as _batch
 from memopt.techniques.precision import forward_context
 
-__all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "measure_reduction",
-           "micro_batch_weights", "settle", "starting_mode"]
+__all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
+           "measure_reduction", "micro_batch_weights", "settle", "starting_mode"]
 
 REDUCTIONS = ("auto", "mean", "sum")
 # |ratio - 1| (mean) or |ratio - 2| / 2 (sum) within this: bf16 autocast at another batch size may pick other
@@ -73,6 +73,12 @@ def check_reduction(mode: Any) -> None:
         raise ValueError(f"loss_reduction={mode!r} is not one of {', '.join(map(repr, REDUCTIONS))}: say 'mean' for "
                          "a loss averaged over samples or tokens, 'sum' for one summed over them, or 'auto' to let "
                          "memopt measure it on the first batch")
+
+
+def first_labelled(micro: list[Any], counts: list[int], default: Any = None) -> Any:
+    """The first micro-batch that carries loss items (``counts``: each one's), else ``default``: a loss over none
+    is 0/0, so checks and stand-ins use this one."""
+    return next((mb for mb, n in zip(micro, counts) if n > 0), default)
 
 
 def micro_batch_weights(counts: list[int], mode: str, world_size: int = 1, total: float | None = None) -> list[float]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from memopt.step import batch as _batch
-from memopt.step.loss_reduction import LossReduction, measure_reduction, micro_batch_weights
+from memopt.step.loss_reduction import LossReduction, first_labelled, measure_reduction, micro_batch_weights
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
@@ -163,8 +163,7 @@ class TrainStep:
         if self.reduction is None:
             return "mean"
         if self.reduction.mode == "auto" and len(micro) > 1:
-            first = next((mb for mb, n in zip(micro, counts) if n > 0), micro[0])
-            self.reduction.mode = measure_reduction(self.model, first, self.loss_fn,
+            self.reduction.mode = measure_reduction(self.model, first_labelled(micro, counts, micro[0]), self.loss_fn,
                                                     precision=self.strategy.precision, device_type=self.device_type,
                                                     causal=self.causal_lm)
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
