@@ -1,7 +1,9 @@
 """Finding a model's repeated blocks: the natural units of checkpointing, offload and sharding.
 
-A *stack* is an ``nn.ModuleList`` (or ``nn.Sequential``) of two or more children of one class, e.g.
-``model.model.layers`` of a Llama or ``encoder.layer`` of BERT.
+A *stack* is an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` of two or more children of one class, e.g.
+``model.model.layers`` of a Llama, ``encoder.layer`` of BERT, or torchtitan's ``layers`` (a ``ModuleDict`` keyed by
+layer id, "0" to "n-1", so that pipeline stages can drop layers without renumbering; a ``ModuleDict`` keyed by name,
+of experts or task heads, is a collection the forward picks from, not a stack).
 Stacks nested inside another stack's blocks are not reported.
 """
 
@@ -15,7 +17,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["BlockStack", "block_signature", "find_block_stacks", "module_class", "persistent_buffers",
-           "tied_parameter_groups"]
+           "stack_children", "tied_parameter_groups"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 @dataclass(frozen=True)
@@ -73,14 +77,22 @@ def block_signature(module: nn.Module) -> tuple:
     return (module_class(module).__qualname__, params)
 
 
+def stack_children(container: nn.Module) -> list[nn.Module]:
+    """The modules a container holds, in order (a ``ModuleDict`` iterates its keys, not its modules)."""
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
 def _is_stack(container: nn.Module) -> bool:
     """Two or more distinct children of one class with parameters. The first block may own extra parameters
     (T5's relative position bias lives in block 0); ``BlockStack.uniform_tail`` says whether blocks
     1..N-1 are interchangeable. One module listed several times (``nn.ModuleList([layer] * n)``: a layer applied
     n times with one set of weights) is not a stack: its applications are not modules memopt can wrap one by one."""
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
+    if not isinstance(container, _CONTAINERS) or len(container) < 2:
         return False
-    children = list(container)
+    if isinstance(container, nn.ModuleDict) and list(container.keys()) != [str(i) for i in range(len(container))]:
+        # keyed by name (experts, task heads): a collection the forward picks from, not layers run in order
+        return False
+    children = stack_children(container)
     if len({id(c) for c in children}) < len(children):
         return False
     cls = module_class(children[0])
@@ -99,7 +111,7 @@ def find_block_stacks(model: nn.Module) -> list[BlockStack]:
         if _is_stack(module):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(module)))
+            stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(stack_children(module))))
             inside.append(name)
     return stacks
 

@@ -74,6 +74,7 @@ class Wrapped:
         self._enforce_budget = enforce_budget
         self._use_cache = use_cache
         self._prepared: Prepared | None = None
+        self._unwrapped = False  # unwrap() gave the model back: the optimizer state went with the techniques
         self._sharded: Any = None  # a ShardedWrapped when the plan offloads the model states
         self._guard_enabled = guard
         self._run_dir = run_dir
@@ -294,14 +295,22 @@ class Wrapped:
             raise ValueError(f"this plan offloads the model states through {self._sharded.setting.engine}, whose "
                              "engine owns the forward, backward and optimizer step: train with step(batch), "
                              "checkpoint with save(dir)/load(dir), reach the engine as wrapped.engine")
+        self._require_wrapped()
         if self._prepared is None:
             raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
                              "or pass sample= to memopt.wrap")
+
+    def _require_wrapped(self) -> None:
+        if self._unwrapped:
+            # training on would re-plan and build a fresh optimizer: its state (moments, step count) lost silently
+            raise ValueError("this memopt.wrap was unwrapped (unwrap() removed its techniques and its optimizer): "
+                             "wrap the model again to train it, after save(dir) first if its optimizer state matters")
 
     def step(self, batch: Any) -> float:
         """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
         ``memopt.step.batch``); returns its mean loss."""
         check_batch(batch)
+        self._require_wrapped()
         if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
@@ -372,6 +381,7 @@ class Wrapped:
         if self._prepared is not None:
             self._prepared.undo()
             self._prepared = None
+            self._unwrapped = True
         return self._user_model
 
     # -- checkpoints -----------------------------------------------------------------------------

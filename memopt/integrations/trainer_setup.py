@@ -135,8 +135,8 @@ class TrainerCheckpointing:
             return
         if setting.mode != "none" and not self.stacks:
             raise ValueError(f"the plan checkpoints activations, but {type(self.model).__name__} has no repeated "
-                             "blocks (an nn.ModuleList of identical layers) to checkpoint: plan with "
-                             "pins={'checkpointing': 'none'}")
+                             "blocks (an nn.ModuleList, nn.Sequential or nn.ModuleDict of identical layers) to "
+                             "checkpoint: plan with pins={'checkpointing': 'none'}")
         self.remove()
         # the plan decides which blocks recompute: a model that checkpoints itself (gradient_checkpointing_enable()
         # before the Trainer was built) would recompute every block on top

@@ -234,9 +234,9 @@ def check_checkpoint_pins(pins: Mapping[str, Any] | None, profile: Any, problems
     if total == 0:
         problems.append(f"pin {'checkpointing=' + repr(mode) if mode not in (None, 'none') else 'checkpoint_blocks'} "
                         f"cannot be honoured: {profile.model_class} has no repeated blocks to checkpoint (memopt "
-                        "checkpoints the blocks of a stack: an nn.ModuleList or nn.Sequential of two or more distinct "
-                        "modules of one class; one module listed n times shares its weights and is not one); drop the "
-                        "pin")
+                        "checkpoints the blocks of a stack: an nn.ModuleList, nn.Sequential or nn.ModuleDict of two or "
+                        "more distinct modules of one class; one module listed n times shares its weights and is not "
+                        "one); drop the pin")
     elif _is_int(blocks) and blocks > total:
         problems.append(f"pin checkpoint_blocks={blocks} is more than the {total} blocks of {profile.model_class}'s "
                         f"largest stack; use 1 to {total}")

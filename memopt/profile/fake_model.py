@@ -55,6 +55,18 @@ class _TruncatedSequential(_IndexedPastTheCut, nn.Sequential):
     pass
 
 
+class _TruncatedModuleDict(nn.ModuleDict):
+    """A truncated ``ModuleDict`` stack: reading a dropped block by its key says which stack to copy whole."""
+
+    _memopt_path = ""
+    _memopt_dropped: tuple[str, ...] = ()
+
+    def __getitem__(self, key: str) -> nn.Module:
+        if key in self._memopt_dropped:
+            raise TruncatedStackIndexed(self._memopt_path, len(self) + self._memopt_dropped.index(key), len(self))
+        return super().__getitem__(key)
+
+
 def _meta_memo(model: nn.Module) -> dict[int, object]:
     memo: dict[int, object] = {}
     for p in model.parameters(recurse=True):
@@ -168,11 +180,13 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
         parent_name, _, attr = path.rpartition(".")
         parent = clone.get_submodule(parent_name) if parent_name else clone
         container = getattr(parent, attr)
-        kept = [b for b in container if not isinstance(b, _Dropped)]
-        if isinstance(container, nn.Sequential):
-            short: nn.Module = _TruncatedSequential(*kept)
+        short: nn.Module
+        if isinstance(container, nn.ModuleDict):
+            short = _TruncatedModuleDict({k: b for k, b in container.items() if not isinstance(b, _Dropped)})
+            short._memopt_dropped = tuple(k for k, b in container.items() if isinstance(b, _Dropped))
         else:
-            short = _TruncatedModuleList(kept)
+            kept = [b for b in container if not isinstance(b, _Dropped)]
+            short = _TruncatedSequential(*kept) if isinstance(container, nn.Sequential) else _TruncatedModuleList(kept)
         short._memopt_path = path
         setattr(parent, attr, short)
     if cut:
@@ -202,7 +216,12 @@ def truncate_stacks(model: nn.Module, keep: int = 3) -> list[tuple[BlockStack, i
         if full > keep and stack.uniform_tail:
             container = getattr(stack.parent, stack.attr)
             kept: Sequence[nn.Module] = list(stack.blocks[:keep])
-            setattr(stack.parent, stack.attr, type(container)(*kept) if isinstance(container, nn.Sequential)
-                    else nn.ModuleList(kept))
+            if isinstance(container, nn.ModuleDict):
+                short: nn.Module = nn.ModuleDict(dict(list(container.items())[:keep]))
+            elif isinstance(container, nn.Sequential):
+                short = type(container)(*kept)
+            else:
+                short = nn.ModuleList(kept)
+            setattr(stack.parent, stack.attr, short)
         truncated.append((stack, full))
     return truncated

@@ -40,22 +40,12 @@ from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
+from memopt.step.random_draws import drawn_with
 
 __all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only",
            "state_buffers", "state_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
-# aten ops that draw from a random generator
-_RANDOM_OPS = frozenset({"bernoulli", "bernoulli_", "native_dropout", "_fused_dropout", "rand", "rand_like", "randn",
-                         "randn_like", "randint", "randint_like", "randperm", "multinomial", "normal", "normal_",
-                         "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
-                         "rrelu_with_noise", "poisson"})
-# fused attention kernels that draw their dropout inside: the position of dropout_p among their arguments
-_ATTENTION_DROPOUT_ARG = {"_scaled_dot_product_flash_attention": 3, "_scaled_dot_product_flash_attention_for_cpu": 3,
-                          "_scaled_dot_product_efficient_attention": 5, "_scaled_dot_product_cudnn_attention": 5,
-                          "_flash_attention_forward": 5, "_efficient_attention_forward": 6}
-
-
 @dataclass
 class BatchProbe:
     """What one fake forward says about splitting the batch: ``axis_refusal`` (a layer whose batch axis is not the
@@ -91,23 +81,12 @@ class _ForwardLog(TorchDispatchMode):
                 self.written.append(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = getattr(func, "_overloadpacket", None)
-        name = packet.__name__ if packet is not None else str(func)
         if self.watched:
             self._record_writes(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
-        if name in _RANDOM_OPS:
-            # a single number drawn is a per-step decision (LayerDrop's "skip this layer?"), which OPT and BART
-            # draw even at layerdrop 0, where nothing depends on it; per-element masks are what micro-batches change
-            drawn = out if isinstance(out, torch.Tensor) else next((a for a in args if isinstance(a, torch.Tensor)),
-                                                                     None)
-            if drawn is None or drawn.numel() > 1:
-                self.seen.add(name)
-        elif name in _ATTENTION_DROPOUT_ARG:
-            i = _ATTENTION_DROPOUT_ARG[name]
-            p = args[i] if len(args) > i else (kwargs or {}).get("dropout_p", 0.0)
-            if isinstance(p, (int, float)) and p > 0:
-                self.seen.add(f"{name}(dropout_p={p:g})")
+        name = drawn_with(func, args, kwargs or {}, out)
+        if name is not None:
+            self.seen.add(name)
         return out
 
 

@@ -164,7 +164,9 @@ def batch_size(batch: Any) -> int:
         listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
         raise ValueError(f"the batch's tensors disagree on the number of samples (dim 0): {listed}; every tensor "
                          "must hold the samples along its first dimension (a tensor that is not per sample, such as "
-                         "class weights, belongs in your loss_fn or training_step, not in the batch)")
+                         "class weights, belongs in your loss_fn or training_step, not in the batch; a sequence-first "
+                         "tensor, time along dim 0 as nn.LSTM and nn.Transformer take by default, goes in "
+                         "batch-first and is transposed inside training_step)")
     return next(iter(sizes))
 
 

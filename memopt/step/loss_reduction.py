@@ -17,7 +17,9 @@ loss items, or the mean is over items the batch's values select otherwise (a mas
 weighting of micro-batches reproduces. The forwards (at most four) run without gradients, in eval mode (dropout off,
 so duplicated samples give the same values), each on a copy of at most the micro-batch's own number of samples (two
 for a micro-batch of one); the modules' training flags, the buffers and the random generators are put back as they
-were, so training is unchanged by the check (the model's forward hooks do see its forwards).
+were, so training is unchanged by the check (the model's forward hooks do see its forwards). A loss that draws random
+numbers even in eval mode (noise or timesteps a diffusion training step samples) gives the same samples another loss
+each time, so no comparison can tell: it is accumulated as a mean, with a warning that names the draws.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 
 from memopt.models.hf_task import is_hf_model
 from memopt.step import batch as _batch
+from memopt.step.random_draws import DrawLog
 from memopt.techniques.precision import forward_context
 
 __all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
@@ -121,10 +124,17 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     parts = _batch.split(micro_batch, max(1, m // 2))
     head = parts[0]
     twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
+    draws = DrawLog()
     try:
         with _side_effects_undone(model), forward_context(precision, device_type):
-            once = float(_loss_of_copy(model, head, loss_fn))
-            doubled = float(_loss_of_copy(model, twice, loss_fn))
+            with draws:
+                once = float(_loss_of_copy(model, head, loss_fn))
+                doubled = float(_loss_of_copy(model, twice, loss_fn))
+            if draws.seen:
+                # the same samples meet other numbers in each forward: no comparison of losses can tell
+                return "unknown", (f"its loss draws random numbers even in eval mode ({', '.join(sorted(draws.seen))}: "
+                                   "noise or timesteps sampled in the training step?), so the same samples give "
+                                   "another loss each time")
             mismatch = (_weighting_mismatch(model, micro_batch, parts, once, loss_fn, precision, causal)
                         if len(parts) == 2 and abs(doubled - once) <= _TOLERANCE * max(abs(once), abs(doubled))
                         else None)

@@ -111,8 +111,9 @@ def change_model(change: ModelChange) -> Undo:
     """Checkpointing's change: the planned blocks of every stack recompute their forward in backward."""
     setting = change.strategy.checkpointing
     if setting.mode != "none" and not change.stacks:
-        raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList of two or more distinct "
-                         "layers of one class), and this model has none; use checkpointing mode 'none'")
+        raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList, nn.Sequential or "
+                         "nn.ModuleDict of two or more distinct layers of one class), and this model has none; use "
+                         "checkpointing mode 'none'")
     return apply_checkpointing(change.stacks, setting)
 
 

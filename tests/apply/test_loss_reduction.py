@@ -96,6 +96,38 @@ def test_a_loss_that_couples_the_samples_is_refused_before_any_parameter_changes
     assert whole.step((x, y)) > 0
 
 
+def test_a_loss_with_noise_drawn_in_the_step_is_accumulated_as_a_mean_with_a_warning():
+    """A diffusion-style training step samples noise and timesteps: the same samples give another loss each time, so
+    the check cannot compare (it used to call the loss coupled and refuse it). It says why, accumulates a mean, and
+    trains as an unwrapped loop that accumulates the same micro-batches (same draws, in the same order)."""
+
+    def noisy_step(model: nn.Module, batch) -> torch.Tensor:
+        x, _ = batch
+        noise = torch.randn_like(x)
+        t = torch.randint(1, 5, (x.shape[0], 1)).float()
+        return F.mse_loss(model(x + noise / t)[:, :1], noise[:, :1])
+
+    batches = _data()
+    model, ref = _mlp(), _mlp()
+    w = _wrap(model, batches[0], micro=2, training_step=noisy_step)
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match=r"draws random numbers even in eval mode \(randint, randn_like"):
+        got = [w.step(b) for b in batches]
+    assert w._reduction.mode == "mean"
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(5)
+    want = []
+    for x, y in batches:
+        losses = [noisy_step(ref, (x[i:i + 2], y[i:i + 2])) for i in range(0, 8, 2)]
+        sum(loss / 4 for loss in losses).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(sum(loss.item() for loss in losses) / 4)
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_no_check_when_the_batch_is_not_split():
     batches = _data()
     w = _wrap(_mlp(), batches[0], micro=8, loss_fn=lambda out, b: _summed(out, b[1]))

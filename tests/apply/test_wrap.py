@@ -47,6 +47,12 @@ def test_unwrap_restores_the_module_and_state_dict_loads():
     assert {k: v.dtype for k, v in module.state_dict().items()} == before
     fresh = build_model("tiny_llama", device="cpu")
     fresh.load_state_dict(module.state_dict())
+    # training on would re-plan with a fresh optimizer, its moments lost without a word: refused, with what to do
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    for use in (lambda: w.step(_batch(1)), lambda: w.optimizer, lambda: w.state_dict()):
+        with pytest.raises(ValueError, match=r"was unwrapped .* wrap the model again"):
+            use()
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
 def test_saved_plan_is_applied_unchanged(tmp_path):

@@ -87,3 +87,67 @@ def test_a_model_that_checkpoints_itself_is_planned_and_trained_as_the_plan_says
     w_ref = memopt.wrap(ref, budget="10GB", sample=sample, hardware="h200", guard=False, autotune=False, pins=pins,
                         optimizer="sgd", lr=0.05)
     assert got == pytest.approx(w_ref.step(sample), rel=1e-6)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _DictLayers(nn.Module):
+    """torchtitan's layout: ``layers`` is an ``nn.ModuleDict`` keyed by layer id, run in order of its values, or read
+    by key (``by_key``)."""
+
+    def __init__(self, by_key: bool = False, n: int = 6) -> None:
+        super().__init__()
+        self.by_key = by_key
+        self.layers = nn.ModuleDict({str(i): _Block() for i in range(n)})
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = [self.layers[str(i)] for i in range(len(self.layers))] if self.by_key else self.layers.values()
+        for block in blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("by_key", [False, True], ids=["values", "by_key"])
+def test_a_module_dict_of_layers_is_a_stack_checkpointed_exactly_and_estimated_as_simulated(by_key: bool) -> None:
+    from memopt.profile.cuda_semantics import kernel_policy_for
+    from memopt.profile.simulate import simulate_step
+    from memopt.strategy import Checkpointing, Strategy
+
+    (stack,) = find_block_stacks(_DictLayers(by_key))
+    assert stack.path == "layers" and len(stack) == 6 and stack.block_class == "_Block"
+    # keyed by name (experts, task heads), a dict is what the forward picks from, not layers run in order
+    assert find_block_stacks(nn.Sequential(nn.ModuleDict({f"expert_{i}": _Block() for i in range(4)}))) == []
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 12, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(out: torch.Tensor, batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, batch[1])
+
+    def run(pins: dict) -> list[float]:
+        torch.manual_seed(3)
+        w = memopt.wrap(_DictLayers(by_key), budget="10GB", sample=batches[0], hardware="h200", optimizer="sgd",
+                        lr=0.05, loss_fn=loss_fn, guard=False, autotune=False,
+                        pins={"precision": "fp32", "micro_batch_size": 8, **pins})
+        return [w.step(b) for b in batches]
+
+    plain = run({"checkpointing": "none"})
+    for pins in ({"checkpointing": "full"}, {"checkpointing": "full", "checkpoint_blocks": 2},
+                 {"checkpointing": "selective"}):
+        assert run(pins) == pytest.approx(plain, rel=1e-6), pins
+    # traced at a few blocks (read by key past them: the stack is kept whole) and repeated: the whole step's peak
+    model = _DictLayers(by_key)
+    prof = memopt.profile(model, batches[0], hardware="h200", loss_fn=loss_fn, use_cache=False)
+    s = Strategy(precision="bf16_autocast", checkpointing=Checkpointing(mode="full", num_blocks=3), micro_batch_size=4,
+                 grad_accum_steps=2)
+    est = memopt.estimate(prof, s, num_steps=3)
+    sim = simulate_step(model, lambda d: prof._batch_factory(8, d), s, loss_fn=loss_fn,
+                        policy=kernel_policy_for(memopt.load_hardware("h200")), num_steps=3)
+    assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.005)
