@@ -19,6 +19,7 @@ from torch import nn
 from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
+from memopt.apply.checkpoint_state import read_checkpoint, state_mismatch
 from memopt.apply.wrap_checks import check_model, micro_batch_warning, optimizer_choice
 from memopt.errors import InputError
 from memopt.guard.escalation import PlanEscalator, step_down
@@ -400,6 +401,10 @@ class Wrapped:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._require_prepared()
+        mismatch = state_mismatch(self._user_model, self.optimizer, state)
+        if mismatch is not None:  # checked first: nothing is loaded from a checkpoint of another model
+            raise ValueError(f"this checkpoint was saved from another model or optimizer ({mismatch}): load it into "
+                             "the model and optimizer it was saved from")
         self._user_model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = state.get("steps_done", 0)
@@ -433,7 +438,7 @@ class Wrapped:
         if not file.is_file():
             raise FileNotFoundError(f"no memopt checkpoint at {file}: pass the path wrapped.save returned (a file, or "
                                     f"the folder holding {CHECKPOINT_FILE})")
-        self.load_state_dict(torch.load(file, weights_only=False))
+        self.load_state_dict(read_checkpoint(file))
 
     def describe(self) -> str:
         if self.plan is None:

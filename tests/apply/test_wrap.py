@@ -99,6 +99,37 @@ def test_checkpoint_to_a_folder_resumes(tmp_path, where):
         w2.load(tmp_path / "elsewhere")
 
 
+def test_a_checkpoint_that_cannot_be_loaded_whole_changes_nothing(tmp_path):
+    """A truncated file, and a checkpoint of another model, are refused in one line before anything is loaded (a
+    checkpoint failing half-way would leave its weights beside the old optimizer state)."""
+    torch.manual_seed(0)
+    w = memopt.wrap(build_model("tiny_llama", device="cpu"), budget="4GB", sample=SAMPLE, hardware="h100_80gb",
+                    lr=1e-3, pins={"micro_batch_size": 8})
+    w.step(_batch(0))
+    path = w.save(tmp_path / "ckpt.pt")
+    good = path.read_bytes()
+    torch.manual_seed(1)
+    other = memopt.wrap(build_model("tiny_llama", device="cpu"), plan=w.plan, lr=1e-3)
+    other.step(_batch(2))
+    before = ({k: v.clone() for k, v in other.model.state_dict().items()}, str(other.optimizer.state_dict()))
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=r"^the memopt checkpoint .*ckpt\.pt cannot be read \(.*\): it is truncated"):
+        other.load(path)
+    path.write_bytes(good)
+    state = torch.load(path, weights_only=False)
+    state["model"] = {k.replace("layers.1.", "layers.9."): v for k, v in state["model"].items()}
+    with pytest.raises(ValueError, match=r"^this checkpoint was saved from another model .*lacks model\.layers\.1\."):
+        other.load_state_dict(state)
+    state = torch.load(path, weights_only=False)
+    state["optimizer"]["param_groups"][0]["params"] = state["optimizer"]["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match=r"its optimizer has parameter groups of"):
+        other.load_state_dict(state)
+    assert all(torch.equal(v, before[0][k]) for k, v in other.model.state_dict().items())
+    assert str(other.optimizer.state_dict()) == before[1] and other.steps_done == 1
+    other.load(path)  # the good one loads
+    assert other.steps_done == 1 and torch.equal(other.model.lm_head.weight, w.model.lm_head.weight)
+
+
 def test_bad_input_is_explained():
     model = build_model("tiny_llama", device="cpu")
     with pytest.raises(ValueError, match="budget"):
