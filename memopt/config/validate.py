@@ -234,7 +234,9 @@ def _model(node: dict[str, Any], problems: list[str]) -> tuple[Any, Any, str, Ca
         extra = sorted(set(spec_given) - {"name"})
         if extra:
             problems.append(f"model has both _target_ and spec keys {extra}: give a model spec (name, family, "
-                            "architecture, hf_config, sample) or a _target_ with kwargs and inputs, not both")
+                            "architecture, hf_config, sample) or a _target_ with kwargs and inputs, not both (on the "
+                            "command line, '~model' first drops the default model: python -m memopt.plan '~model' "
+                            "'+model._target_=pkg.Net' '+model.inputs={x: {shape: [784]}}' training.batch_size=32)")
         found = _locate(target, "model._target_", problems)
         if not node.get("inputs"):
             problems.append("model.inputs is required with model._target_: one example's tensors, e.g. "

@@ -144,6 +144,10 @@ def test_user_module_target():
     problems = validate(compose_plan_config(["~model", "+model._target_=no.such.Module"]))
     assert any("model._target_='no.such.Module' cannot be imported" in p for p in problems)
     assert any("model.inputs is required" in p for p in problems)
+    # a _target_ added on top of the default model: the problem names the '~model' that drops it
+    problems = validate(compose_plan_config(["+model._target_=torch.nn.Linear", "+model.inputs.input=[16]",
+                                             "training.batch_size=32"]))
+    assert len(problems) == 1 and "both _target_ and spec keys" in problems[0] and "'~model' first" in problems[0]
 
 
 # -- bad input: every problem at once, each naming what would be valid --------------------------------------------
