@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["BlockStack", "block_signature", "find_block_stacks", "module_class", "persistent_buffers",
-           "stack_children", "tied_parameter_groups"]
+           "tied_parameter_groups"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -77,7 +77,7 @@ def block_signature(module: nn.Module) -> tuple:
     return (module_class(module).__qualname__, params)
 
 
-def stack_children(container: nn.Module) -> list[nn.Module]:
+def _children(container: nn.Module) -> list[nn.Module]:
     """The modules a container holds, in order (a ``ModuleDict`` iterates its keys, not its modules)."""
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
@@ -92,7 +92,7 @@ def _is_stack(container: nn.Module) -> bool:
     if isinstance(container, nn.ModuleDict) and list(container.keys()) != [str(i) for i in range(len(container))]:
         # keyed by name (experts, task heads): a collection the forward picks from, not layers run in order
         return False
-    children = stack_children(container)
+    children = _children(container)
     if len({id(c) for c in children}) < len(children):
         return False
     cls = module_class(children[0])
@@ -111,7 +111,7 @@ def find_block_stacks(model: nn.Module) -> list[BlockStack]:
         if _is_stack(module):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(stack_children(module))))
+            stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(_children(module))))
             inside.append(name)
     return stacks
 

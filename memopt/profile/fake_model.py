@@ -216,8 +216,9 @@ def truncate_stacks(model: nn.Module, keep: int = 3) -> list[tuple[BlockStack, i
         if full > keep and stack.uniform_tail:
             container = getattr(stack.parent, stack.attr)
             kept: Sequence[nn.Module] = list(stack.blocks[:keep])
+            short: nn.Module
             if isinstance(container, nn.ModuleDict):
-                short: nn.Module = nn.ModuleDict(dict(list(container.items())[:keep]))
+                short = nn.ModuleDict(dict(zip(list(container.keys())[:keep], kept)))
             elif isinstance(container, nn.Sequential):
                 short = type(container)(*kept)
             else:

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt.blocks import persistent_buffers
 from memopt.profile.fake_model import fake_copy
@@ -40,12 +39,14 @@ from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.recurrent_kernels import recurrent_kernels
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
-from memopt.step.random_draws import drawn_with
+from memopt.step.random_draws import DrawLog
 
 __all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only",
            "state_buffers", "state_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
+
+
 @dataclass
 class BatchProbe:
     """What one fake forward says about splitting the batch: ``axis_refusal`` (a layer whose batch axis is not the
@@ -56,13 +57,12 @@ class BatchProbe:
     state_refusal: str | None = None  # the persistent buffers a training forward writes, or None
 
 
-class _ForwardLog(TorchDispatchMode):
-    """Records the random ops a forward draws with, and which of ``watched`` (tensor id -> buffer name) an op
-    writes in place."""
+class _ForwardLog(DrawLog):
+    """Records the random ops a forward draws with (``seen``), and which of ``watched`` (tensor id -> buffer name)
+    an op writes in place."""
 
     def __init__(self, watched: dict[int, str] | None = None) -> None:
         super().__init__()
-        self.seen: set[str] = set()
         self.watched = watched or {}
         self.written: list[str] = []
 
@@ -83,11 +83,7 @@ class _ForwardLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.watched:
             self._record_writes(func, args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
-        name = drawn_with(func, args, kwargs or {}, out)
-        if name is not None:
-            self.seen.add(name)
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def random_draws_refusal(random_ops: tuple[str, ...] | list[str]) -> str | None:

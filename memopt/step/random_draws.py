@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DrawLog", "drawn_with"]
+__all__ = ["DrawLog"]
 
 # aten ops that draw from a random generator
 _RANDOM_OPS = frozenset({"bernoulli", "bernoulli_", "native_dropout", "_fused_dropout", "rand", "rand_like", "randn",
@@ -21,7 +21,7 @@ _ATTENTION_DROPOUT_ARG = {"_scaled_dot_product_flash_attention": 3, "_scaled_dot
                           "_flash_attention_forward": 5, "_efficient_attention_forward": 6}
 
 
-def drawn_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
+def _drawn_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
     """The name of the random op ``func`` is when it drew more than one number (None otherwise). A single number
     drawn is a per-step decision (LayerDrop's "skip this layer?", which OPT and BART draw even at layerdrop 0, where
     nothing depends on it); per-element draws are what change with the samples."""
@@ -39,7 +39,7 @@ def drawn_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: An
 
 
 class DrawLog(TorchDispatchMode):
-    """Records, in ``seen``, the random ops the code run under it draws with (:func:`drawn_with`)."""
+    """Records, in ``seen``, the random ops the code run under it draws with (:func:`_drawn_with`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,7 +47,7 @@ class DrawLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = drawn_with(func, args, kwargs or {}, out)
+        name = _drawn_with(func, args, kwargs or {}, out)
         if name is not None:
             self.seen.add(name)
         return out
