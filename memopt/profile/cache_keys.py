@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.profile.module_code import module_code_key
+
 __all__ = ["SCHEMA_VERSION", "TRACE_REVISION", "cache_dir", "spec_key", "structure_key"]
 
 SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.profile.costs._FREE_OPS)
@@ -68,8 +70,8 @@ def _package_version(name: str) -> str:
 
 
 def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
-    """A hash of what decides the traces: module classes, parameter shapes and dtypes, the sample, the
-    kernel policy, torch's version and memopt's profile schema."""
+    """A hash of what decides the traces: module classes and their code, modules' plain settings, parameter
+    shapes and dtypes, the sample, the kernel policy, torch's version and memopt's profile schema."""
     h = hashlib.sha256()
     h.update(type(model).__qualname__.encode())
     config = getattr(model, "config", None)
@@ -77,8 +79,7 @@ def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
         h.update(config.to_json_string(use_diff=False).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    for name, module in model.named_modules():
-        h.update(f"{name}:{type(module).__qualname__};".encode())
+    h.update(module_code_key(model).encode())  # names, classes' code and modules' plain settings
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
     return h.hexdigest()[:24]

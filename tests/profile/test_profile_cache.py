@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import memopt
+from memopt.categories import MemoryCategory
 from memopt.hardware import load_hardware
 from memopt.models import build_model, with_overrides
 from memopt.profile.cuda_semantics import kernel_policy_for
@@ -115,3 +116,62 @@ def test_the_profile_reuses_the_twin_optimizer_trace():
     assert prof.trace_s == seconds  # nothing traced
     assert shared.precision == "bf16_autocast" and shared.first == traced.first and shared.cost == traced.cost
     assert prof.optimizer("bf16_pure", "adamw_fused").first != traced.first  # bf16 weights: traced on its own
+
+
+_NET = '''
+import torch
+from torch import nn
+
+
+def widen(x):
+    return {helper}
+
+
+class Net(nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.proj = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        b, t, d = h.shape
+        q = h.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        scores = (q @ q.transpose(-1, -2)).softmax(-1)  # b x heads x t x t: grows with the head count
+        h = (scores @ q).transpose(1, 2).reshape(b, t, d)
+        return self.head({body})
+'''
+
+
+def _net(body: str = "widen(h)", helper: str = "x", heads: int = 4):
+    """A ``Net`` made from source, as a notebook cell that is edited and run again makes it: the same class name
+    and parameters each time."""
+    namespace: dict = {"__name__": "notebook_cell"}
+    exec(_NET.format(body=body, helper=helper), namespace)
+    return namespace["Net"](heads)
+
+
+@pytest.mark.parametrize("edit", ["forward", "helper", "setting"])
+def test_a_model_whose_code_or_settings_changed_is_traced_again(edit, monkeypatch, tmp_path):
+    """An edited forward, an edited helper it calls, or a setting that reshapes activations without touching a
+    parameter: the same class name, modules and parameters, a different step. Its cached profile is not served; the
+    same code defined again (another process, the cell run twice) is."""
+    import torch
+
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    sample = (torch.randn(8, 256, 64),)
+    loss = lambda out, batch: out.float().pow(2).mean()  # noqa: E731
+    base = memopt.profile(_net(), sample=sample, hardware=HW, loss_fn=loss)
+    assert memopt.profile(_net(), sample=sample, hardware=HW, loss_fn=loss).key == base.key
+    keeps_16_copies = "torch.exp({0}.unsqueeze(-1).expand(*{0}.shape, 16)).mean(-1)"  # exp saves its output
+    edited = {"forward": _net(body=keeps_16_copies.format("h")),
+              "helper": _net(helper=keeps_16_copies.format("x")),
+              "setting": _net(heads=16)}[edit]
+    assert [p.shape for p in edited.parameters()] == [p.shape for p in _net().parameters()]
+    again = memopt.profile(edited, sample=sample, hardware=HW, loss_fn=loss)
+    assert again.key != base.key
+    def saved(prof):  # the activations held at the step's peak
+        return memopt.estimate(prof, memopt.Strategy(micro_batch_size=8)).breakdown[MemoryCategory.ACTIVATIONS]
+
+    assert saved(again) > 1.5 * saved(base)  # traced from its own code, not served the first model's profile
