@@ -18,6 +18,7 @@ configured it; memopt keeps it and chooses how to split it.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,7 @@ from memopt.integrations.trainer_setup import (
     preserved_random_state,
     set_trainer_precision,
 )
-from memopt.plan.context import resolve_hardware
+from memopt.plan.context import resolve_hardware, resolve_policy
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model, spec_from_module
@@ -120,10 +121,12 @@ class MemoptCallback:
         raise AttributeError(name)
 
 
-def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
+def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -> Any:
     """The sample to plan for: the user's, else shapes (a model memopt makes batches for: a causal, masked or
-    seq2seq LM, an image classifier) sized by the dataset's longest rows, else one global batch of the Trainer's own
-    data, collated by its collator from its longest rows (any model: a classifier, a model with extra inputs)."""
+    seq2seq LM, an image classifier, whose loss is the model's own) sized by the dataset's longest rows, else one
+    global batch of the Trainer's own data, collated by its collator from its longest rows (any model: a
+    classifier, a model with extra inputs; and any Trainer with a loss of its own, ``own_loss``: TRL's
+    ``SFTTrainer.compute_loss`` reads the ``attention_mask`` and ``completion_mask`` its collator makes)."""
     args = trainer.args
     world = max(1, getattr(args, "world_size", 1))
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -132,7 +135,7 @@ def _sample_from_trainer(trainer: Any, sample: Any) -> Any:
     if sample is not None and not isinstance(sample, dict):
         return sample  # a batch (memopt.step.batch)
     dataset = getattr(trainer, "train_dataset", None)
-    if not sample and spec_from_module(trainer.model) is None:
+    if not sample and (own_loss or spec_from_module(trainer.model) is None):
         batch = _collated_batch(trainer, dataset, global_batch)
         if batch is not None:
             return batch
@@ -219,6 +222,16 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     return dict(batch) if isinstance(batch, Mapping) else batch  # a collator's BatchEncoding too
 
 
+def _script_precision(args: Any) -> str | None:
+    """The autocast precision the Trainer's arguments ask for (``bf16=True`` / ``fp16=True``; TRL's ``SFTConfig``
+    asks for bf16 by default), or None (fp32: the plan may still choose bf16 under the default fidelity)."""
+    if getattr(args, "bf16", False):
+        return "bf16_autocast"
+    if getattr(args, "fp16", False):
+        return "fp16_autocast"
+    return None
+
+
 def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | None, hardware: Any, policy: Any,
                       fidelity: Any, pins: dict[str, Any] | None, forbid: dict[str, Any] | None, use_cache: bool,
                       recover: bool) -> tuple[Plan, Any]:
@@ -237,13 +250,21 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             trainer_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
             warn_allocator_mode_fixed(in_force)
         args = trainer.args
+        asked = _script_precision(args)
+        if asked is not None and "precision" not in trainer_pins:
+            if resolve_policy(policy, fidelity=fidelity).allows("precision", asked):
+                trainer_pins["precision"] = asked  # the script chose its numerics: the plan keeps them
+            else:
+                warnings.warn(f"the Trainer's arguments ask for {asked}, which fidelity {fidelity or 'default'!r} "
+                              "does not allow: the plan chooses the precision; fidelity='mixed' keeps the script's",
+                              stacklevel=3)
         if ("micro_batch_size" not in trainer_pins and args.gradient_accumulation_steps > 1
                 and micro_batch_refusal(trainer.model) is not None):
             # the script already splits its batch, and its BatchNorm statistics come from its own micro-batch: that
             # is the training to reproduce (memopt.techniques.micro_batching refuses any other split)
             trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
-        sample = _sample_from_trainer(trainer, sample)
         step = trainer_loss(trainer)  # a subclass's compute_loss, a compute_loss_func, label smoothing
+        sample = _sample_from_trainer(trainer, sample, own_loss=step is not None)
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             hardware = resolve_hardware(hardware)
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -100,12 +101,17 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
     if spec is not None:
         parsed = SampleSpec.parse(sample, spec)
         config = getattr(module, "config", None)
+        masks = _real_masks(sample)
 
         def factory(b: int, device: str) -> dict[str, Any]:
-            return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
-                              config=config)
+            batch = make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
+                               config=config)
+            return _with_masks(batch, masks, b)
 
         factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
+        if masks:  # a padded batch takes other attention paths than an unpadded one: not the same profile
+            factory.key_part = {k: hashlib.sha256(m.numpy().tobytes()).hexdigest()[:16]  # type: ignore[attr-defined]
+                                for k, m in masks.items()}
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
     if isinstance(sample, dict) and sample and _is_shapes(sample):
@@ -115,6 +121,29 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             "a real batch instead, e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
         )
     return _structure_factory(sample)
+
+
+#: the masks of a real batch that ``make_batch`` (no mask: an unpadded batch) would drop: a Trainer's collator pads
+#: its batches and says where, and a loss of its own may read them (TRL's ``SFTTrainer.compute_loss`` needs one)
+_MASKS = {"attention_mask": "input_ids", "decoder_attention_mask": "decoder_input_ids"}
+
+
+def _real_masks(sample: Any) -> dict[str, torch.Tensor]:
+    """The 2-d masks ``sample`` (a real dict batch) carries, on the CPU."""
+    if not isinstance(sample, dict):
+        return {}
+    return {key: sample[key].detach().cpu() for key in _MASKS
+            if isinstance(sample.get(key), torch.Tensor) and sample[key].dim() == 2}
+
+
+def _with_masks(batch: dict[str, Any], masks: dict[str, torch.Tensor], b: int) -> dict[str, Any]:
+    """``batch`` (``b`` samples made by ``make_batch``) with the real batch's masks, its rows taken in turn, where
+    the mask's length is the length of the ids it masks (the decoder's ids: ``labels`` where none are made)."""
+    for key, mask in masks.items():
+        ids = batch.get(_MASKS[key], batch.get("labels") if key == "decoder_attention_mask" else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == mask.shape[1]:
+            batch[key] = mask[torch.arange(b) % mask.shape[0]].to(ids.device)
+    return batch
 
 
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
@@ -284,7 +313,7 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
         module, spec, name = resolve_model(model)
         factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
         key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key,
-                                                **_loss_part(loss_fn)})
+                                     **getattr(factory, "key_part", {}), **_loss_part(loss_fn)})
         source = module
     path = cache_dir() / "profiles" / f"{key}.json"
     prof = _load_cached(path) if use_cache and path.exists() else None

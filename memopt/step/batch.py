@@ -162,6 +162,11 @@ def batch_size(batch: Any) -> int:
                          "list or dict of tensors whose first dimension is the samples")
     if len(sizes) > 1:
         listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
+        if any("cu_seq_lens" in path for paths in sizes.values() for path in paths):
+            raise ValueError(f"the batch is packed without padding ({listed}): its sequences are joined in one row "
+                             "and cu_seq_lens marks where each starts, so it has no samples along dim 0 to plan "
+                             "micro-batches by; memopt plans batches of padded rows: train with padding_free=False "
+                             "(TRL: packing=False, or packing_strategy='wrapped')")
         raise ValueError(f"the batch's tensors disagree on the number of samples (dim 0): {listed}; every tensor "
                          "must hold the samples along its first dimension (a tensor that is not per sample, such as "
                          "class weights, belongs in your loss_fn or training_step, not in the batch; a sequence-first "

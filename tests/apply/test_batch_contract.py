@@ -197,6 +197,9 @@ def test_split_and_move_keep_the_structure():
 
 @pytest.mark.parametrize("bad, words", [
     ({"x": torch.zeros(4, 2), "y": torch.zeros(3)}, "disagree on the number of samples"),
+    # TRL's padding-free packing: every sequence in one row, cu_seq_lens_q marking where each starts
+    ({"input_ids": torch.zeros(1, 40, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 9, 25, 40])},
+     r"packed without padding .*padding_free=False"),
     ("text", "cannot train on a batch of type str"),
     ((1, 2), "holds no tensor with a batch dimension"),
 ])

@@ -181,3 +181,54 @@ def test_planning_for_a_trainer_shows_its_progress(tmp_path, monkeypatch, capsys
     assert lines[0].startswith("profiling LlamaForCausalLM for the Trainer")
     assert any(x.startswith("traced ") for x in lines)
     assert lines[-1].startswith(f"planned: {wrapped.memopt_plan.strategy.label()} (predicted ")
+
+
+def _padded_data(n: int = 32, vocab: int = 256) -> list[dict[str, torch.Tensor]]:
+    """Rows padded to SEQ with an attention mask, as a collator that pads makes them (TRL's SFT data)."""
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i in range(n):
+        length = SEQ if i % 4 == 0 else int(torch.randint(SEQ // 2, SEQ, (1,), generator=g))
+        ids = torch.randint(3, vocab, (SEQ,), generator=g)
+        mask = (torch.arange(SEQ) < length).long()
+        ids[length:] = 0
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def _mask_reading_trainer(tmp_path, *, bf16: bool):
+    """A Trainer whose own ``compute_loss`` needs the collator's ``attention_mask`` (as TRL's ``SFTTrainer``'s does:
+    "Expected 'attention_mask' or 'position_ids' in inputs") and whose arguments ask for bf16 autocast."""
+    from transformers import Trainer, TrainingArguments
+
+    class MaskReadingTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if "attention_mask" not in inputs:
+                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+                             learning_rate=1e-2, lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, seed=0, data_seed=0, disable_tqdm=True,
+                             bf16=bf16)
+    return MaskReadingTrainer(model=_llama(), args=args, train_dataset=_padded_data())
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_trainer_whose_loss_reads_the_collators_masks_is_planned_from_its_data_in_its_precision(tmp_path, bf16):
+    """Planned from the Trainer's own collated batch (its attention mask, padding included), not from shapes, and in
+    the precision its arguments ask for: the same losses and parameters as the script without memopt. It raised
+    the loss's own error while tracing, and the plan's fp32 replaced the script's bf16."""
+    plain = _mask_reading_trainer(tmp_path / "a", bf16=bf16)
+    plain.train()
+    # fp32 arguments leave the precision to the plan (bf16 under the default fidelity): pinned here to compare
+    wrapped = memopt.wrap(_mask_reading_trainer(tmp_path / "b", bf16=bf16), budget="4GB", hardware="h200",
+                          pins=None if bf16 else {"precision": "fp32"})
+    assert wrapped.memopt_plan.strategy.precision == ("bf16_autocast" if bf16 else "fp32")
+    assert wrapped.memopt_plan.strategy.micro_batch_size == 8  # the whole batch at once: bitwise comparable
+    wrapped.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (plain, wrapped)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    for k, v in plain.model.named_parameters():
+        torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=0, atol=0)
