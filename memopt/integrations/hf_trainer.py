@@ -194,8 +194,8 @@ def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
 
 def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     """``size`` samples of the dataset through the Trainer's collator, the longest rows first (read over the whole
-    dataset, up to ``ROWS_READ`` rows spread over it: the plan must hold for the longest batch), or None (no sized
-    dataset or collator)."""
+    dataset, up to ``ROWS_READ`` rows spread over it: the plan must hold for the longest batch) with the shortest
+    among them where lengths differ (padding), or None (no sized dataset or collator)."""
     collator = getattr(trainer, "data_collator", None)
     if dataset is None or collator is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
         return None
@@ -213,6 +213,11 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
         # the batch pads every key to its longest: the longest labels ride along with the longest inputs
         longest_labels = max(rows, key=lambda r: _length(r.get("labels")))
         rows = [rows[0], longest_labels, *[r for r in rows[1:] if r is not longest_labels]]
+    if len(rows) > 2 and size > 1 and length(rows[-1])[0] < length(rows[0])[0]:
+        # and the shortest second: rows of several lengths are padded to the longest, and a padded batch takes other
+        # attention paths (a materialized mask) than one whose rows are all full; the second, so that a micro-batch
+        # of two holds it (a micro-batch of one row is never padded)
+        rows = [rows[0], rows[-1], *rows[1:-1]]
     rows = (rows * (size // len(rows) + 1))[:size]
     try:
         batch = collator(rows)

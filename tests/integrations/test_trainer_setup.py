@@ -232,3 +232,21 @@ def test_a_trainer_whose_loss_reads_the_collators_masks_is_planned_from_its_data
     assert losses[0] == losses[1] and len(losses[0]) == 3
     for k, v in plain.model.named_parameters():
         torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=0, atol=0)
+
+
+def test_the_collated_sample_of_rows_of_several_lengths_is_padded_where_a_micro_batch_of_two_sees_it(tmp_path):
+    """The longest row first (a micro-batch of one is never padded), the shortest second: a padded batch builds an
+    attention mask that an unpadded one does not, so the plan must trace one."""
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
+
+    from memopt.integrations.hf_trainer import _collated_batch
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
+                                  pad_token="<pad>")
+    rows = [{"input_ids": [1] * n, "attention_mask": [1] * n} for n in (5, 9, 3, 7, 9, 4)]
+    trainer = _mask_reading_trainer(tmp_path, bf16=False)
+    trainer.data_collator = DataCollatorWithPadding(tok)
+    batch = _collated_batch(trainer, rows, 4)
+    assert batch["input_ids"].shape == (4, 9)
+    assert batch["attention_mask"].sum(1).tolist()[:2] == [9, 3]
