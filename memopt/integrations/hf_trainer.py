@@ -192,6 +192,24 @@ def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def _longest_row_indices(dataset: Any) -> set[int]:
+    """The rows with the longest ``input_ids`` and ``labels`` of a Hugging Face ``datasets.Dataset``, found over its
+    whole Arrow columns (the rows read one by one are a spread, which can miss them); empty for other datasets."""
+    table = getattr(dataset, "data", None)
+    if not hasattr(table, "column_names") or getattr(dataset, "_indices", None) is not None:
+        return set()
+    import pyarrow.compute as pc
+
+    found = set()
+    for key in ("input_ids", "labels"):
+        if key in table.column_names:
+            lengths = pc.list_value_length(table.column(key))
+            longest = pc.max(lengths).as_py()
+            if longest:
+                found.add(int(pc.index(lengths, longest).as_py()))
+    return found
+
+
 def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     """``size`` samples of the dataset through the Trainer's collator, the longest rows first (read over the whole
     dataset, up to ``ROWS_READ`` rows spread over it: the plan must hold for the longest batch) with the shortest
@@ -201,7 +219,7 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
         return None
     if hasattr(trainer, "_get_collator_with_removed_columns"):  # the columns the Trainer's loader drops, dropped
         collator = trainer._get_collator_with_removed_columns(collator, description="training")
-    rows = [dataset[i] for i in _row_indices(len(dataset))]
+    rows = [dataset[i] for i in sorted(set(_row_indices(len(dataset))) | _longest_row_indices(dataset))]
 
     def length(row: Any) -> tuple[int, int]:
         if not isinstance(row, dict):
