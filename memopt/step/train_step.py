@@ -15,7 +15,7 @@ optimizer step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,8 @@ class TrainStep:
         ``memopt.step.batch``; chunked cross-entropy replaces the model's own causal-LM loss."""
         with self._forward_ctx():
             if self.strategy.chunked_ce:
+                if isinstance(micro_batch, Mapping):  # a tokenizer's BatchEncoding is the dict it holds
+                    micro_batch = dict(micro_batch)
                 if self.loss_fn is not None or not isinstance(micro_batch, dict):
                     raise ValueError("chunked cross-entropy replaces the model's own causal-LM loss; with a loss_fn, "
                                      "a training_step or a non-dict batch the loss is yours: plan with chunked_ce=0")

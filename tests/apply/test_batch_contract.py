@@ -37,9 +37,9 @@ class LossInside(Blocks):
         return F.cross_entropy(out, y) if y is not None else out.pow(2).mean()
 
 
-def _wrap(model: nn.Module, sample, micro: int, **kw):
+def _wrap(model: nn.Module, sample, micro: int, pins: dict | None = None, **kw):
     return memopt.wrap(model, budget="4GB", sample=sample, hardware="h100_80gb", device="cpu", use_cache=False,
-                       pins={"micro_batch_size": micro, "precision": "fp32"},
+                       pins={"micro_batch_size": micro, "precision": "fp32", **(pins or {})},
                        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), **kw)
 
 
@@ -232,10 +232,13 @@ def test_a_training_step_passed_as_loss_fn_is_named_with_the_fix():
     assert _wrap(Blocks(), (x, y), 4, training_step=step_of).step((x, y)) > 0
 
 
-@pytest.mark.parametrize("hf_model", [False, True], ids=["custom", "llama"])
-def test_a_tokenizers_batch_encoding_is_the_dict_it_holds(hf_model):
+@pytest.mark.parametrize("hf_model, chunked_ce", [(False, 0), (True, 0), (True, 2)],
+                         ids=["custom", "llama", "llama-chunked-ce"])
+def test_a_tokenizers_batch_encoding_is_the_dict_it_holds(hf_model, chunked_ce):
     """A tokenizer's or collator's ``BatchEncoding`` (a ``UserDict``, not a ``dict``) is planned and trained as the
-    dict batch it holds: the same losses and parameters as the unwrapped loop, at micro-batch 2 of 4."""
+    dict batch it holds: the same losses and parameters as the unwrapped loop, at micro-batch 2 of 4, with the
+    model's own loss or memopt's chunked cross-entropy in its place (which refused it as "a non-dict batch" on the
+    H200, after planning it)."""
     from transformers import BatchEncoding, LlamaConfig, LlamaForCausalLM
 
     g = torch.Generator().manual_seed(0)
@@ -255,7 +258,8 @@ def test_a_tokenizers_batch_encoding_is_the_dict_it_holds(hf_model):
     ref = build()
     model = copy.deepcopy(ref)
     want = _reference(ref, [batch] * 3, loss_of)
-    w = _wrap(model, batch, 2, **kw)
+    w = _wrap(model, batch, 2, pins={"chunked_ce": chunked_ce}, **kw)
+    assert w.plan.strategy.chunked_ce == chunked_ce
     got = [w.step(batch) for _ in range(3)]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     for (n, p), q in zip(w.model.named_parameters(), ref.parameters()):
@@ -294,7 +298,8 @@ def test_a_dataclass_batch_is_split_by_its_fields(how):
     want = _reference(ref, [batch] * 3, lambda m, b: F.cross_entropy(m(b), b.y))
     kw = ({"loss_fn": lambda out, b: F.cross_entropy(out, b.y)} if how == "loss_fn"
           else {"training_step": lambda m, b: F.cross_entropy(m(b), b.y)})
-    w = _wrap(model, batch, 2, **kw)
+    w = _wrap(model, batch, 2, pins={"chunked_ce": chunked_ce}, **kw)
+    assert w.plan.strategy.chunked_ce == chunked_ce
     got = [w.step(batch) for _ in range(3)]
     _assert_same(w, ref, got, want)
     micro = B.split(batch, 2)
