@@ -18,7 +18,9 @@ workers=$(python -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")
 run_tier() {  # name, marker expression
   echo "== $1 tier =="
   # the slowest tests are named in every log, so the suite's time can be watched where it runs (CI)
-  python -m pytest -m "$2" -n "$workers" -q -p no:cacheprovider --durations=25 "${@:3}"
+  # worksteal: a worker that runs out of tests takes queued ones from the other, so a long test near the end does
+  # not leave one core idle while it runs
+  python -m pytest -m "$2" -n "$workers" --dist worksteal -q -p no:cacheprovider --durations=25 "${@:3}"
   local rc=$?
   # pytest: 0 all passed, 1 failures, 2 interrupted, 3 internal error, 4 usage error, 5 no test collected
   if [ $rc -ne 0 ]; then
