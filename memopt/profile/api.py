@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -109,9 +108,10 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             return _with_masks(batch, masks, b)
 
         factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
-        if masks:  # a padded batch takes other attention paths than an unpadded one: not the same profile
-            factory.key_part = {k: hashlib.sha256(m.numpy().tobytes()).hexdigest()[:16]  # type: ignore[attr-defined]
-                                for k, m in masks.items()}
+        if masks:  # a padded row takes other attention paths than a full one: which rows are padded keys the profile
+            # (not the mask itself: another batch padded in the same rows finds the same traces)
+            factory.key_part = {k: "".join("p" if bool((m[i] == 0).any()) else "f"  # type: ignore[attr-defined]
+                                           for i in range(m.shape[0])) for k, m in masks.items()}
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
     if isinstance(sample, dict) and sample and _is_shapes(sample):

@@ -175,3 +175,29 @@ def test_a_model_whose_code_or_settings_changed_is_traced_again(edit, monkeypatc
         return memopt.estimate(prof, memopt.Strategy(micro_batch_size=8)).breakdown[MemoryCategory.ACTIVATIONS]
 
     assert saved(again) > 1.5 * saved(base)  # traced from its own code, not served the first model's profile
+
+
+def test_a_real_batchs_padding_is_traced_and_keys_the_profile(monkeypatch, tmp_path):
+    """A dict batch of a Hugging Face model keeps its attention mask: padded rows make the model build a mask and
+    run another attention kernel than full rows do (an all-ones mask takes the unpadded path), and which rows are
+    padded is part of the key. The mask was dropped: a padded batch was planned as an unpadded one."""
+    import torch
+
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    model = build_model(SPEC, device="meta")
+    ids = torch.randint(3, 512, (4, 256), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([256, 100, 256, 180])
+    batches = {"none": {"input_ids": ids, "labels": ids.clone()},
+               "ones": {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)},
+               "padded": {"input_ids": ids, "labels": ids.clone(),
+                          "attention_mask": (torch.arange(256) < lengths[:, None]).long()}}
+    profiles = {name: memopt.profile(model, sample=batch, hardware=HW) for name, batch in batches.items()}
+    peak = {name: memopt.estimate(p, memopt.Strategy(micro_batch_size=4)).peak_allocated_bytes
+            for name, p in profiles.items()}
+    assert peak["ones"] - peak["none"] == 8192  # the mask itself (4 x 256 int64): the same attention path
+    # a materialized 4 x 1 x 256 x 256 mask and another attention kernel (memory-efficient, not cuDNN's causal one)
+    assert abs(peak["padded"] - peak["ones"]) >= 4 * 256 * 256
+    assert len({p.key for p in profiles.values()}) == 3
+    same_rows_padded = (torch.arange(256) < torch.tensor([256, 90, 256, 170])[:, None]).long()
+    other_padding = {**batches["padded"], "attention_mask": same_rows_padded}
+    assert memopt.profile(model, sample=other_padding, hardware=HW).key == profiles["padded"].key
