@@ -278,9 +278,8 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             if resolve_policy(policy, fidelity=fidelity).allows("precision", asked):
                 trainer_pins["precision"] = asked  # the script chose its numerics: the plan keeps them
             else:
-                warnings.warn(f"the Trainer's arguments ask for {asked}, which fidelity {fidelity or 'default'!r} "
-                              "does not allow: the plan chooses the precision; fidelity='mixed' keeps the script's",
-                              stacklevel=3)
+                warnings.warn(f"the Trainer's arguments ask for {asked}, which the plan's fidelity does not allow: "
+                              "the plan chooses the precision; fidelity='mixed' keeps the script's", stacklevel=3)
         if ("micro_batch_size" not in trainer_pins and args.gradient_accumulation_steps > 1
                 and micro_batch_refusal(trainer.model) is not None):
             # the script already splits its batch, and its BatchNorm statistics come from its own micro-batch: that

@@ -250,3 +250,13 @@ def test_the_collated_sample_of_rows_of_several_lengths_is_padded_where_a_micro_
     batch = _collated_batch(trainer, rows, 4)
     assert batch["input_ids"].shape == (4, 9)
     assert batch["attention_mask"].sum(1).tolist()[:2] == [9, 3]
+
+
+def test_a_scripts_fp16_that_the_fidelity_does_not_allow_is_named_and_the_plan_chooses(tmp_path):
+    """fp16 autocast needs fidelity='mixed': under the default fidelity the script's fp16 is not kept silently."""
+    trainer = _trainer(tmp_path, _llama(), _data(), steps=1)
+    trainer.args.fp16 = True  # as a GPU script sets it (the CPU Trainer refuses fp16 when it is built)
+    with pytest.warns(UserWarning, match=r"ask for fp16_autocast, which the plan's fidelity does not allow.*"
+                                         r"fidelity='mixed'"):
+        wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200")
+    assert wrapped.memopt_plan.strategy.precision != "fp16_autocast" and wrapped.args.fp16 is False
