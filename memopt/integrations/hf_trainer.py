@@ -123,10 +123,11 @@ class MemoptCallback:
 
 def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -> Any:
     """The sample to plan for: the user's, else shapes (a model memopt makes batches for: a causal, masked or
-    seq2seq LM, an image classifier, whose loss is the model's own) sized by the dataset's longest rows, else one
-    global batch of the Trainer's own data, collated by its collator from its longest rows (any model: a
-    classifier, a model with extra inputs; and any Trainer with a loss of its own, ``own_loss``: TRL's
-    ``SFTTrainer.compute_loss`` reads the ``attention_mask`` and ``completion_mask`` its collator makes)."""
+    seq2seq LM, an image classifier, whose loss is the model's own, fed rows of one length) sized by the dataset's
+    longest rows, else one global batch of the Trainer's own data, collated by its collator from its longest rows:
+    any model (a classifier, a model with extra inputs), any Trainer with a loss of its own (``own_loss``: TRL's
+    ``SFTTrainer.compute_loss`` reads the ``attention_mask`` and ``completion_mask`` its collator makes), and rows
+    of several lengths (padded by the collator: its masks are traced)."""
     args = trainer.args
     world = max(1, getattr(args, "world_size", 1))
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
@@ -139,6 +140,14 @@ def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -
         batch = _collated_batch(trainer, dataset, global_batch)
         if batch is not None:
             return batch
+    if not sample and _rows_of_several_lengths(dataset):
+        # the collator pads them, and a padded batch runs another attention path than shapes (unpadded) describe
+        try:
+            batch = _collated_batch(trainer, dataset, global_batch)
+        except ValueError:  # a collator that cannot pad them: the run fails on its own; plan from shapes
+            batch = None
+        if batch is not None:
+            return batch
     extra = dict(sample or {})
     if "seq_len" not in extra and dataset is not None and hasattr(dataset, "__len__") and len(dataset) > 0:
         longest = longest_rows(dataset, ("input_ids", "labels"))
@@ -148,6 +157,13 @@ def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -
             if longest.get("labels") and spec is not None and spec.family == "seq2seq_lm":
                 extra.setdefault("decoder_seq_len", longest["labels"])
     return {"batch_size": global_batch, **extra}
+
+
+def _rows_of_several_lengths(dataset: Any) -> bool:
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) < 2:
+        return False
+    shortest, longest = row_length_ranges(dataset, ("input_ids",)).get("input_ids", (0, 0))
+    return shortest < longest
 
 
 #: rows read one by one where the dataset has no columnar store to measure (spread over the whole dataset)
@@ -171,15 +187,21 @@ def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
     """The longest value of each of ``keys`` over the dataset's rows (a Trainer shuffles: any row can come in any
     batch, and the plan must hold for the longest). A Hugging Face ``datasets.Dataset`` is measured whole from its
     Arrow columns; any other sized dataset on up to ``ROWS_READ`` rows spread over it."""
+    return {key: longest for key, (_, longest) in row_length_ranges(dataset, keys).items()}
+
+
+def row_length_ranges(dataset: Any, keys: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """The shortest and longest value of each of ``keys`` over the dataset's rows, read as :func:`longest_rows`
+    reads them."""
     table = getattr(dataset, "data", None)
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, int]] = {}
     if hasattr(table, "column_names") and getattr(dataset, "_indices", None) is None:
         import pyarrow.compute as pc
 
         for key in keys:
             if key in table.column_names:
                 lengths = pc.list_value_length(table.column(key))
-                out[key] = int(pc.max(lengths).as_py() or 0)
+                out[key] = (int(pc.min(lengths).as_py() or 0), int(pc.max(lengths).as_py() or 0))
         if out:
             return out
     for i in _row_indices(len(dataset)):
@@ -188,7 +210,9 @@ def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
             return out
         for key in keys:
             if key in row:
-                out[key] = max(out.get(key, 0), _length(row[key]))
+                n = _length(row[key])
+                low, high = out.get(key, (n, n))
+                out[key] = (min(low, n), max(high, n))
     return out
 
 

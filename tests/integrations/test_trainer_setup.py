@@ -260,3 +260,40 @@ def test_a_scripts_fp16_that_the_fidelity_does_not_allow_is_named_and_the_plan_c
                                          r"fidelity='mixed'"):
         wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200")
     assert wrapped.memopt_plan.strategy.precision != "fp16_autocast" and wrapped.args.fp16 is False
+
+
+def test_a_trainer_fed_rows_of_several_lengths_is_planned_from_its_padded_batches(tmp_path):
+    """A padding collator makes masks that take another attention path than the unpadded batches shapes describe:
+    such a Trainer is planned from its own collated batch (the prediction of ``memopt.plan`` on that batch, not
+    the one on shapes), and trains as the script does."""
+    from tokenizers import Tokenizer, models
+    from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
+
+    from memopt.integrations.hf_trainer import _collated_batch
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
+                                  pad_token="<pad>")
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for n in [64, 20, 33, 64, 47, 12, 58, 30] * 4:
+        ids = torch.randint(3, 256, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "attention_mask": [1] * n, "labels": ids})
+
+    def trainer(path):
+        # SGD: Adam's normalized update would turn float-summation noise in near-zero gradients into lr-sized steps
+        t = _trainer(path, _llama(), rows, steps=2, per_device=8, optim="sgd")
+        t.data_collator = DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
+        return t
+
+    pins = {**PINS, "optimizer": "sgd"}
+    plain = trainer(tmp_path / "a")
+    plain.train()
+    wrapped = memopt.wrap(trainer(tmp_path / "b"), budget="4GB", hardware="h200", pins=pins)
+    padded = _collated_batch(wrapped, rows, 8)
+    assert (padded["attention_mask"] == 0).any()
+    on_batch = memopt.plan(_llama(), padded, budget="4GB", hardware="h200", pins=pins)
+    on_shapes = memopt.plan(_llama(), {"batch_size": 8, "seq_len": 64}, budget="4GB", hardware="h200", pins=pins)
+    assert wrapped.memopt_plan.prediction == on_batch.prediction != on_shapes.prediction
+    wrapped.train()
+    for k, v in plain.model.named_parameters():
+        torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
