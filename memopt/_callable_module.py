@@ -8,6 +8,7 @@ callable keeps both true whatever is imported, in any order.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -24,4 +25,12 @@ def make_callable(module_name: str, function: Callable[..., Any]) -> None:
             return function(*args, **kwargs)
 
     _CallableModule.__call__.__doc__ = function.__doc__
+    # help() and inspect.signature(memopt.plan) show the function's parameters and its typed return (Plan, ...)
+    try:
+        signature = inspect.signature(function, eval_str=True)
+    except NameError:  # an annotation named only for type checkers: shown as written
+        signature = inspect.signature(function)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    _CallableModule.__call__.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[self_param, *signature.parameters.values()])
     module.__class__ = _CallableModule

@@ -161,3 +161,17 @@ def test_the_default_hardware_is_the_same_everywhere_and_said():
         make_plan("tiny_llama", SAMPLE, budget="8GB", hardware="auto")
     for name in ("MemoptOOMError", "MemoptLeakError", "InputError"):
         assert name in memopt.__all__ and hasattr(memopt, name)
+
+
+def test_the_entry_points_show_their_parameters_and_typed_returns():
+    """``memopt.plan``, ``memopt.profile`` and ``memopt.estimate`` are modules that are called: help() and
+    ``inspect.signature`` show the function they call, not ``(*args, **kwargs) -> Any``."""
+    import inspect
+
+    from memopt.apply.wrapped import Wrapped
+
+    returns = {name: inspect.signature(getattr(memopt, name)).return_annotation for name in ("plan", "profile",
+                                                                                             "estimate")}
+    assert returns == {"plan": memopt.Plan, "profile": memopt.Profile, "estimate": memopt.Estimate}
+    assert "Wrapped" in str(inspect.signature(memopt.wrap).return_annotation) and Wrapped is memopt.Wrapped
+    assert list(inspect.signature(memopt.plan).parameters)[:3] == ["model", "sample", "budget"]
