@@ -140,7 +140,10 @@ def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -
         batch = _collated_batch(trainer, dataset, global_batch)
         if batch is not None:
             return batch
-    if not sample and _rows_of_several_lengths(dataset):
+    sized = dataset is not None and hasattr(dataset, "__len__") and len(dataset) > 0
+    ranges = row_length_ranges(dataset, ("input_ids", "labels")) if sized else {}  # one pass over the rows
+    shortest, longest_ids = ranges.get("input_ids", (0, 0))
+    if not sample and shortest < longest_ids:
         # the collator pads them, and a padded batch runs another attention path than shapes (unpadded) describe
         try:
             batch = _collated_batch(trainer, dataset, global_batch)
@@ -149,21 +152,14 @@ def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -
         if batch is not None:
             return batch
     extra = dict(sample or {})
-    if "seq_len" not in extra and dataset is not None and hasattr(dataset, "__len__") and len(dataset) > 0:
-        longest = longest_rows(dataset, ("input_ids", "labels"))
+    if "seq_len" not in extra and sized:
+        longest = {key: high for key, (_, high) in ranges.items()}
         if longest.get("input_ids"):
             extra["seq_len"] = longest["input_ids"]
             spec = spec_from_module(trainer.model)
             if longest.get("labels") and spec is not None and spec.family == "seq2seq_lm":
                 extra.setdefault("decoder_seq_len", longest["labels"])
     return {"batch_size": global_batch, **extra}
-
-
-def _rows_of_several_lengths(dataset: Any) -> bool:
-    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) < 2:
-        return False
-    shortest, longest = row_length_ranges(dataset, ("input_ids",)).get("input_ids", (0, 0))
-    return shortest < longest
 
 
 #: rows read one by one where the dataset has no columnar store to measure (spread over the whole dataset)
@@ -183,16 +179,10 @@ def _length(value: Any) -> int:
     return len(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else 0
 
 
-def longest_rows(dataset: Any, keys: tuple[str, ...]) -> dict[str, int]:
-    """The longest value of each of ``keys`` over the dataset's rows (a Trainer shuffles: any row can come in any
-    batch, and the plan must hold for the longest). A Hugging Face ``datasets.Dataset`` is measured whole from its
-    Arrow columns; any other sized dataset on up to ``ROWS_READ`` rows spread over it."""
-    return {key: longest for key, (_, longest) in row_length_ranges(dataset, keys).items()}
-
-
 def row_length_ranges(dataset: Any, keys: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """The shortest and longest value of each of ``keys`` over the dataset's rows, read as :func:`longest_rows`
-    reads them."""
+    """The shortest and longest value of each of ``keys`` over the dataset's rows (a Trainer shuffles: any row can
+    come in any batch, and the plan must hold for the longest). A Hugging Face ``datasets.Dataset`` is measured
+    whole from its Arrow columns; any other sized dataset on up to ``ROWS_READ`` rows spread over it."""
     table = getattr(dataset, "data", None)
     out: dict[str, tuple[int, int]] = {}
     if hasattr(table, "column_names") and getattr(dataset, "_indices", None) is None:

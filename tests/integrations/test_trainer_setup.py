@@ -150,16 +150,16 @@ def test_the_trainer_is_planned_for_the_datasets_longest_row_wherever_it_is(tmp_
     """A Trainer shuffles: the longest row, far past the first few hundred, can come in any batch. The plan read
     the first 256 rows' lengths and a later, longer batch ran past it (a T5 translation run on the H200 ran out of
     memory under memopt's cap in its second epoch)."""
-    from memopt.integrations.hf_trainer import ROWS_READ, longest_rows
+    from memopt.integrations.hf_trainer import ROWS_READ, row_length_ranges
 
     rows = _rows({700: (40, 8)}, 1000)
-    assert longest_rows(rows, ("input_ids", "labels")) == {"input_ids": 40, "labels": 8}
+    assert row_length_ranges(rows, ("input_ids", "labels")) == {"input_ids": (8, 40), "labels": (8, 8)}
     trainer = _trainer(tmp_path, _llama(), rows, steps=1)
     wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins=PINS)
     assert wrapped.memopt_plan.model["sample"]["seq_len"] == 40
     # beyond ROWS_READ rows, a spread of rows over the whole dataset is read, its first and last included
     many = _rows({0: (12, 8), 3 * ROWS_READ - 1: (30, 50)}, 3 * ROWS_READ)
-    assert longest_rows(many, ("input_ids", "labels")) == {"input_ids": 30, "labels": 50}
+    assert row_length_ranges(many, ("input_ids", "labels")) == {"input_ids": (8, 30), "labels": (8, 50)}
 
 
 def test_a_seq2seq_trainer_is_planned_for_its_longest_labels(tmp_path):
