@@ -4,6 +4,7 @@ checkpoint loaded through DeepSpeed's universal format, two steps)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -12,14 +13,30 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def main(mode: str, ckpt: str, out: str) -> None:
-    import torch
+    """The run between joining the gloo group and leaving it. What the run made (the engine, its pending work
+    handles) is freed when it returns, while the interpreter is whole: freed at interpreter exit instead, a gloo work
+    object takes the GIL of a finalizing interpreter and the rank aborts with "terminate called without an active
+    exception" (pytorch/pytorch#179291; seen in CI, as in ``_workers._in_group``)."""
     import torch.distributed as dist
 
     if mode == "resume":
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_PORT", sys.argv[4])
     dist.init_process_group("gloo")
+    try:
+        _run(mode, ckpt, out)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(mode: str, ckpt: str, out: str) -> None:
     import deepspeed.ops
+    import torch
+    import torch.distributed as dist
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built shared-memory allreduce
     sys.path.insert(0, os.path.dirname(__file__))
@@ -54,10 +71,6 @@ def main(mode: str, ckpt: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    # every rank past its collectives before any tears the group down: a rank that left first aborted its peer once
-    # ("terminate called without an active exception", a CI run on 2 busy cores)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
