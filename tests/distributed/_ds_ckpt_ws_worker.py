@@ -4,7 +4,6 @@ checkpoint loaded through DeepSpeed's universal format, two steps)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -16,21 +15,17 @@ def main(mode: str, ckpt: str, out: str) -> None:
     """The run between joining the gloo group and leaving it. What the run made (the engine, its pending work
     handles) is freed when it returns, while the interpreter is whole: freed at interpreter exit instead, a gloo work
     object takes the GIL of a finalizing interpreter and the rank aborts with "terminate called without an active
-    exception" (pytorch/pytorch#179291; seen in CI, as in ``_workers._in_group``)."""
+    exception" (pytorch/pytorch#179291; seen in CI): ``_workers.run_then_leave_group``."""
     import torch.distributed as dist
 
     if mode == "resume":
         os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_PORT", sys.argv[4])
     dist.init_process_group("gloo")
-    try:
-        _run(mode, ckpt, out)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    sys.path.insert(0, os.path.dirname(__file__))
+    import _workers as w
+
+    w.run_then_leave_group(_run, mode, ckpt, out)
 
 
 def _run(mode: str, ckpt: str, out: str) -> None:
@@ -39,7 +34,6 @@ def _run(mode: str, ckpt: str, out: str) -> None:
     import torch.distributed as dist
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built shared-memory allreduce
-    sys.path.insert(0, os.path.dirname(__file__))
     import _workers as w
 
     from memopt.distributed.deepspeed_engine import build_deepspeed

@@ -153,19 +153,24 @@ def _in_group(body: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(body)
     def rank_main(rank: int, world: int, port: int, *args: Any) -> None:
-        import torch.distributed as dist
-
         _init(rank, world, port)
-        try:
-            body(rank, world, port, *args)
-        except BaseException:
-            dist.destroy_process_group()
-            raise
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        run_then_leave_group(body, rank, world, port, *args)
 
     return rank_main
+
+
+def run_then_leave_group(body: Callable[..., None], *args: Any) -> None:
+    """``body(*args)`` in a joined gloo group, then the group left with its peers (see :func:`_in_group`)."""
+    import torch.distributed as dist
+
+    try:
+        body(*args)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _fsdp_step(rank: int, world: int, *, offload: bool = False, micro_batch: int = 2, lr: float = 1e-2,
