@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from memopt.step.batch import leaves
+from memopt.step.batch import indivisible, leaves
 
 __all__ = ["ShapeWatch", "planned_sample_shapes"]
 
@@ -23,7 +23,14 @@ def planned_sample_shapes(batch_factory: Any) -> dict[str, tuple[int, ...]]:
         batch = batch_factory(1, "meta")
     except Exception:  # a factory that needs a real device: the watch is advice, never a failure of its own
         return {}
-    return {path: tuple(t.shape[1:]) for path, t in leaves(batch) if t.dim() > 0}
+    return _per_sample_shapes(batch)
+
+
+def _per_sample_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape past dim 0; the whole shape in an indivisible batch (one sample: a graph's node count
+    is what grows)."""
+    cut = 0 if indivisible(batch) else 1
+    return {path: tuple(t.shape[cut:]) for path, t in leaves(batch) if t.dim() > 0}
 
 
 class ShapeWatch:
@@ -37,15 +44,16 @@ class ShapeWatch:
         if not self.planned:
             return
         grown = []
-        for path, t in leaves(batch):
-            want, have = self.planned.get(path), tuple(t.shape[1:])
+        shapes = dict(leaves(batch))
+        for path, have in _per_sample_shapes(batch).items():
+            want = self.planned.get(path)
             if want is not None and len(want) == len(have) and any(h > w for h, w in zip(have, want)):
-                grown.append((path, tuple(t.shape), want))
-        new = [g for g in grown if (g[0], g[1][1:]) not in self._said]
+                grown.append((path, have, tuple(shapes[path].shape), want))
+        new = [g for g in grown if g[:2] not in self._said]
         if not new:
             return
-        self._said.update((path, shape[1:]) for path, shape, _ in new)
-        what = "; ".join(f"{path} {shape} (planned per sample {want})" for path, shape, want in new)
+        self._said.update(g[:2] for g in new)
+        what = "; ".join(f"{path} {shape} (planned per sample {want})" for path, _, shape, want in new)
         warnings.warn(
             f"this batch is larger per sample than the one the plan was made for: {what}; its activations may exceed "
             "the plan (on a GPU, an out-of-memory error that the guard recovers from). Plan for the largest batch "

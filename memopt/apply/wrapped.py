@@ -29,7 +29,7 @@ from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model
-from memopt.step.batch import check_batch
+from memopt.step.batch import check_batch, indivisible
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -312,6 +312,11 @@ class Wrapped:
         ``memopt.step.batch``); returns its mean loss."""
         check_batch(batch)
         self._require_wrapped()
+        whole = indivisible(batch)
+        if whole and self.plan is not None and not self.plan.model.get("sample", {}).get("indivisible"):
+            raise ValueError(f"{whole.split(', so')[0]}, but the plan was made for a batch of "
+                             f"{self.plan.global_batch} samples along dim 0: step batches shaped as the planned one, "
+                             "or wrap again with sample=<this batch>")
         if self._prepared is None and self._sharded is None:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)

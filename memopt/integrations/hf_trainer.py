@@ -39,6 +39,7 @@ from memopt.plan.context import resolve_hardware, resolve_policy
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model, spec_from_module
+from memopt.step.batch import indivisible, is_batch, tensors
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -301,6 +302,10 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
         step = trainer_loss(trainer)  # a subclass's compute_loss, a compute_loss_func, label smoothing
         sample = _sample_from_trainer(trainer, sample, own_loss=step is not None)
+        whole = indivisible(sample) if is_batch(sample) and tensors(sample) else None
+        if whole:  # the Trainer's batch size counts rows: planned as one sample, its split would be another batch
+            raise ValueError(f"{whole.split(', so')[0]}: a Trainer's batch must hold its rows along dim 0 for memopt "
+                             "to keep the Trainer's batch size; collate rows batch-first")
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             hardware = resolve_hardware(hardware)
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache,

@@ -164,12 +164,16 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
         raise ValueError(f"invalid sample batch: {exc}") from None
     template = batch_contract.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
     fill = batch_contract.integer_maxima(sample)
+    whole = batch_contract.indivisible(sample)
 
     def factory(b: int, device: str) -> Any:
-        return batch_contract.like(template, b, device, fill)
+        # an indivisible batch is one sample: every batch made is the whole one, whatever b
+        return batch_contract.like(template, None if whole else b, device, fill)
 
     tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_contract.leaves(sample)}  # for reports
     facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}
+    if whole:
+        facts["indivisible"] = whole
     if any(v is not None for v in fill):  # the values traced with: a profile made for other values is not this one
         facts["integer_maxima"] = fill
     return factory, facts, None
@@ -228,6 +232,8 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
                    torch_version=torch.__version__, moe=_moe_facts(module), vocab_size=_vocab_size(module),
                    engine_facts=_engine_facts(module), **facts)
     _record_micro_batch_refusal(prof, module)
+    if sample_dict.get("indivisible"):
+        prof.notes.append(str(sample_dict["indivisible"]))
     for stack in prof.stacks:
         if not stack["uniform_tail"]:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")

@@ -7,7 +7,9 @@ all accept the same batches.
 **A batch** is a tensor, or a tuple, list, dict or dataclass of batches (nested to any depth; a namedtuple, a
 ``BatchEncoding`` and a dataclass keep their types).
 Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
-and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every micro-batch.
+and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every micro-batch. A batch whose tensors
+disagree on dim 0 (a graph: node features beside a ``(2, edges)`` edge index) is ``indivisible``: one sample,
+trained whole.
 
 **The loss of one micro-batch** (``compute_loss``), first rule that applies:
 
@@ -44,8 +46,8 @@ from torch import nn
 from memopt.models.hf_task import hf_forward_kwargs, is_hf_model, peft_unwrapped
 
 __all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
-           "forward_kwargs", "is_batch", "leaves", "like", "scalar_loss", "shard", "split", "structure", "tensors",
-           "to_device", "token_labels", "tree_map"]
+           "forward_kwargs", "indivisible", "is_batch", "leaves", "like", "scalar_loss", "shard", "split", "structure",
+           "tensors", "to_device", "token_labels", "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -147,8 +149,8 @@ def tensors(batch: Any) -> list[torch.Tensor]:
     return [t for _, t in leaves(batch)]
 
 
-def batch_size(batch: Any) -> int:
-    """The number of samples: dim 0 of every tensor with a dimension (they must agree)."""
+def _sizes(batch: Any) -> dict[int, list[str]]:
+    """Dim 0 of every tensor with a dimension -> the tensors' paths (dense tensors only)."""
     sizes: dict[int, list[str]] = {}
     for path, t in leaves(batch):
         if t.layout != torch.strided:  # it cannot be cut into micro-batches by rows, nor traced as bytes
@@ -160,19 +162,35 @@ def batch_size(batch: Any) -> int:
         kinds = type(batch).__name__
         raise ValueError(f"the batch ({kinds}) holds no tensor with a batch dimension: pass a tensor, or a tuple, "
                          "list or dict of tensors whose first dimension is the samples")
-    if len(sizes) > 1:
+    if len(sizes) > 1 and any("cu_seq_lens" in path for paths in sizes.values() for path in paths):
+        # planned whole, a packed batch would lose the rows the user's batch size counts (a Trainer's collator
+        # packs per_device_train_batch_size rows into one)
         listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
-        if any("cu_seq_lens" in path for paths in sizes.values() for path in paths):
-            raise ValueError(f"the batch is packed without padding ({listed}): its sequences are joined in one row "
-                             "and cu_seq_lens marks where each starts, so it has no samples along dim 0 to plan "
-                             "micro-batches by; memopt plans batches of padded rows: train with padding_free=False "
-                             "(TRL: packing=False, or packing_strategy='wrapped')")
-        raise ValueError(f"the batch's tensors disagree on the number of samples (dim 0): {listed}; every tensor "
-                         "must hold the samples along its first dimension (a tensor that is not per sample, such as "
-                         "class weights, belongs in your loss_fn or training_step, not in the batch; a sequence-first "
-                         "tensor, time along dim 0 as nn.LSTM and nn.Transformer take by default, goes in "
-                         "batch-first and is transposed inside training_step)")
-    return next(iter(sizes))
+        raise ValueError(f"the batch is packed without padding ({listed}): its sequences are joined in one row "
+                         "and cu_seq_lens marks where each starts, so it has no samples along dim 0 to plan "
+                         "micro-batches by; memopt plans batches of padded rows: train with padding_free=False "
+                         "(TRL: packing=False, or packing_strategy='wrapped')")
+    return sizes
+
+
+def indivisible(batch: Any) -> str | None:
+    """Why ``batch`` cannot be split along dim 0, or None. Its tensors disagree on dim 0 (a graph's node features
+    beside its ``(2, edges)`` edge index, a sequence-first input beside per-sample targets): no dim 0 holds the
+    samples, so the batch is one indivisible sample, trained whole (one micro-batch, one rank's batch)."""
+    sizes = _sizes(batch)
+    if len(sizes) == 1:
+        return None
+    listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
+    return (f"the batch's tensors disagree on dim 0 ({listed}), so it has no samples to split into micro-batches "
+            "and is trained whole, as one sample; to let memopt split it, give every tensor the samples along dim 0 "
+            "(a tensor that is not per sample, such as class weights, belongs in your loss_fn or training_step; a "
+            "sequence-first tensor goes in batch-first and is transposed inside training_step)")
+
+
+def batch_size(batch: Any) -> int:
+    """The number of samples: dim 0 of every tensor with a dimension; 1 for an ``indivisible`` batch."""
+    sizes = _sizes(batch)
+    return next(iter(sizes)) if len(sizes) == 1 else 1
 
 
 def _slice(batch: Any, lo: int, hi: int) -> Any:
@@ -183,12 +201,18 @@ def split(batch: Any, micro_batch_size: int) -> list[Any]:
     """Micro-batches of ``micro_batch_size`` samples (the last one may be smaller), same structure as ``batch``."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if indivisible(batch):
+        return [batch]
     total = batch_size(batch)
     return [_slice(batch, lo, lo + micro_batch_size) for lo in range(0, total, micro_batch_size)]
 
 
 def shard(batch: Any, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s contiguous share of a global batch (its samples must divide by ``world_size``)."""
+    why = indivisible(batch) if world_size > 1 else None
+    if why:
+        raise ValueError(f"{why.split(', so')[0]}: it cannot be shared over {world_size} ranks; give every tensor "
+                         "the samples along dim 0, or train on one GPU")
     total = batch_size(batch)
     if total % world_size:
         raise ValueError(f"the global batch of {total} samples does not split evenly over {world_size} ranks")
@@ -468,15 +492,16 @@ def integer_maxima(batch: Any) -> list[int | None]:
     return [top(t) for t in tensors(batch)]
 
 
-def like(batch: Any, size: int, device: str | torch.device, fill: list[int | None] | None = None) -> Any:
-    """A batch of ``size`` samples with ``batch``'s structure, dtypes and per-sample shapes, created on ``device``:
-    random floats; each integer tensor filled with its ``fill`` value (``integer_maxima`` of the real batch: valid
-    class ids and never -100, so every label carries loss, and the longest of a batch's lengths, so a model that
-    trims its padding to ``lengths.max()`` is traced at the batch's length), or zeros without one; booleans false."""
+def like(batch: Any, size: int | None, device: str | torch.device, fill: list[int | None] | None = None) -> Any:
+    """A batch of ``size`` samples (None: the whole of ``batch``, every shape kept) with ``batch``'s structure,
+    dtypes and per-sample shapes, created on ``device``: random floats; each integer tensor filled with its ``fill``
+    value (``integer_maxima`` of the real batch: valid class ids and never -100, so every label carries loss, and the
+    longest of a batch's lengths, so a model that trims its padding to ``lengths.max()`` is traced at the batch's
+    length), or zeros without one; booleans false."""
     fills = iter(fill or [])
 
     def make(t: torch.Tensor) -> torch.Tensor:
-        shape = (size, *t.shape[1:]) if t.dim() > 0 else ()
+        shape = tuple(t.shape) if size is None else (size, *t.shape[1:]) if t.dim() > 0 else ()
         value = next(fills, None)
         if t.is_floating_point():
             return torch.randn(shape, device=device).to(t.dtype)

@@ -196,7 +196,7 @@ def test_split_and_move_keep_the_structure():
 
 
 @pytest.mark.parametrize("bad, words", [
-    ({"x": torch.zeros(4, 2), "y": torch.zeros(3)}, "disagree on the number of samples"),
+    ({"x": torch.zeros(4, 2), "y": torch.zeros(3)}, "disagree on dim 0 .*plan was made for a batch of 8 samples"),
     # TRL's padding-free packing: every sequence in one row, cu_seq_lens_q marking where each starts
     ({"input_ids": torch.zeros(1, 40, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 9, 25, 40])},
      r"packed without padding .*padding_free=False"),
@@ -528,3 +528,66 @@ def test_a_model_output_that_is_not_a_loss_is_named_by_its_shape_and_the_fix_wor
         _wrap(ReturnsLossOfShapeOne(), {"x": x, "y": y}, 8)
     w = _wrap(ReturnsLossOfShapeOne(), {"x": x, "y": y}, 4, loss_fn=lambda out, b: out)
     assert w.step({"x": x, "y": y}) > 0
+
+
+class Graph(nn.Module):
+    """A graph layer over a whole graph: node features (nodes, d) and an edge index (2, edges)."""
+
+    def __init__(self, d: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = torch.tanh(layer(x))
+            x = x + torch.zeros_like(h).index_add_(0, edge_index[1], h[edge_index[0]])
+        return self.head(x)
+
+
+def _graph(nodes: int, edges: int, seed: int = 0, d: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(nodes, d, generator=g), "edge_index": torch.randint(0, nodes, (2, edges), generator=g),
+            "y": torch.randint(0, 5, (nodes,), generator=g)}
+
+
+def _node_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(b["x"], b["edge_index"]), b["y"])
+
+
+def test_a_graph_batch_whose_tensors_disagree_on_dim_0_is_one_sample_trained_whole():
+    """Node features beside a (2, edges) index: no dim 0 holds samples, so the batch is planned and trained whole
+    (the plan says why), as the unwrapped loop trains it; checkpointing still applies to its blocks."""
+    torch.manual_seed(0)
+    model = Graph()
+    ref = copy.deepcopy(model)
+    batches = [_graph(10, 30, seed=i) for i in range(3)]
+    assert B.indivisible(batches[0]) and B.batch_size(batches[0]) == 1
+    assert B.split(batches[0], 1) == [batches[0]]
+    with pytest.raises(ValueError, match="disagree on dim 0.*cannot be shared over 2 ranks"):
+        B.shard(batches[0], 0, 2)
+    wrapped = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu",
+                          use_cache=False, pins={"precision": "fp32", "checkpointing": "full"},
+                          optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), training_step=_node_loss)
+    assert wrapped.plan.global_batch == 1 and wrapped.plan.strategy.micro_batch_size == 1
+    assert any("disagree on dim 0" in n and "trained whole" in n for n in wrapped.plan.notes)
+    got = [wrapped.step(b) for b in batches]
+    _assert_same(wrapped, ref, got, _reference(ref, batches, _node_loss))
+    with pytest.warns(UserWarning, match=r"larger per sample.*x \(14, 16\) \(planned per sample \(10, 16\)\)"):
+        wrapped.step(_graph(14, 30))  # a larger graph is a larger sample: more memory than planned
+
+
+def test_a_graph_batch_is_estimated_as_its_simulation():
+    """The profile traces the whole graph (every fake batch is the whole one): its estimate equals the simulated
+    step of that batch."""
+    from memopt.profile.cuda_semantics import kernel_policy_for
+    from memopt.profile.simulate import simulate_step
+    from memopt.strategy import Strategy
+
+    model, sample = Graph(d=64), _graph(300, 2000, d=64)
+    prof = memopt.profile(model, sample, hardware="h100_80gb", training_step=_node_loss, use_cache=False)
+    strategy = Strategy(precision="fp32", micro_batch_size=1, grad_accum_steps=1)
+    est = memopt.estimate(prof, strategy, num_steps=2)
+    sim = simulate_step(model, lambda d: B.to_device(sample, d), strategy, loss_fn=B.TrainingStep(_node_loss),
+                        policy=kernel_policy_for(memopt.load_hardware("h100_80gb")), num_steps=2)
+    assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.01)
