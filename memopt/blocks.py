@@ -5,6 +5,11 @@ A *stack* is an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` of two
 layer id, "0" to "n-1", so that pipeline stages can drop layers without renumbering; a ``ModuleDict`` keyed by name,
 of experts or task heads, is a collection the forward picks from, not a stack).
 Stacks nested inside another stack's blocks are not reported.
+
+A container that mixes other layers with its blocks (``nn.Sequential(embedding, *blocks, norm, head)``, torchvision's
+MobileNet ``features``) holds a stack in each *run*: two or more consecutive distinct children of one class, each
+a module of modules with parameters, none holding a stack of its own (a run of stages, each a stack of blocks, is
+left to its stages' stacks). Such a stack's ``path`` names the run (``"net[1:5]"``); ``container_path`` the container.
 """
 
 from __future__ import annotations
@@ -26,13 +31,24 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 class BlockStack:
     """One list of repeated blocks inside a model."""
 
-    path: str  # dotted name of the list, e.g. "model.layers"
+    path: str  # dotted name of the list, e.g. "model.layers"; a run in a mixed container: "net[1:5]"
     parent: nn.Module
     attr: str
     blocks: tuple[nn.Module, ...]
+    start: int | None = None  # a run's first position in its container; None: the blocks are the whole container
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    @property
+    def container_path(self) -> str:
+        """The dotted name of the container that holds the blocks."""
+        return self.path.partition("[")[0]
+
+    def block_name(self, i: int) -> str:
+        """The dotted name of block ``i`` of the stack."""
+        index = str(i + (self.start or 0))
+        return f"{self.container_path}.{index}" if self.container_path else index
 
     @property
     def block_class(self) -> str:
@@ -101,6 +117,31 @@ def _is_stack(container: nn.Module) -> bool:
     return all(module_class(c) is cls for c in children[1:])
 
 
+def _runs(container: nn.Module) -> list[tuple[int, int]]:
+    """The runs ``[start, end)`` of a list or sequential that is not a stack as a whole (see the module's doc)."""
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 3:
+        return []
+    children = list(container)
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(children) + 1):
+        if i < len(children) and module_class(children[i]) is module_class(children[start]):
+            continue
+        if i - start >= 2 and _is_run(children[start:i]):
+            runs.append((start, i))
+        start = i
+    return runs
+
+
+def _is_run(blocks: list[nn.Module]) -> bool:
+    """Distinct modules of modules with parameters, none holding a stack of its own."""
+    if len({id(b) for b in blocks}) < len(blocks) or not any(True for _ in blocks[0].parameters()):
+        return False
+    if not all(any(True for _ in b.children()) for b in blocks):
+        return False  # single layers (two convolutions in a row) are layers, not blocks
+    return not any(find_block_stacks(b) for b in blocks)
+
+
 def find_block_stacks(model: nn.Module) -> list[BlockStack]:
     """The outermost stacks of repeated blocks, in module order."""
     stacks: list[BlockStack] = []
@@ -108,11 +149,17 @@ def find_block_stacks(model: nn.Module) -> list[BlockStack]:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in inside):
             continue
+        parent_name, _, attr = name.rpartition(".")
         if _is_stack(module):
-            parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             stacks.append(BlockStack(path=name, parent=parent, attr=attr, blocks=tuple(_children(module))))
             inside.append(name)
+            continue
+        for lo, hi in _runs(module):
+            parent = model.get_submodule(parent_name) if parent_name else model
+            stacks.append(BlockStack(path=f"{name}[{lo}:{hi}]", parent=parent, attr=attr,
+                                     blocks=tuple(list(module)[lo:hi]), start=lo))
+            inside.extend(f"{name}.{i}" if name else str(i) for i in range(lo, hi))
     return stacks
 
 

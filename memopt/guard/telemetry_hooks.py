@@ -22,7 +22,7 @@ def top_modules(model: nn.Module, max_depth: int = 2) -> list[tuple[str, nn.Modu
     """The repeated blocks (``memopt.blocks``) and the deepest modules with parameters of depth <= ``max_depth``
     outside them (embeddings, final norm, head), in the model's order."""
     stacks = find_block_stacks(model)
-    blocks = {id(b): f"{s.path}.{i}" for s in stacks for i, b in enumerate(s.blocks)}
+    blocks = {id(b): s.block_name(i) for s in stacks for i, b in enumerate(s.blocks)}
     containers = [s.path for s in stacks]
 
     def related(name: str) -> bool:  # a block list, inside one, or an ancestor of one

@@ -41,7 +41,8 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #     are outstanding (memopt.techniques.activation_offload)
 # 13: the profile refuses micro-batching for a training forward that writes persistent buffers
 #     (memopt.profile.sample_axis_probe)
-TRACE_REVISION = 13
+# 14: a run of blocks inside a container that mixes other layers with them is a stack (memopt.blocks)
+TRACE_REVISION = 14
 
 
 def cache_dir() -> Path:

@@ -151,3 +151,74 @@ def test_a_module_dict_of_layers_is_a_stack_checkpointed_exactly_and_estimated_a
     sim = simulate_step(model, lambda d: prof._batch_factory(8, d), s, loss_fn=loss_fn,
                         policy=kernel_policy_for(memopt.load_hardware("h200")), num_steps=3)
     assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.005)
+
+
+class _MixedSequential(nn.Module):
+    """``nn.Sequential(input layer, *blocks, norm)`` before a head, run as a whole or read by position (the norm past
+    the blocks: the fake copy, which keeps a few blocks, must then hold the container whole)."""
+
+    def __init__(self, n: int = 7, by_index: bool = False) -> None:
+        super().__init__()
+        self.by_index = by_index
+        self.net = nn.Sequential(nn.Linear(16, 16), *[_Block() for _ in range(n)], nn.LayerNorm(16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_index:  # the norm read by its position, past the blocks
+            for i in range(len(self.net) - 1):
+                x = self.net[i](x)
+            x = self.net[len(self.net) - 1](x)
+        else:
+            x = self.net(x)
+        return self.head(x.mean(1))
+
+
+def test_a_run_of_blocks_in_a_mixed_container_is_a_stack() -> None:
+    """A container that mixes other layers with its blocks holds a stack in each run of two or more blocks of one
+    class; a run of single layers, or of stages that hold stacks themselves, is not one."""
+    (stack,) = find_block_stacks(_MixedSequential())
+    assert stack.path == "net[1:8]" and stack.container_path == "net" and len(stack) == 7
+    assert stack.block_name(0) == "net.1" and stack.block_name(6) == "net.7"
+    two_runs = nn.Sequential(nn.Linear(16, 16), _Block(), _Block(), nn.LayerNorm(16), _Block(), _Block(), _Block())
+    assert [(s.path, len(s)) for s in find_block_stacks(two_runs)] == [("[1:3]", 2), ("[4:7]", 3)]
+    layers = nn.Sequential(nn.Embedding(9, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.ReLU())
+    assert find_block_stacks(layers) == []
+    stages = nn.Sequential(nn.Linear(16, 16), *[nn.Sequential(_Block(), _Block()) for _ in range(3)], nn.ReLU())
+    assert [s.path for s in find_block_stacks(stages)] == ["1", "2", "3"]  # each stage is a stack of its blocks
+
+
+@pytest.mark.parametrize("by_index", [False, True], ids=["in_order", "by_index"])
+def test_blocks_in_a_mixed_sequential_are_checkpointed_exactly_and_estimated_as_simulated(by_index: bool) -> None:
+    from memopt.profile.cuda_semantics import kernel_policy_for
+    from memopt.profile.simulate import simulate_step
+    from memopt.strategy import Checkpointing, Strategy
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 12, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(out: torch.Tensor, batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, batch[1])
+
+    def run(pins: dict) -> list[float]:
+        torch.manual_seed(3)
+        w = memopt.wrap(_MixedSequential(by_index=by_index), budget="10GB", sample=batches[0], hardware="h200",
+                        optimizer="sgd", lr=0.05, loss_fn=loss_fn, guard=False, autotune=False, use_cache=False,
+                        pins={"precision": "fp32", "micro_batch_size": 8, **pins})
+        if pins["checkpointing"] != "none":
+            assert w.plan.strategy.checkpointing.mode == pins["checkpointing"]
+        return [w.step(b) for b in batches]
+
+    plain = run({"checkpointing": "none"})
+    for pins in ({"checkpointing": "full", "checkpoint_blocks": 7}, {"checkpointing": "full", "checkpoint_blocks": 3},
+                 {"checkpointing": "selective"}):
+        assert run(pins) == pytest.approx(plain, rel=1e-6), pins
+    # traced at a few blocks (the head and norm kept around them) and repeated: the whole step's peak
+    model = _MixedSequential(by_index=by_index)
+    prof = memopt.profile(model, batches[0], hardware="h200", loss_fn=loss_fn, use_cache=False)
+    assert prof.full_block_counts == [7]
+    s = Strategy(precision="bf16_autocast", checkpointing=Checkpointing(mode="full", num_blocks=3), micro_batch_size=4,
+                 grad_accum_steps=2)
+    est = memopt.estimate(prof, s, num_steps=3)
+    sim = simulate_step(model, lambda d: prof._batch_factory(8, d), s, loss_fn=loss_fn,
+                        policy=kernel_policy_for(memopt.load_hardware("h200")), num_steps=3)
+    assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.005)
