@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["BlockStack", "block_signature", "find_block_stacks", "module_class", "persistent_buffers",
+__all__ = ["BlockStack", "block_signature", "find_block_stacks", "hookable", "module_class", "persistent_buffers",
            "tied_parameter_groups"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -98,6 +98,16 @@ def _children(container: nn.Module) -> list[nn.Module]:
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
 
 
+def hookable(module: nn.Module) -> bool:
+    """Whether ``module`` takes forward hooks: a ``torch.jit.script``-ed one (and each module inside it) does not,
+    so checkpointing, the trace's markers and the attribution pass it by."""
+    return not isinstance(module, torch.jit.ScriptModule)
+
+
+def _scripted(module: nn.Module) -> bool:
+    return not hookable(module)
+
+
 def _is_stack(container: nn.Module) -> bool:
     """Two or more distinct children of one class with parameters. The first block may own extra parameters
     (T5's relative position bias lives in block 0); ``BlockStack.uniform_tail`` says whether blocks
@@ -109,7 +119,7 @@ def _is_stack(container: nn.Module) -> bool:
         # keyed by name (experts, task heads): a collection the forward picks from, not layers run in order
         return False
     children = _children(container)
-    if len({id(c) for c in children}) < len(children):
+    if len({id(c) for c in children}) < len(children) or _scripted(children[0]):
         return False
     cls = module_class(children[0])
     if not any(True for _ in children[0].parameters()):  # parameter-free lists (activations, dropouts)
@@ -135,7 +145,8 @@ def _runs(container: nn.Module) -> list[tuple[int, int]]:
 
 def _is_run(blocks: list[nn.Module]) -> bool:
     """Distinct modules of modules with parameters, none holding a stack of its own."""
-    if len({id(b) for b in blocks}) < len(blocks) or not any(True for _ in blocks[0].parameters()):
+    if len({id(b) for b in blocks}) < len(blocks) or not any(True for _ in blocks[0].parameters()) \
+            or _scripted(blocks[0]):
         return False
     if not all(any(True for _ in b.children()) for b in blocks):
         return False  # single layers (two convolutions in a row) are layers, not blocks

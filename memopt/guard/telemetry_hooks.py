@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from memopt.blocks import find_block_stacks
+from memopt.blocks import find_block_stacks, hookable
 
 __all__ = ["ForwardHooksMixin", "top_modules"]
 
@@ -50,6 +50,8 @@ class ForwardHooksMixin:
             self._hooks.append(self.model.register_forward_hook(self._output_hook))
         if self.record_modules:
             for name, module in top_modules(self.model):
+                if not hookable(module):
+                    continue
                 self._hooks.append(module.register_forward_pre_hook(self._module_pre))
                 self._hooks.append(module.register_forward_hook(self._module_post(name)))
 

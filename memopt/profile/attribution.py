@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import hookable
+
 __all__ = [
     "BETWEEN",
     "EMBEDDING",
@@ -86,6 +88,8 @@ class ModuleAttribution:
         self._phase_fn = phase_fn
         self._handles: list[Any] = []
         for name, module in model.named_modules():
+            if not hookable(module):  # a scripted module's allocations go to the module that called it
+                continue
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True, always_call=True))
 

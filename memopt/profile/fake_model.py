@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memopt.blocks import BlockStack, find_block_stacks, tied_parameter_groups
 
-__all__ = ["TruncatedStackIndexed", "fake_copy", "truncate_stacks"]
+__all__ = ["TruncatedStackIndexed", "fake_copy", "grads_kept", "truncate_stacks"]
 
 
 class TruncatedStackIndexed(IndexError):
@@ -198,6 +198,20 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
         clone.to_empty(device=device)
     _retie(clone, groups)
     return clone
+
+
+@contextlib.contextmanager
+def grads_kept(model: nn.Module) -> Iterator[None]:
+    """Leaves ``model``'s parameters' gradients as they were after a fake pass over its copy. A module the copy
+    cannot clone is shared with it: a ``torch.jit.script``-ed one holds its parameters in its compiled module, which
+    the copy's attributes point at, so the traced backward would write fake gradients into the user's parameters."""
+    saved = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, grad in saved:
+            if p.grad is not grad:
+                p.grad = grad
 
 
 def _resolvable(model: nn.Module, name: str) -> bool:

@@ -32,7 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 
-from memopt.blocks import persistent_buffers
+from memopt.blocks import hookable, persistent_buffers
 from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
@@ -138,6 +138,9 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
     ran: set[str] = set()
     hooks = []
     for name, layer in axis_layers(clone):
+        if not hookable(layer):
+            continue
+
         def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
             ran.add(name)
             size = _batch_axis_size(m, args, kwargs)

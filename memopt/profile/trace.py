@@ -33,7 +33,7 @@ from memopt.profile.attention_select import UnsupportedAttention as UnsupportedA
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy
+from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy, grads_kept
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
@@ -86,7 +86,8 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     whole = set() if whole is None else whole
     while True:
         try:
-            return _pass(model, batch_factory, micro_batch, strategy, policy, keep_blocks, loss_fn, whole)
+            with grads_kept(model):
+                return _pass(model, batch_factory, micro_batch, strategy, policy, keep_blocks, loss_fn, whole)
         except TruncatedStackIndexed as exc:
             if exc.path in whole:
                 raise

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import hookable
+
 __all__ = ["MicroBatchTooSmall", "batch_coupled_modules", "batch_statistics_guard", "micro_batch_refusal"]
 
 
@@ -63,7 +65,7 @@ def batch_statistics_guard(model: nn.Module) -> Iterator[None]:
         return hook
 
     handles = [m.register_forward_pre_hook(guard(name or "(root)")) for name, m in model.named_modules()
-               if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and hookable(m)]
     try:
         yield
     finally:

@@ -564,7 +564,7 @@ def test_a_graph_batch_whose_tensors_disagree_on_dim_0_is_one_sample_trained_who
     batches = [_graph(10, 30, seed=i) for i in range(3)]
     assert B.indivisible(batches[0]) and B.batch_size(batches[0]) == 1
     assert B.split(batches[0], 1) == [batches[0]]
-    with pytest.raises(ValueError, match="disagree on dim 0.*cannot be shared over 2 ranks"):
+    with pytest.raises(ValueError, match=r"disagree on dim 0.*cannot be shared over 2 ranks"):
         B.shard(batches[0], 0, 2)
     wrapped = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu",
                           use_cache=False, pins={"precision": "fp32", "checkpointing": "full"},

@@ -222,3 +222,49 @@ def test_blocks_in_a_mixed_sequential_are_checkpointed_exactly_and_estimated_as_
     sim = simulate_step(model, lambda d: prof._batch_factory(8, d), s, loss_fn=loss_fn,
                         policy=kernel_policy_for(memopt.load_hardware("h200")), num_steps=3)
     assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.005)
+
+
+class _ScriptedBlocks(nn.Module):
+    """Blocks compiled with ``torch.jit.script``: they take no hooks (checkpointing's, the trace's markers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([torch.jit.script(_Block()) for _ in range(3)])
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(1))
+
+
+def test_scripted_blocks_are_planned_and_trained_without_checkpointing() -> None:
+    """Planned (their stack is not one) and trained exactly: the fake trace, which shares a scripted module with
+    the model, leaves no fake gradient in the model's parameters for the first step to add to."""
+    assert find_block_stacks(_ScriptedBlocks()) == []
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 12, 16, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+
+    def loss_fn(out: torch.Tensor, batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, batch[1])
+
+    torch.manual_seed(3)
+    model = _ScriptedBlocks()
+    ref = _ScriptedBlocks()
+    ref.load_state_dict(model.state_dict())
+    w = memopt.wrap(model, budget="10GB", sample=batches[0], hardware="h200", optimizer="sgd", lr=0.05,
+                    loss_fn=loss_fn, guard=False, autotune=False, use_cache=False,
+                    pins={"precision": "fp32", "micro_batch_size": 4})
+    assert w.plan.strategy.checkpointing.mode == "none"
+    # the trace shares a scripted module with the model (it cannot be copied): it must leave no gradient behind
+    assert all(p.grad is None for p in model.parameters())
+    got = [w.step(b) for b in batches]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)  # memopt's "sgd"
+    want = []
+    for b in batches:
+        loss = loss_fn(ref(b[0]), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss))
+    assert got == pytest.approx(want, rel=1e-5)
