@@ -9,7 +9,7 @@ Stacks nested inside another stack's blocks are not reported.
 A container that mixes other layers with its blocks (``nn.Sequential(embedding, *blocks, norm, head)``, torchvision's
 MobileNet ``features``) holds a stack in each *run*: two or more consecutive distinct children of one class, each
 a module of modules with parameters, none holding a stack of its own (a run of stages, each a stack of blocks, is
-left to its stages' stacks). Such a stack's ``path`` names the run (``"net[1:5]"``); ``container_path`` the container.
+left to its stages' stacks; runs inside the blocks are not reported, as stacks inside a stack's blocks are not). Such a stack's ``path`` names the run (``"net[1:5]"``); ``container_path`` the container.
 """
 
 from __future__ import annotations
@@ -150,7 +150,9 @@ def _is_run(blocks: list[nn.Module]) -> bool:
         return False
     if not all(any(True for _ in b.children()) for b in blocks):
         return False  # single layers (two convolutions in a row) are layers, not blocks
-    return not any(find_block_stacks(b) for b in blocks)
+    # a block holding a stack of its own is a stage of blocks, left to that stack; a run inside a block (two
+    # convolution-norm-activation units in a row) does not make it one
+    return not any(_is_stack(m) for b in blocks for m in b.modules() if m is not b)
 
 
 def find_block_stacks(model: nn.Module) -> list[BlockStack]:
