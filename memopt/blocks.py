@@ -152,7 +152,7 @@ def _is_run(blocks: list[nn.Module]) -> bool:
         return False  # single layers (two convolutions in a row) are layers, not blocks
     # a block holding a stack of its own is a stage of blocks, left to that stack; a run inside a block (two
     # convolution-norm-activation units in a row) does not make it one
-    return not any(_is_stack(m) for b in blocks for m in b.modules() if m is not b)
+    return not any(_is_stack(m) for b in blocks for m in b.modules())
 
 
 def find_block_stacks(model: nn.Module) -> list[BlockStack]:
