@@ -30,8 +30,14 @@ class MicroBatchTooSmall(ValueError):
 
 
 def batch_coupled_modules(model: nn.Module) -> list[str]:
-    """The modules whose training forward mixes the samples of a batch (BatchNorm and its subclasses)."""
-    return [name or "(root)" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    """The modules whose training forward mixes the samples of a batch: BatchNorm and its subclasses, except a
+    layer frozen in eval mode inside a model in training mode (fine-tuning with frozen statistics: it normalizes
+    each sample with its running statistics). A model wholly in eval mode is taken to train in training mode."""
+    def coupled(m: nn.Module) -> bool:
+        return m.training or not model.training or getattr(m, "running_mean", None) is None
+
+    return [name or "(root)" for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and coupled(m)]
 
 
 def micro_batch_refusal(model: nn.Module) -> str | None:

@@ -1,5 +1,7 @@
 """memopt.wrap on a CPU: the API, lazy planning, reversibility, checkpoints, bad input."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -158,6 +160,44 @@ def test_batchnorm_is_flagged_when_micro_batching():
     sample = {"x": torch.randn(16, 64), "labels": torch.randn(16, 64)}
     with pytest.warns(UserWarning, match="BatchNorm"):
         memopt.wrap(Net(), budget="4GB", sample=sample, hardware="h100_80gb", pins={"micro_batch_size": 4})
+
+
+def test_batchnorm_frozen_in_eval_mode_is_micro_batched_exactly():
+    """Fine-tuning with frozen BatchNorm statistics (the layers in eval mode, the model in training mode): each
+    sample is normalized with the running statistics, so micro-batches are exact and not refused. A model wholly in
+    eval mode is taken to train in training mode: refused."""
+    from memopt.techniques.micro_batching import micro_batch_refusal
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        model[1].eval()
+        model[1].requires_grad_(False)
+        return model
+
+    assert micro_batch_refusal(net()) is None
+    assert "BatchNorm" in (micro_batch_refusal(net().eval()) or "")
+    assert "BatchNorm" in (micro_batch_refusal(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))) or "")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+    loss_fn = lambda out, b: nn.functional.cross_entropy(out, b[1])  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "BatchNorm" warning: the split is exact
+        w = memopt.wrap(net(), budget="4GB", sample=batches[0], hardware="h100_80gb", loss_fn=loss_fn,
+                        pins={"micro_batch_size": 2, "precision": "fp32"}, guard=False, autotune=False,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not any("micro-batching refused" in n for n in w.plan.notes)
+    got = [w.step(b) for b in batches]
+    ref = net()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    want = []
+    for b in batches:
+        loss = loss_fn(ref(b[0]), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss))
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_custom_module_with_user_optimizer_and_loss():
