@@ -288,6 +288,19 @@ ROWS += [
 ]
 
 
+# session 35: a run of blocks among other layers (torchvision's MobileNetV2 features, a Sequential language model),
+# one whole graph as the batch (its tensors disagree on dim 0), scripted blocks
+ROWS += [
+    ZooRow("mobilenetv2-256x224-6GiB", "torchvision", "mobilenet_v2", {}, 256, image_size=224, budget="6GiB"),
+    ZooRow("seq-resmlp-24blk-8x2048-12GiB", "custom", "sequential_resmlp", dict(vocab=32000, width=1536, blocks=24),
+           8, 2048, budget="12GiB"),
+    ZooRow("graphnet-200knodes-6GiB", "custom", "graph_net",
+           dict(features=128, width=512, layers=6, classes=40, edges=2_000_000), 200_000, budget="6GiB"),
+    ZooRow("scripted-resmlp-12blk-8x1024-10GiB", "custom", "scripted_resmlp", dict(vocab=32000, width=1536, blocks=12),
+           8, 1024, budget="10GiB"),
+]
+
+
 @dataclass
 class LoopBatch:
     """A typed loop's batch: the model's inputs and its labels in the fields of a dataclass."""
@@ -299,9 +312,36 @@ class LoopBatch:
 # models and batches
 # ---------------------------------------------------------------------------------------------------------------
 
+def _residual_and_graph_layers() -> tuple[Any, Any]:
+    import torch
+    from torch import nn
+
+    class Residual(nn.Module):
+        def __init__(self, w: int) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(w), nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.down(nn.functional.gelu(self.up(self.norm(h))))
+
+    class GraphLayer(nn.Module):
+        def __init__(self, w: int) -> None:
+            super().__init__()
+            self.norm, self.msg, self.upd = nn.LayerNorm(w), nn.Linear(w, w), nn.Linear(2 * w, w)
+
+        def forward(self, h: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+            m = nn.functional.gelu(self.msg(self.norm(h)))
+            agg = torch.zeros_like(m).index_add_(0, edge_index[1], m[edge_index[0]])
+            return h + self.upd(torch.cat([h, agg], dim=-1))
+
+    return Residual, GraphLayer
+
+
 def _custom_model(name: str, c: dict[str, Any]) -> Any:
     import torch
     from torch import nn
+
+    _Residual, _GraphLayer = _residual_and_graph_layers()
 
     class TiedResMLP(nn.Module):
         def __init__(self) -> None:
@@ -364,6 +404,44 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
                 h = h + nn.functional.gelu(block(h))
             logits = self.norm(h) @ self.embed.weight.t()
             return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class SequentialResMLP(nn.Module):  # nn.Sequential(embedding, *blocks, norm): a run of blocks among other layers
+        def __init__(self) -> None:
+            super().__init__()
+            w = c["width"]
+            self.net = nn.Sequential(nn.Embedding(c["vocab"], w), *[_Residual(w) for _ in range(c["blocks"])],
+                                     nn.LayerNorm(w))
+            self.head = nn.Linear(w, c["vocab"], bias=False)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.head(self.net(input_ids))
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class ScriptedResMLP(TiedResMLP):  # blocks compiled with torch.jit.script (no hooks: no checkpointing)
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(torch.jit.script(_Residual(c["width"])) for _ in range(c["blocks"]))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = block(h)
+            logits = self.norm(h) @ self.embed.weight.t()
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
+
+    class GraphNet(nn.Module):  # message passing over one whole graph: node features and a (2, edges) edge index
+        def __init__(self) -> None:
+            super().__init__()
+            w = c["width"]
+            self.inp = nn.Linear(c["features"], w)
+            self.layers = nn.ModuleList(_GraphLayer(w) for _ in range(c["layers"]))
+            self.head = nn.Linear(w, c["classes"])
+
+        def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            for layer in self.layers:
+                h = layer(h, edge_index)
+            return self.head(h)
 
     class GRULM(nn.Module):
         def __init__(self) -> None:
@@ -482,6 +560,7 @@ def _custom_model(name: str, c: dict[str, Any]) -> Any:
 
     return {"tied_resmlp": TiedResMLP, "gru_lm": GRULM, "lstm_tagger": LSTMTagger, "mha_encoder": MHAEncoder,
             "fno2d": FNO2d, "looped_encoder": LoopedEncoder, "nanogpt": NanoGPT, "ema_resmlp": EMAResMLP,
+            "sequential_resmlp": SequentialResMLP, "scripted_resmlp": ScriptedResMLP, "graph_net": GraphNet,
             "inplace_resmlp": InplaceResMLP, "weightnorm_resmlp": WeightNormResMLP}[name]()
 
 
@@ -516,6 +595,11 @@ def batch_for(row: ZooRow, model: Any) -> dict[str, Any]:
         x = torch.randn(b, 3, row.image_size, row.image_size, generator=g)
         labels = torch.randint(0, 1000, (b,), generator=g)
         return {"pixel_values": x, "labels": labels} if row.kind == "image" else {"x": x, "labels": labels}
+    if row.model_type == "graph_net":  # one whole graph: n nodes, their features and a (2, edges) edge index
+        n, c = row.batch_size, row.config
+        return {"x": torch.randn(n, c["features"], generator=g),
+                "edge_index": torch.randint(0, n, (2, c["edges"]), generator=g),
+                "y": torch.randint(0, c["classes"], (n,), generator=g)}
     if row.model_type == "fno2d":  # a field in, a field out
         n = row.image_size
         return {"x": torch.randn(b, 3, n, n, generator=g), "y": torch.randn(b, 1, n, n, generator=g)}
@@ -617,6 +701,11 @@ def user_loop(row: ZooRow) -> tuple[Any, Any, dict[str, Any]]:
         return _nanogpt_loop(model, batch)
     if row.extra.get("tuple"):  # a plain loop's (inputs, targets): the model called on the inputs
         return _as_tuple_loop(row, model, batch)
+    if row.model_type == "graph_net":  # node classification: the loss made from the model's output
+        import torch
+
+        return model, batch, {"training_step": lambda m, b: torch.nn.functional.cross_entropy(
+            m(b["x"], b["edge_index"]).float(), b["y"])}
     if row.extra.get("training_step"):  # a Lightning-style step: the user calls the model
         return model, batch, {"training_step": lambda m, b: m(**b)["loss"]}
     if row.extra.get("batch_encoding"):  # what a tokenizer or a collator returns: a UserDict
