@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["BlockStack", "block_signature", "find_block_stacks", "hookable", "module_class", "persistent_buffers",
-           "tied_parameter_groups"]
+           "scripted_stacks", "tied_parameter_groups"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -107,6 +107,17 @@ def hookable(module: nn.Module) -> bool:
 
 def _scripted(module: nn.Module) -> bool:
     return not hookable(module)
+
+
+def scripted_stacks(model: nn.Module) -> list[str]:
+    """The containers that would be stacks but for their blocks being ``torch.jit.script``-ed (said in the plan)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, _CONTAINERS) and len(module) >= 2:
+            children = _children(module)
+            if _scripted(children[0]) and all(type(c) is type(children[0]) for c in children):
+                found.append(name or "(root)")
+    return found
 
 
 def _is_stack(container: nn.Module) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memopt.blocks import scripted_stacks
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.models import ModelSpec, SampleSpec, build_model, load_model_spec, make_batch
 from memopt.models.hf_task import hf_task
@@ -234,6 +235,9 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
     _record_micro_batch_refusal(prof, module)
     if sample_dict.get("indivisible"):
         prof.notes.append(str(sample_dict["indivisible"]))
+    for path in scripted_stacks(module):
+        prof.notes.append(f"{path}: its blocks are torch.jit.script-ed and take no hooks, so they are not checkpointed "
+                          "(leave the blocks eager, or script the code inside them, to let memopt checkpoint them)")
     for stack in prof.stacks:
         if not stack["uniform_tail"]:
             prof.notes.append(f"{stack['path']}: blocks differ after the first; the whole stack is traced")

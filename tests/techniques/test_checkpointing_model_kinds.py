@@ -256,6 +256,7 @@ def test_scripted_blocks_are_planned_and_trained_without_checkpointing() -> None
                     loss_fn=loss_fn, guard=False, autotune=False, use_cache=False,
                     pins={"precision": "fp32", "micro_batch_size": 4})
     assert w.plan.strategy.checkpointing.mode == "none"
+    assert any("layers: its blocks are torch.jit.script-ed" in n for n in w.plan.notes)
     # the trace shares a scripted module with the model (it cannot be copied): it must leave no gradient behind
     assert all(p.grad is None for p in model.parameters())
     got = [w.step(b) for b in batches]
