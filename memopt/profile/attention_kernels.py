@@ -256,14 +256,23 @@ _cudnn_fwd.register_autograd(_cudnn_backward, setup_context=_cudnn_setup)
 # The flash backward's rounding facts travel from the active policy to setup_context through this stack.
 _ACTIVE_POLICY: list[tuple[int, int, bool]] = [(128, 32, True)]
 
-def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """CUDA's preprocessing of a mask for the memory-efficient kernel: additive, last dim padded to 16."""
+def _additive(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``scaled_dot_product_attention``'s conversion of a mask before a fused kernel: a bool mask becomes a new
+    additive one in the queries' dtype, as large as the mask's shape (a broadcast view materialized), which the kernel
+    keeps for backward: on an H100, 64 MiB per call for a (8, 1, 2048, 2048) bool mask, none for an additive mask
+    already in the queries' dtype (``scripts/sdpa_bool_mask_probe_gpu.py``)."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-    else:
-        bias = mask.to(q.dtype) if mask.dtype != q.dtype else mask
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    return mask.to(q.dtype) if mask.dtype != q.dtype else mask
+
+
+def _efficient_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """CUDA's preprocessing of a mask for the memory-efficient kernel: additive, last dim padded to 16."""
+    bias = _additive(mask, q)
+    if bias is None:
+        return None
     lk = k.shape[-2]
     if lk % 16:
         padded = torch.empty(*bias.shape[:-1], round_up(lk, 16), dtype=bias.dtype, device=bias.device)
@@ -290,6 +299,7 @@ def emulated_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: 
         return torch.ops.memopt.cuda_efficient_attention(q, k, v, bias, dropout_p, is_causal, scale,
                                                           policy.efficient_lse_pad)[0]
     if backend == "cudnn":
-        return torch.ops.memopt.cuda_cudnn_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)[0]
+        return torch.ops.memopt.cuda_cudnn_attention(q, k, v, _additive(attn_mask, q), dropout_p, is_causal,
+                                                      scale)[0]
     return torch.ops.aten._scaled_dot_product_attention_math.default(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]

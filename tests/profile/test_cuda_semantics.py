@@ -122,6 +122,31 @@ def test_flash_attention_bytes_match_the_h200_measurement():
             assert t.peak_bytes - start == 84_148_224
 
 
+@pytest.mark.parametrize("mask_kind, kept_mib", [("none", 1), ("bool", 65), ("bool_broadcast_queries", 65),
+                                                  ("bool_one_row", 9), ("additive_bf16", 1)])
+def test_cudnn_keeps_a_converted_bool_mask_as_measured_on_an_h100(mask_kind, kept_mib):
+    """scripts/sdpa_bool_mask_probe_gpu.py, torch 2.11 on an H100: one cuDNN attention call over (8, 16, 2048, 64)
+    bf16 keeps, beyond its output, its softmax stats (1 MiB) and, given a bool mask, the additive bf16 mask it converts
+    it to, as large as the mask's shape (a broadcast view materialized): 64 MiB for (8, 1, 2048, 2048), 8 MiB for
+    (1, 1, 2048, 2048); an additive mask already in bf16 is the caller's, kept by reference. A padded batch hands
+    transformers' Llama such a bool mask: the trace had predicted 64 MiB less per block than an H100 measured."""
+    b, h, t, d = 8, 16, 2048, 64
+    with FakeTensorMode(), cuda_semantics(H90_CUDNN):
+        q, k, v = _qkv(b, h, h, t, d, torch.bfloat16)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        pad = torch.ones(b, t, dtype=torch.bool)
+        mask = {"none": None, "bool": pad[:, None, None, :] & causal, "bool_one_row": causal[None, None],
+                "bool_broadcast_queries": pad[:, None, None, :].expand(b, 1, t, t),
+                "additive_bf16": torch.zeros(b, 1, t, t, dtype=torch.bfloat16)}[mask_kind]
+        with MemoryTracker("cpu") as tracker:
+            for x in (q, k, v) + ((mask,) if mask is not None else ()):
+                tracker.track(x)
+            base = tracker.current_bytes
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            kept = tracker.current_bytes - base - out.numel() * out.element_size()
+    assert kept / 2**20 == pytest.approx(kept_mib, abs=0.01)
+
+
 def test_nothing_leaks_into_the_process():
     available = torch.cuda.is_available()
     with cuda_semantics(H90):
