@@ -39,7 +39,7 @@ from memopt.plan.context import resolve_hardware, resolve_policy
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model, spec_from_module
-from memopt.step.batch import indivisible, is_batch, tensors
+from memopt.step.batch import batch_size, indivisible, is_batch, tensors
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -148,6 +148,10 @@ def _sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) -
         # the collator pads them, and a padded batch runs another attention path than shapes (unpadded) describe
         try:
             batch = _collated_batch(trainer, dataset, global_batch)
+        except PackedRows as exc:  # rows of the longest length stand for the packed ones: more memory, never less
+            warnings.warn(f"{exc}; planned instead for its rows padded to the longest, which needs at least the "
+                          "memory of the packed batch", stacklevel=4)
+            batch = None
         except ValueError:  # a collator that cannot pad them: the run fails on its own; plan from shapes
             batch = None
         if batch is not None:
@@ -225,6 +229,10 @@ def _longest_row_indices(dataset: Any) -> set[int]:
     return found
 
 
+class PackedRows(ValueError):
+    """The Trainer's collator joins its rows into fewer (padding-free packing)."""
+
+
 def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     """``size`` samples of the dataset through the Trainer's collator, the longest rows first (read over the whole
     dataset, up to ``ROWS_READ`` rows spread over it: the plan must hold for the longest batch) with the shortest
@@ -257,6 +265,14 @@ def _collated_batch(trainer: Any, dataset: Any, size: int) -> Any:
     except Exception as exc:  # a collator that needs what the Trainer's loader adds
         raise ValueError(f"memopt could not collate a sample batch with the Trainer's data_collator "
                          f"({type(exc).__name__}: {exc}); pass sample=<one global batch> to memopt.wrap") from None
+    if len(rows) > 1 and is_batch(batch) and tensors(batch) and not indivisible(batch) \
+            and batch_size(batch) < len(rows):
+        # planned as it comes, a packed batch would be a batch of one row, and the plan would set the Trainer's
+        # per-device batch to the rows it saw: another training than the script's
+        raise PackedRows(f"the Trainer's data_collator ({type(collator).__name__}) joins the {len(rows)} rows it is "
+                         f"given into {batch_size(batch)} (padding-free packing, as DataCollatorWithFlattening does): "
+                         "memopt plans batches whose rows are the samples the Trainer counts; collate with padding "
+                         "(DataCollatorWithPadding, DataCollatorForSeq2Seq, or TRL's padding_free=False)")
     return dict(batch) if isinstance(batch, Mapping) else batch  # a collator's BatchEncoding too
 
 

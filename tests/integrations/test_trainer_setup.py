@@ -297,3 +297,37 @@ def test_a_trainer_fed_rows_of_several_lengths_is_planned_from_its_padded_batche
     wrapped.train()
     for k, v in plain.model.named_parameters():
         torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
+
+
+def test_a_collator_that_packs_its_rows_keeps_the_trainers_batch_of_rows(tmp_path):
+    """DataCollatorWithFlattening joins a batch's rows into one (padding-free): taken as it comes, the sample had
+    one row, and the plan set the Trainer's per-device batch to 1, a different training. The Trainer is planned for
+    its rows padded to the longest (at least the packed batch's memory), with a warning, and keeps its batch of
+    rows; a Trainer whose own loss needs its collated batch is refused in one line."""
+    from transformers import DataCollatorWithFlattening
+
+    from memopt.integrations.hf_trainer import PackedRows, _collated_batch
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for n in [64, 20, 33, 64, 47, 12, 58, 30] * 4:
+        ids = torch.randint(3, 256, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+
+    def trainer(path):
+        t = _trainer(path, _llama(), rows, steps=2, per_device=8, optim="sgd")
+        t.data_collator = DataCollatorWithFlattening()
+        return t
+
+    plain = trainer(tmp_path / "a")
+    plain.train()
+    with pytest.warns(UserWarning, match="joins the 8 rows it is given into 1.*padded to the longest"):
+        wrapped = memopt.wrap(trainer(tmp_path / "b"), budget="4GB", hardware="h200",
+                              pins={"precision": "fp32", "optimizer": "sgd"})
+    assert wrapped.memopt_plan.global_batch == 8
+    assert wrapped.args.per_device_train_batch_size * wrapped.args.gradient_accumulation_steps == 8
+    wrapped.train()
+    for k, v in plain.model.named_parameters():
+        torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
+    with pytest.raises(PackedRows, match="padding-free packing"):
+        _collated_batch(trainer(tmp_path / "c"), rows, 8)
