@@ -72,14 +72,32 @@ def _state_buffers(block: nn.Module) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _restoring(buffers: list[torch.Tensor], inner: Any) -> Iterator[None]:
-    """Around the recomputation: the block's state buffers are put back as the forward pass left them (BatchNorm's
-    running statistics, or any buffer a forward updates in place, would otherwise be updated twice per step),
-    also when the recomputation stops early. Entered outside selective checkpointing's dispatch mode, whose
-    cache would otherwise take the copies for ops of the block."""
+def _snapshotting(buffers: list[torch.Tensor], written: dict[int, torch.Tensor], inner: Any) -> Iterator[None]:
+    """Around the forward pass: the state buffers the forward writes in place (their version moves: a spectral
+    norm's power-iteration vectors) are kept as the forward found them, in ``written``, since the forward read them:
+    its recomputation must start from the same state to compute the same values. Cloned outside selective
+    checkpointing's dispatch mode, whose cache would otherwise take the copies."""
+    before = [(b, b._version, b.clone()) for b in buffers]
+    with inner:
+        yield
+    for b, version, value in before:
+        if b._version != version:
+            written[id(b)] = value
+
+
+@contextlib.contextmanager
+def _restoring(buffers: list[torch.Tensor], written: dict[int, torch.Tensor], inner: Any) -> Iterator[None]:
+    """Around the recomputation: the buffers the forward wrote start as the forward found them, and afterwards every
+    state buffer is put back as the forward pass left them (BatchNorm's running statistics, or any buffer a forward
+    updates in place, would otherwise be updated twice per step), also when the recomputation stops early. Entered
+    outside selective checkpointing's dispatch mode, as the snapshot is."""
     # every state buffer, not only those whose version moved: kernels such as batch norm update their running
     # statistics in place without bumping the version counter
     saved = [(b, b.clone()) for b in buffers]
+    with torch.no_grad():
+        for b in buffers:
+            if id(b) in written:
+                b.copy_(written[id(b)])
     try:
         with inner:
             yield
@@ -95,7 +113,10 @@ def _contexts(buffers: list[torch.Tensor], selective: bool) -> Callable[[], tupl
     def make() -> tuple[Any, Any]:
         forward_ctx, recompute_ctx = (_selective_context() if selective
                                       else (contextlib.nullcontext(), contextlib.nullcontext()))
-        return forward_ctx, _restoring(buffers, recompute_ctx) if buffers else recompute_ctx
+        if not buffers:
+            return forward_ctx, recompute_ctx
+        written: dict[int, torch.Tensor] = {}  # this call's: what its forward found in the buffers it wrote
+        return _snapshotting(buffers, written, forward_ctx), _restoring(buffers, written, recompute_ctx)
 
     return make
 

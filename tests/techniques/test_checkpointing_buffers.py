@@ -50,6 +50,43 @@ def test_buffers_are_updated_once_per_step_under_checkpointing(mode):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
 
 
+class SpectralNet(nn.Module):
+    """Blocks whose forward reads the state it updates: a spectral norm's power iteration starts from the vectors
+    the last forward left (``torch.nn.utils.spectral_norm``'s hook, or the parametrization)."""
+
+    def __init__(self, parametrization: bool) -> None:
+        super().__init__()
+        norm = nn.utils.parametrizations.spectral_norm if parametrization else nn.utils.spectral_norm
+        self.blocks = nn.ModuleList(norm(nn.Linear(64, 64)) for _ in range(3))  # wide: one more iteration shows
+
+    def forward(self, x, labels):
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        return {"loss": nn.functional.mse_loss(x, labels)}
+
+
+@pytest.mark.parametrize("parametrization", [False, True], ids=["hook", "parametrization"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_block_that_reads_the_state_it_writes_recomputes_from_the_state_its_forward_saw(mode, parametrization):
+    """The recomputation starts from the buffers as the forward found them (it recomputed from the updated vectors:
+    another weight, another gradient), and leaves them as the forward left them."""
+    torch.manual_seed(0)
+    plain, ckpt = SpectralNet(parametrization), SpectralNet(parametrization)
+    ckpt.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 64, generator=g), "labels": torch.randn(16, 64, generator=g)} for _ in range(3)]
+    steps = []
+    for model, setting in ((plain, Checkpointing()), (ckpt, Checkpointing(mode=mode))):
+        # large steps: the weights move away from the vectors' last iteration, which one more iteration then shows
+        prepared = prepare(model, Strategy(precision="fp32", optimizer="sgd", checkpointing=setting,
+                                           micro_batch_size=16), device_type="cpu", optimizer_kwargs={"lr": 1.0})
+        steps.append([prepared.step.step(b) for b in batches])
+        prepared.undo()
+    assert steps[0] == pytest.approx(steps[1], rel=1e-6)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), ckpt.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_selective_checkpointing_keeps_the_profiles_emulated_attention_kernels():
     """The profile traces CUDA's attention as its own custom ops: selective checkpointing must keep their outputs, or
     the trace would recompute attention where the GPU run keeps it."""
