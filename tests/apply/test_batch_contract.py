@@ -13,6 +13,7 @@ from torch import nn
 
 import memopt
 from memopt.step import batch as B
+from tests.reference_loop import losses_of_plain_loop
 
 
 class Blocks(nn.Module):
@@ -387,13 +388,7 @@ def test_autotune_times_tuple_batches():
     got = [wrapped.step(b) for b in batches]
     assert len(wrapped.autotune_trials) >= 2
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    want = []
-    for b in batches:
-        loss = loss_fn(ref(b[0]), b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
+    want = losses_of_plain_loop(ref, batches, lambda m, b: loss_fn(m(b[0]), b), opt)
     assert got == pytest.approx(want, rel=1e-5)
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import memopt
 from memopt.models import SampleSpec, build_model, make_batch
+from tests.reference_loop import losses_of_plain_loop
 
 SAMPLE = {"batch_size": 8, "seq_len": 64}
 
@@ -190,13 +191,7 @@ def test_batchnorm_frozen_in_eval_mode_is_micro_batched_exactly():
     got = [w.step(b) for b in batches]
     ref = net()
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    want = []
-    for b in batches:
-        loss = loss_fn(ref(b[0]), b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss))
+    want = losses_of_plain_loop(ref, batches, lambda m, b: loss_fn(m(b[0]), b), opt)
     assert got == pytest.approx(want, rel=1e-5)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 import memopt
 from memopt.blocks import find_block_stacks
+from tests.reference_loop import losses_of_plain_loop
 from tests.zoo.torch_patterns import PATTERNS
 
 _PAT = {p.name: p for p in PATTERNS}
@@ -261,11 +262,5 @@ def test_scripted_blocks_are_planned_and_trained_without_checkpointing() -> None
     assert all(p.grad is None for p in model.parameters())
     got = [w.step(b) for b in batches]
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)  # memopt's "sgd"
-    want = []
-    for b in batches:
-        loss = loss_fn(ref(b[0]), b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss))
+    want = losses_of_plain_loop(ref, batches, lambda m, b: loss_fn(m(b[0]), b), opt)
     assert got == pytest.approx(want, rel=1e-5)
