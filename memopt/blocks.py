@@ -10,7 +10,8 @@ A container that mixes other layers with its blocks (``nn.Sequential(embedding, 
 MobileNet ``features``) holds a stack in each *run*: two or more consecutive distinct children of one class, each
 a module of modules with parameters, none holding a stack of its own (a run of stages, each a stack of blocks, is
 left to its stages' stacks; runs inside the blocks are not reported, as stacks inside a stack's blocks are not).
-Such a stack's ``path`` names the run (``"net[1:5]"``); ``container_path`` the container.
+Such a stack's ``path`` names the run (``"net[1:5]"``); ``container_path`` the container. The fake copy traces a
+run whole (a stack made of a whole container is cut to a few blocks).
 """
 
 from __future__ import annotations

@@ -164,9 +164,10 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
     if keep_blocks is not None:
         dropped = _Dropped()
         for stack in find_block_stacks(model):
-            # (a model that is itself the container has no parent to hold a shorter copy: traced whole)
-            if len(stack) > keep_blocks and stack.uniform_tail and stack.container_path \
-                    and stack.container_path not in keep_whole:
+            # a run among other layers is traced whole: dropping blocks from the middle of its container would
+            # renumber the layers after them, which other stacks' paths and tied parameters' names refer to
+            if len(stack) > keep_blocks and stack.uniform_tail and stack.start is None \
+                    and stack.container_path and stack.container_path not in keep_whole:
                 cut.append(stack.container_path)
                 for block in stack.blocks[keep_blocks:]:
                     memo[id(block)] = dropped
@@ -230,7 +231,7 @@ def truncate_stacks(model: nn.Module, keep: int = 3) -> list[tuple[BlockStack, i
     dropped: dict[str, tuple[BlockStack, set[int]]] = {}  # container path -> (a stack in it, blocks to drop)
     for stack in find_block_stacks(model):
         full = len(stack)
-        if full > keep and stack.uniform_tail and stack.container_path:
+        if full > keep and stack.uniform_tail and stack.start is None and stack.container_path:
             dropped.setdefault(stack.container_path, (stack, set()))[1].update(id(b) for b in stack.blocks[keep:])
         truncated.append((stack, full))
     for stack, ids in dropped.values():

@@ -213,7 +213,7 @@ def test_blocks_in_a_mixed_sequential_are_checkpointed_exactly_and_estimated_as_
     for pins in ({"checkpointing": "full", "checkpoint_blocks": 7}, {"checkpointing": "full", "checkpoint_blocks": 3},
                  {"checkpointing": "selective"}):
         assert run(pins) == pytest.approx(plain, rel=1e-6), pins
-    # traced at a few blocks (the head and norm kept around them) and repeated: the whole step's peak
+    # a run is traced whole (cutting it would renumber the layers after it): the whole step's peak
     model = _MixedSequential(by_index=by_index)
     prof = memopt.profile(model, batches[0], hardware="h200", loss_fn=loss_fn, use_cache=False)
     assert prof.full_block_counts == [7]
