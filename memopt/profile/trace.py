@@ -108,26 +108,30 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
     with caches_kept_real(model), fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, stand_ins=TRACE_STAND_INS, host_device=host,
                            loss_fn=loss_fn)
-        has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
-        model_state = model_state_entries(clone, prepared.stacks) if has_extras else None
-        remove = install_markers(prepared.stacks, tracker.set_phase)
-        attrib = ModuleAttribution(clone, lambda: tracker.run.phases[tracker._phase])
-        tracker.module_fn = attrib.current
-        tracker.op_hooks.append(costs)
-        offload_by_phase: dict[int, int] = {}
-        if prepared.step.offload is not None:
-            off = prepared.step.offload
-            pack = off.pack
-
-            def counting_pack(t: torch.Tensor) -> Any:
-                before = off.bytes_offloaded
-                packed = pack(t)
-                ph = tracker._phase
-                offload_by_phase[ph] = offload_by_phase.get(ph, 0) + off.bytes_offloaded - before
-                return packed
-
-            off.pack = counting_pack
+        # from here on the techniques are applied (an attention backend sets process-wide flags): undone whatever
+        # fails, or every later trace in the process would run under them
+        remove: Any = None
+        attrib: ModuleAttribution | None = None
         try:
+            has_extras = strategy.extra("quantization") is not None or strategy.extra("adapters") is not None
+            model_state = model_state_entries(clone, prepared.stacks) if has_extras else None
+            remove = install_markers(prepared.stacks, tracker.set_phase)
+            attrib = ModuleAttribution(clone, lambda: tracker.run.phases[tracker._phase])
+            tracker.module_fn = attrib.current
+            tracker.op_hooks.append(costs)
+            offload_by_phase: dict[int, int] = {}
+            if prepared.step.offload is not None:
+                off = prepared.step.offload
+                pack = off.pack
+
+                def counting_pack(t: torch.Tensor) -> Any:
+                    before = off.bytes_offloaded
+                    packed = pack(t)
+                    ph = tracker._phase
+                    offload_by_phase[ph] = offload_by_phase.get(ph, 0) + off.bytes_offloaded - before
+                    return packed
+
+                off.pack = counting_pack
             with tracker, ShadowFormatting(tracker.shadows), batch_statistics_guard(clone):
                 for p in clone.parameters():
                     tracker.track(p, MemoryCategory.PARAMETERS, "parameter")
@@ -150,8 +154,10 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
                 grads = {tracker.key_of(p.grad) for p in clone.parameters() if p.grad is not None} - {None}
             record = trace_record(clone, [s.path for s in prepared.stacks], tracker, attrib, {})
         finally:
-            attrib.remove()
-            remove()
+            if attrib is not None:
+                attrib.remove()
+            if remove is not None:
+                remove()
             prepared.undo()
     setup_end = tracker.run.phases.index("forward[0]")
     labels = tracker.run.labels
