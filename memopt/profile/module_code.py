@@ -6,9 +6,10 @@ in a notebook (an extra activation kept, attention written another way), a helpe
 module setting such as ``num_heads`` that reshapes activations without touching a parameter. A profile cached for
 one must not be served for the other. So the key covers, for every module class of the model, the code of the
 methods it and its base classes define (torch's own classes are covered by torch's version elsewhere in the key),
-the functions of the same source module those methods call by name, and each module's public attributes of plain
-types. Everything here is hashed by content, never by ``id``, so the same model defined again in another process
-finds its cached profile.
+the functions of the same source module those methods call by name, each module's public attributes of plain
+types, and a transformers model's configuration (its settings and the attention implementation it runs). Everything
+here is hashed by content, never by ``id``, so the same model defined again in another process finds its cached
+profile.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ _class_keys: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
 def module_code_key(model: nn.Module) -> str:
     """A hash of the code of ``model``'s module classes and of its modules' plain attributes."""
     h = hashlib.sha256()
+    configs: dict[int, str] = {}  # one hash per configuration object (a transformers model's layers share it)
     for name, module in model.named_modules():
         h.update(f"{name}:{_class_key(type(module))};".encode())
+        config = vars(module).get("config")
+        if config is not None and hasattr(config, "to_diff_dict"):
+            if id(config) not in configs:
+                configs[id(config)] = _config_key(config)
+            h.update(f"config={configs[id(config)]};".encode())
         for attr, value in sorted(vars(module).items()):
             if attr.startswith("_") or attr == "training":
                 continue
@@ -43,6 +50,18 @@ def module_code_key(model: nn.Module) -> str:
                 h.update(f"{attr}:".encode())
                 _feed_function(h, value, 0, set())
     return h.hexdigest()[:16]
+
+
+def _config_key(config: Any) -> str:
+    """A transformers configuration's settings and the attention implementation it chose: an eager-attention model
+    keeps the attention probabilities an SDPA one does not, with the same classes and parameters."""
+    try:
+        settings = config.to_diff_dict()
+    except Exception:  # a configuration that cannot say its settings: its attention choice still counts
+        settings = {}
+    attention = getattr(config, "_attn_implementation", None)
+    text = repr(sorted((k, repr(v)) for k, v in settings.items())) + f"|attn={attention}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _class_key(cls: type) -> str:

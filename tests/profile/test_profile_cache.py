@@ -201,3 +201,25 @@ def test_a_real_batchs_padding_is_traced_and_keys_the_profile(monkeypatch, tmp_p
     same_rows_padded = (torch.arange(256) < torch.tensor([256, 90, 256, 170])[:, None]).long()
     other_padding = {**batches["padded"], "attention_mask": same_rows_padded}
     assert memopt.profile(model, sample=other_padding, hardware=HW).key == profiles["padded"].key
+
+
+def test_a_transformers_model_with_another_attention_implementation_is_traced_again():
+    """Eager attention keeps the attention probabilities that SDPA does not, with the same classes and parameters:
+    the cache served one model's profile to the other (a test of the suite that built an eager model changed the
+    plans of later tests of the same model with SDPA)."""
+    import transformers
+
+    from memopt.profile.cache_keys import structure_key
+
+    def bert(**kw):
+        config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64)
+        return transformers.BertForSequenceClassification._from_config(config, **kw)
+
+    sdpa, eager, again = bert(), bert(attn_implementation="eager"), bert()
+    assert structure_key(sdpa, {}) != structure_key(eager, {})
+    assert structure_key(sdpa, {}) == structure_key(again, {})
+    sample = {"batch_size": 2, "seq_len": 16}
+    a = memopt.profile(sdpa, sample, hardware="h200")
+    b = memopt.profile(eager, sample, hardware="h200")
+    assert a.key != b.key
