@@ -1,4 +1,5 @@
-"""Shared fixtures: every test gets its own profile cache, and transformers stays quiet."""
+"""Shared fixtures: a profile cache per worker, no dispatch mode or SDPA backend flag left behind by a test, and
+transformers stays quiet."""
 
 from __future__ import annotations
 
@@ -27,6 +28,25 @@ def _no_mode_left_entered():
     while _get_current_dispatch_mode_stack():
         _pop_mode()
     assert not left, f"the test left dispatch modes entered: {left}"
+
+
+_SDPA_FLAGS = ("flash", "mem_efficient", "cudnn", "math")
+
+
+@pytest.fixture(autouse=True)
+def _sdpa_backends_restored():
+    """memopt's attention technique sets torch's process-wide SDPA backend flags while a model stays wrapped; a test
+    that ends with its model still wrapped would leave them for every later test of the worker, whose traces would
+    then choose other kernels (the golden plans of attention models moved by up to 29% in CI). Put back after
+    each test."""
+    import torch
+
+    cuda = torch.backends.cuda
+    before = {f: getattr(cuda, f"{f}_sdp_enabled")() for f in _SDPA_FLAGS}
+    yield
+    for flag, enabled in before.items():
+        if getattr(cuda, f"{flag}_sdp_enabled")() != enabled:
+            getattr(cuda, f"enable_{flag}_sdp")(enabled)
 
 
 def pytest_collection_modifyitems(config, items):
