@@ -106,17 +106,13 @@ def hookable(module: nn.Module) -> bool:
     return not isinstance(module, torch.jit.ScriptModule)
 
 
-def _scripted(module: nn.Module) -> bool:
-    return not hookable(module)
-
-
 def scripted_stacks(model: nn.Module) -> list[str]:
     """The containers that would be stacks but for their blocks being ``torch.jit.script``-ed (said in the plan)."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, _CONTAINERS) and len(module) >= 2:
             children = _children(module)
-            if _scripted(children[0]) and all(type(c) is type(children[0]) for c in children):
+            if not hookable(children[0]) and all(type(c) is type(children[0]) for c in children):
                 found.append(name or "(root)")
     return found
 
@@ -132,7 +128,7 @@ def _is_stack(container: nn.Module) -> bool:
         # keyed by name (experts, task heads): a collection the forward picks from, not layers run in order
         return False
     children = _children(container)
-    if len({id(c) for c in children}) < len(children) or _scripted(children[0]):
+    if len({id(c) for c in children}) < len(children) or not hookable(children[0]):
         return False
     cls = module_class(children[0])
     if not any(True for _ in children[0].parameters()):  # parameter-free lists (activations, dropouts)
@@ -159,7 +155,7 @@ def _runs(container: nn.Module) -> list[tuple[int, int]]:
 def _is_run(blocks: list[nn.Module]) -> bool:
     """Distinct modules of modules with parameters, none holding a stack of its own."""
     if len({id(b) for b in blocks}) < len(blocks) or not any(True for _ in blocks[0].parameters()) \
-            or _scripted(blocks[0]):
+            or not hookable(blocks[0]):
         return False
     if not all(any(True for _ in b.children()) for b in blocks):
         return False  # single layers (two convolutions in a row) are layers, not blocks

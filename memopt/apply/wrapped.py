@@ -314,7 +314,7 @@ class Wrapped:
         self._require_wrapped()
         whole = indivisible(batch)
         if whole and self.plan is not None and not self.plan.model.get("sample", {}).get("indivisible"):
-            raise ValueError(f"{whole.split(', so')[0]}, but the plan was made for a batch of "
+            raise ValueError(f"{whole}, but the plan was made for a batch of "
                              f"{self.plan.global_batch} samples along dim 0: step batches shaped as the planned one, "
                              "or wrap again with sample=<this batch>")
         if self._prepared is None and self._sharded is None:

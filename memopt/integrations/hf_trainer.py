@@ -320,7 +320,7 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
         sample = _sample_from_trainer(trainer, sample, own_loss=step is not None)
         whole = indivisible(sample) if is_batch(sample) and tensors(sample) else None
         if whole:  # the Trainer's batch size counts rows: planned as one sample, its split would be another batch
-            raise ValueError(f"{whole.split(', so')[0]}: a Trainer's batch must hold its rows along dim 0 for memopt "
+            raise ValueError(f"{whole}: a Trainer's batch must hold its rows along dim 0 for memopt "
                              "to keep the Trainer's batch size; collate rows batch-first")
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             hardware = resolve_hardware(hardware)

@@ -234,7 +234,7 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
                    engine_facts=_engine_facts(module), **facts)
     _record_micro_batch_refusal(prof, module)
     if sample_dict.get("indivisible"):
-        prof.notes.append(str(sample_dict["indivisible"]))
+        prof.notes.append(f"{sample_dict['indivisible']}, {batch_contract.TRAINED_WHOLE}")
     for path in scripted_stacks(module):
         prof.notes.append(f"{path}: its blocks are torch.jit.script-ed and take no hooks, so they are not checkpointed "
                           "(leave the blocks eager, or script the code inside them, to let memopt checkpoint them)")

@@ -167,8 +167,8 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
             # a run among other layers is traced whole: dropping blocks from the middle of its container would
             # renumber the layers after them, which other stacks' paths and tied parameters' names refer to
             if len(stack) > keep_blocks and stack.uniform_tail and stack.start is None \
-                    and stack.container_path and stack.container_path not in keep_whole:
-                cut.append(stack.container_path)
+                    and stack.path and stack.path not in keep_whole:
+                cut.append(stack.path)
                 for block in stack.blocks[keep_blocks:]:
                     memo[id(block)] = dropped
     try:
@@ -179,7 +179,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
             f"memopt could not copy the model for tracing ({type(exc).__name__}: {exc}). "
             "Build the model on the meta device (with torch.device('meta'): model = ...) and pass that"
         ) from exc
-    for path in dict.fromkeys(cut):  # a container with several runs of blocks is cut once
+    for path in cut:
         parent_name, _, attr = path.rpartition(".")
         parent = clone.get_submodule(parent_name) if parent_name else clone
         container = getattr(parent, attr)
@@ -226,22 +226,20 @@ def _resolvable(model: nn.Module, name: str) -> bool:
 def truncate_stacks(model: nn.Module, keep: int = 3) -> list[tuple[BlockStack, int]]:
     """Shorten every stack of identical blocks to ``keep`` blocks in place; returns (stack, full length).
 
-    A stack whose blocks after the first are not interchangeable is left whole."""
+    A stack whose blocks after the first are not interchangeable, or a run among other layers, is left whole."""
     truncated: list[tuple[BlockStack, int]] = []
-    dropped: dict[str, tuple[BlockStack, set[int]]] = {}  # container path -> (a stack in it, blocks to drop)
     for stack in find_block_stacks(model):
         full = len(stack)
-        if full > keep and stack.uniform_tail and stack.start is None and stack.container_path:
-            dropped.setdefault(stack.container_path, (stack, set()))[1].update(id(b) for b in stack.blocks[keep:])
+        if full > keep and stack.uniform_tail and stack.start is None and stack.path:
+            container = getattr(stack.parent, stack.attr)
+            kept = list(stack.blocks[:keep])
+            short: nn.Module
+            if isinstance(container, nn.ModuleDict):
+                short = nn.ModuleDict(dict(zip(list(container.keys())[:keep], kept)))
+            elif isinstance(container, nn.Sequential):
+                short = type(container)(*kept)
+            else:
+                short = nn.ModuleList(kept)
+            setattr(stack.parent, stack.attr, short)
         truncated.append((stack, full))
-    for stack, ids in dropped.values():
-        container = getattr(stack.parent, stack.attr)
-        short: nn.Module
-        if isinstance(container, nn.ModuleDict):
-            short = nn.ModuleDict({k: b for k, b in container.items() if id(b) not in ids})
-        elif isinstance(container, nn.Sequential):
-            short = type(container)(*(b for b in container if id(b) not in ids))
-        else:
-            short = nn.ModuleList([b for b in container if id(b) not in ids])
-        setattr(stack.parent, stack.attr, short)
     return truncated

@@ -45,9 +45,9 @@ from torch import nn
 
 from memopt.models.hf_task import hf_forward_kwargs, is_hf_model, peft_unwrapped
 
-__all__ = ["TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items", "default_loss",
-           "forward_kwargs", "indivisible", "is_batch", "leaves", "like", "scalar_loss", "shard", "split", "structure",
-           "tensors", "to_device", "token_labels", "tree_map"]
+__all__ = ["TRAINED_WHOLE", "TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items",
+           "default_loss", "forward_kwargs", "indivisible", "is_batch", "leaves", "like", "scalar_loss", "shard",
+           "split", "structure", "tensors", "to_device", "token_labels", "tree_map"]
 
 IGNORE_INDEX = -100
 
@@ -173,6 +173,13 @@ def _sizes(batch: Any) -> dict[int, list[str]]:
     return sizes
 
 
+#: what happens to an ``indivisible`` batch, and how to make it divisible (the plan's note after the reason)
+TRAINED_WHOLE = ("so it has no samples to split into micro-batches and is trained whole, as one sample; to let memopt "
+                 "split it, give every tensor the samples along dim 0 (a tensor that is not per sample, such as class "
+                 "weights, belongs in your loss_fn or training_step; a sequence-first tensor goes in batch-first and "
+                 "is transposed inside training_step)")
+
+
 def indivisible(batch: Any) -> str | None:
     """Why ``batch`` cannot be split along dim 0, or None. Its tensors disagree on dim 0 (a graph's node features
     beside its ``(2, edges)`` edge index, a sequence-first input beside per-sample targets): no dim 0 holds the
@@ -181,10 +188,7 @@ def indivisible(batch: Any) -> str | None:
     if len(sizes) == 1:
         return None
     listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
-    return (f"the batch's tensors disagree on dim 0 ({listed}), so it has no samples to split into micro-batches "
-            "and is trained whole, as one sample; to let memopt split it, give every tensor the samples along dim 0 "
-            "(a tensor that is not per sample, such as class weights, belongs in your loss_fn or training_step; a "
-            "sequence-first tensor goes in batch-first and is transposed inside training_step)")
+    return f"the batch's tensors disagree on dim 0 ({listed})"
 
 
 def batch_size(batch: Any) -> int:
@@ -211,7 +215,7 @@ def shard(batch: Any, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s contiguous share of a global batch (its samples must divide by ``world_size``)."""
     why = indivisible(batch) if world_size > 1 else None
     if why:
-        raise ValueError(f"{why.split(', so')[0]}: it cannot be shared over {world_size} ranks; give every tensor "
+        raise ValueError(f"{why}: it cannot be shared over {world_size} ranks; give every tensor "
                          "the samples along dim 0, or train on one GPU")
     total = batch_size(batch)
     if total % world_size:
