@@ -34,19 +34,20 @@ _SDPA_FLAGS = ("flash", "mem_efficient", "cudnn", "math")
 
 
 @pytest.fixture(autouse=True)
-def _sdpa_backends_restored():
-    """memopt's attention technique sets torch's process-wide SDPA backend flags while a model stays wrapped; a test
-    that ends with its model still wrapped would leave them for every later test of the worker, whose traces would
-    then choose other kernels (the golden plans of attention models moved by up to 29% in CI). Put back after
-    each test."""
+def _sdpa_backends_unchanged():
+    """No test may leave torch's process-wide SDPA backend flags changed: memopt restricts them only around its own
+    passes, and a leak moves every later trace of the worker to other kernels (the golden plans of attention models
+    moved by up to 29% in CI when memopt still set them for as long as a model stayed wrapped). A test that leaks
+    fails, and the flags are put back for the tests after it."""
     import torch
 
     cuda = torch.backends.cuda
     before = {f: getattr(cuda, f"{f}_sdp_enabled")() for f in _SDPA_FLAGS}
     yield
-    for flag, enabled in before.items():
-        if getattr(cuda, f"{flag}_sdp_enabled")() != enabled:
-            getattr(cuda, f"enable_{flag}_sdp")(enabled)
+    changed = {flag: enabled for flag, enabled in before.items() if getattr(cuda, f"{flag}_sdp_enabled")() != enabled}
+    for flag, enabled in changed.items():
+        getattr(cuda, f"enable_{flag}_sdp")(enabled)
+    assert not changed, f"the test left SDPA backend flags changed: {sorted(changed)}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from memopt.step.batch import indivisible, leaves
+from memopt.step.batch_samples import indivisible
+from memopt.step.batch_tree import leaves
 
 __all__ = ["ShapeWatch", "planned_sample_shapes"]
 

@@ -19,7 +19,7 @@ from torch import nn
 from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
-from memopt.apply.checkpoint_state import read_checkpoint, state_mismatch
+from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
 from memopt.apply.wrap_checks import check_model, micro_batch_warning, optimizer_choice
 from memopt.errors import InputError
 from memopt.guard.escalation import PlanEscalator, step_down
@@ -29,7 +29,8 @@ from memopt.plan.context import resolve_hardware
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model
-from memopt.step.batch import check_batch, indivisible
+from memopt.step.batch import check_batch
+from memopt.step.batch_samples import indivisible
 from memopt.step.hard_cap import (
     allocator_mode_in_force,
     cap_to_plan,
@@ -40,8 +41,8 @@ from memopt.step.hard_cap import (
 from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items
-from memopt.techniques.precision import forward_context, weight_dtype
-from memopt.techniques.quantization import QuantSetting
+from memopt.techniques.attention import sdpa_restricted
+from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes
 
 __all__ = ["Wrapped"]
@@ -186,7 +187,10 @@ class Wrapped:
                 self.cap_fraction = cap_to_plan(self._cap_budget_bytes or plan.budget_bytes,
                                                 int(plan.prediction.get("runtime_bytes", 0)), self.device)
         if self._checkpoint is not None and any(p.device.type == "meta" for p in model.parameters()):
-            self._load_checkpoint(strategy)
+            # lazy: keeps memopt.techniques.quantized_load out of import memopt
+            from memopt.techniques.quantized_load import load_for_strategy
+
+            self.load_peak_allocated_bytes = load_for_strategy(model, self._checkpoint, strategy, self.device)
         prepare_kwargs = self._prepare_kwargs()
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
@@ -202,21 +206,6 @@ class Wrapped:
                                        lr_scheduler=self._lr_scheduler_factory, checkpoint=self._checkpoint,
                                        cap_budget_bytes=self._cap_budget_bytes, loss_reduction=self._reduction)
         self.cap_fraction = self._sharded.cap_fraction
-
-    def _load_checkpoint(self, strategy: Any) -> None:
-        """The checkpoint's weights onto the training device in the plan's weight dtype, the quantization targets
-        quantized as they load (the peak allocated meanwhile is kept in ``load_peak_allocated_bytes``)."""
-        # lazy: keeps memopt.techniques.quantized_load out of import memopt
-        from memopt.techniques.quantized_load import load_quantized
-
-        q = strategy.extra("quantization")
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        load_quantized(self._user_model, self._checkpoint, q if q is not None else QuantSetting(), self.device,
-                       dtype=weight_dtype(strategy.precision), targets=None if q is not None else [])
-        if cuda:
-            self.load_peak_allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
 
     def _prepare_kwargs(self) -> dict[str, Any]:
         user_opt = self._optimizer_arg if callable(self._optimizer_arg) and not isinstance(
@@ -351,9 +340,10 @@ class Wrapped:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """The plan's autocast for a hand-written forward pass."""
+        """The plan's autocast (and attention kernel) for a hand-written forward pass."""
         self._require_prepared()
-        with forward_context(self.plan.strategy.precision, self.device.type):
+        strategy = self.plan.strategy
+        with sdpa_restricted(strategy.attention), forward_context(strategy.precision, self.device.type):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -393,33 +383,14 @@ class Wrapped:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         self._require_prepared()
-        state = {"model": self._user_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "steps_done": self.steps_done, "items_seen": self.items_seen,
-                 "plan": self.plan.to_dict() if self.plan is not None else None}
-        if self._prepared.step.master is not None:
-            state["master_weights"] = self._prepared.step.master.state_dict()
-        if self._prepared.step.scaler is not None and hasattr(self._prepared.step.scaler, "state_dict"):
-            state["grad_scaler"] = self._prepared.step.scaler.state_dict()
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        return state
+        return training_state(self._user_model, self._prepared, steps_done=self.steps_done,
+                              items_seen=self.items_seen, plan=self.plan.to_dict() if self.plan is not None else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._require_prepared()
-        mismatch = state_mismatch(self._user_model, self.optimizer, state)
-        if mismatch is not None:  # checked first: nothing is loaded from a checkpoint of another model
-            raise ValueError(f"this checkpoint was saved from another model or optimizer ({mismatch}): load it into "
-                             "the model and optimizer it was saved from")
-        self._user_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        restore_training_state(self._user_model, self._prepared, state)
         self.steps_done = state.get("steps_done", 0)
         self.items_seen = state.get("items_seen", 0)
-        if "master_weights" in state and self._prepared.step.master is not None:
-            self._prepared.step.master.load_state_dict(state["master_weights"])
-        if "grad_scaler" in state and self._prepared.step.scaler is not None:
-            self._prepared.step.scaler.load_state_dict(state["grad_scaler"])
-        if "lr_scheduler" in state and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """A checkpoint of the model, optimizer, step and data position; returns where it is. ``path`` is a file,
@@ -428,10 +399,7 @@ class Wrapped:
         if self._sharded is not None:
             return self._sharded.save(path)
         out = checkpoint_file(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        torch.save(self.state_dict(), tmp)
-        tmp.replace(out)  # never leaves a half-written checkpoint where the last good one was
+        write_checkpoint(out, self.state_dict())
         return out
 
     def load(self, path: str | os.PathLike[str]) -> None:

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 
 from memopt.step import batch as _batch
+from memopt.step.batch_samples import batch_size
 from memopt.step.loss_reduction import classify_reduction, first_labelled, micro_batch_weights, settle
-from memopt.step.train_step import TrainStep, count_loss_items, discard_accumulation, micro_batch_to, split_batch
+from memopt.step.train_step import TrainStep, discard_accumulation, loss_item_counts, micro_batch_to, split_batch
+from memopt.techniques.attention import sdpa_restricted
 
 __all__ = ["DistributedTrainStep", "shard_batch"]
 
@@ -86,7 +88,8 @@ class DistributedTrainStep(TrainStep):
     @contextlib.contextmanager
     def _forward_ctx(self) -> Iterator[None]:
         if self.engine_precision:
-            yield
+            with sdpa_restricted(self.strategy.attention):
+                yield
         else:
             with super()._forward_ctx():
                 yield
@@ -117,8 +120,8 @@ class DistributedTrainStep(TrainStep):
     def step(self, batch: Any) -> float:
         """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
-        samples = _batch.batch_size(batch)
+        counts = loss_item_counts(micro, self.causal_lm)
+        samples = batch_size(batch)
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])
         if total_items == 0:
             raise ValueError("the global batch has no tokens that carry loss (every label is -100)")
@@ -199,9 +202,11 @@ class DistributedTrainStep(TrainStep):
             # the engine's forward by the batch contract; its output (a language model's logits: 1.05 GB at 2 x 2048
             # tokens of Llama-3.2-1B) is not needed by backward and is dropped inside compute_loss: held through
             # backward, it sat on the peak (measured on the H200, raw/session8_call2)
-            loss = _batch.compute_loss(engine, micro_batch_to(mb, device), self.loss_fn)
+            with sdpa_restricted(self.strategy.attention):
+                loss = _batch.compute_loss(engine, micro_batch_to(mb, device), self.loss_fn)
             self._phase(f"backward[{i}]")
-            engine.backward(loss * weight, scale_wrt_gas=False)
+            with sdpa_restricted(self.strategy.attention):
+                engine.backward(loss * weight, scale_wrt_gas=False)
             engine.step()
             if weight:  # a micro-batch without labelled items adds nothing (``_labelled_stand_ins``)
                 value = float(loss.detach().float())

@@ -13,7 +13,7 @@ from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
 from memopt.techniques.liger_ce import liger_installed
 from memopt.techniques.optimizers import VARIANTS, bnb_installed
-from memopt.techniques.registry import SearchContext
+from memopt.techniques.protocol import SearchContext
 
 __all__ = ["micro_batch_refusal_for", "optimizer_refusals", "refused_optimizer_notes", "resolve_hardware",
            "resolve_policy", "search_context"]

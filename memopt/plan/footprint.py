@@ -15,7 +15,8 @@ from memopt.plan.search import Evaluated, candidates, evaluate
 from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import states_per_item
-from memopt.techniques.registry import SearchContext, extras_saving
+from memopt.techniques.protocol import SearchContext
+from memopt.techniques.registry import extras_saving
 
 __all__ = ["Estimates", "level_fits", "min_footprint"]
 

@@ -37,7 +37,8 @@ from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time, refined_time, twin_time
 from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
-from memopt.techniques.registry import TECHNIQUES, SearchContext, extras_ladder
+from memopt.techniques.protocol import SearchContext
+from memopt.techniques.registry import TECHNIQUES, extras_ladder
 
 __all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
            "unestimated_notes", "unestimated_reasons"]

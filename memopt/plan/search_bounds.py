@@ -25,7 +25,8 @@ from memopt.hardware import HardwareSpec
 from memopt.profile.profile import Profile
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, variant_key
 from memopt.strategy import Checkpointing, Strategy
-from memopt.techniques.registry import TECHNIQUES, BaseTimes
+from memopt.techniques.protocol import BaseTimes
+from memopt.techniques.registry import TECHNIQUES
 
 __all__ = ["no_bigger", "optimistic_time", "refined_time", "twin_time"]
 

@@ -42,7 +42,8 @@ from memopt.plan.sharded_cap import capped_if_needed
 from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.extras import SHARDING
-from memopt.techniques.registry import BY_NAME, SearchContext
+from memopt.techniques.protocol import SearchContext
+from memopt.techniques.registry import BY_NAME
 from memopt.techniques.sharding import ENGINE_PRECISION, ShardingSetting, sharding_settings
 from memopt.units import format_bytes
 

@@ -28,7 +28,7 @@ from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
 from memopt.profile.variant_trace import VariantKey
-from memopt.step import batch as batch_contract
+from memopt.step import batch_like, batch_samples, batch_tree
 from memopt.step.batch import as_loss
 from memopt.techniques.liger_ce import liger_installed, liger_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
@@ -150,7 +150,7 @@ def _with_masks(batch: dict[str, Any], masks: dict[str, torch.Tensor], b: int) -
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
     """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
     ``memopt.step.batch``), ``b`` samples each."""
-    if not batch_contract.is_batch(sample) or not batch_contract.tensors(sample):
+    if not batch_tree.is_batch(sample) or not batch_tree.tensors(sample):
         raise ValueError(
             "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list, dict or dataclass of tensors "
             "shaped like one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
@@ -160,19 +160,19 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
                and not isinstance(sample, (str, bytes, dict, list, tuple)) else "")
         )
     try:
-        batch_size = batch_contract.batch_size(sample)
+        batch_size = batch_samples.batch_size(sample)
     except ValueError as exc:
         raise ValueError(f"invalid sample batch: {exc}") from None
-    template = batch_contract.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
-    fill = batch_contract.integer_maxima(sample)
-    whole = batch_contract.indivisible(sample)
+    template = batch_tree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
+    fill = batch_like.integer_maxima(sample)
+    whole = batch_samples.indivisible(sample)
 
     def factory(b: int, device: str) -> Any:
         # an indivisible batch is one sample: every batch made is the whole one, whatever b
-        return batch_contract.like(template, None if whole else b, device, fill)
+        return batch_like.like(template, None if whole else b, device, fill)
 
-    tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_contract.leaves(sample)}  # for reports
-    facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_contract.structure(sample)}
+    tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_tree.leaves(sample)}  # for reports
+    facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_tree.structure(sample)}
     if whole:
         facts["indivisible"] = whole
     if any(v is not None for v in fill):  # the values traced with: a profile made for other values is not this one
@@ -234,7 +234,7 @@ def _new_profile(module: nn.Module, spec: Any, name: str, key: str, sample_dict:
                    engine_facts=_engine_facts(module), **facts)
     _record_micro_batch_refusal(prof, module)
     if sample_dict.get("indivisible"):
-        prof.notes.append(f"{sample_dict['indivisible']}, {batch_contract.TRAINED_WHOLE}")
+        prof.notes.append(f"{sample_dict['indivisible']}, {batch_samples.TRAINED_WHOLE}")
     for path in scripted_stacks(module):
         prof.notes.append(f"{path}: its blocks are torch.jit.script-ed and take no hooks, so they are not checkpointed "
                           "(leave the blocks eager, or script the code inside them, to let memopt checkpoint them)")

@@ -31,7 +31,7 @@ from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.tracker import MemoryTracker, TrackedRun
 from memopt.step.batch import check_batch
-from memopt.step.batch import tensors as batch_tensors
+from memopt.step.batch_tree import tensors as batch_tensors
 from memopt.step.prepare import OptimizerSpec, prepare
 from memopt.step.train_step import LossFn
 from memopt.strategy import Strategy

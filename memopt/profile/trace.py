@@ -44,7 +44,7 @@ from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.trace_alignment import alignment_opcodes
 from memopt.profile.tracker import ALLOC, MemoryTracker, dense_only
 from memopt.profile.variant_trace import Segment, VariantKey, VariantTrace
-from memopt.step.batch import tensors as batch_tensors
+from memopt.step.batch_tree import tensors as batch_tensors
 from memopt.step.prepare import prepare
 from memopt.step.train_step import TrainStep
 from memopt.strategy import Strategy
@@ -108,8 +108,8 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
     with caches_kept_real(model), fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, stand_ins=TRACE_STAND_INS, host_device=host,
                            loss_fn=loss_fn)
-        # from here on the techniques are applied (an attention backend sets process-wide flags): undone whatever
-        # fails, or every later trace in the process would run under them
+        # from here on the techniques are applied to the copy: undone whatever fails, so that nothing of them (a
+        # checkpoint wrapper, a cast) outlives the trace
         remove: Any = None
         attrib: ModuleAttribution | None = None
         try:

@@ -4,6 +4,12 @@ Every path that runs a training step (``memopt.wrap``, the profile's fake-tensor
 guard's retry of a batch, the distributed steps, the Hugging Face Trainer path) goes through this module, so they
 all accept the same batches.
 
+This module holds what a step does with a batch: splits it into micro-batches or rank shares, moves it to the
+device, counts its loss items, makes its loss. What that stands on sits beside it, one concern each: walking a
+batch's containers (``memopt.step.batch_tree``), counting its samples and telling an indivisible one
+(``memopt.step.batch_samples``), fitting it to ``forward``'s signature (``memopt.step.forward_signature``), and
+batches made like it for the profile's traces at other sizes (``memopt.step.batch_like``).
+
 **A batch** is a tensor, or a tuple, list, dict or dataclass of batches (nested to any depth; a namedtuple, a
 ``BatchEncoding`` and a dataclass keep their types).
 Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
@@ -35,7 +41,6 @@ items is accumulated unweighted instead (``memopt.step.loss_reduction`` measures
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,11 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.models.hf_task import hf_forward_kwargs, is_hf_model, peft_unwrapped
+from memopt.step.batch_samples import batch_size, indivisible
+from memopt.step.batch_tree import is_batch, is_dataclass_batch, is_fake, is_namedtuple, tree_map
+from memopt.step.forward_signature import check_takes, forward_kwargs, takes_the_whole_dict
 
-__all__ = ["TRAINED_WHOLE", "TrainingStep", "as_loss", "batch_size", "check_batch", "compute_loss", "count_loss_items",
-           "default_loss", "forward_kwargs", "indivisible", "is_batch", "leaves", "like", "scalar_loss", "shard",
-           "split", "structure", "tensors", "to_device", "token_labels", "tree_map"]
+__all__ = ["IGNORE_INDEX", "TrainingStep", "as_loss", "check_batch", "compute_loss", "count_loss_items",
+           "count_pending", "default_loss", "labels_of", "scalar_loss", "shard", "split", "to_device",
+           "token_labels"]
 
 IGNORE_INDEX = -100
 
@@ -93,110 +100,6 @@ def _first_parameter(fn: Any) -> str | None:
     return positional[0].name if positional else None
 
 
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
-def _is_dataclass_batch(x: Any) -> bool:
-    """A dataclass instance holding the batch's tensors in its fields (``Batch(x=..., y=...)``)."""
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
-
-
-def _fields(batch: Any) -> list[str]:
-    """A dataclass batch's fields that its constructor takes (the others are derived from them)."""
-    return [f.name for f in dataclasses.fields(batch) if f.init]
-
-
-def is_batch(x: Any) -> bool:
-    """Whether ``x`` is a structure this module trains on: a tensor, mapping, list, tuple or dataclass instance."""
-    return isinstance(x, (torch.Tensor, Mapping, list, tuple)) or _is_dataclass_batch(x)
-
-
-def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        items = {k: tree_map(fn, v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)  # a BatchEncoding or OrderedDict stays one
-        except TypeError:
-            return items
-    if _is_namedtuple(batch):
-        return type(batch)(*(tree_map(fn, v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(tree_map(fn, v) for v in batch)
-    if _is_dataclass_batch(batch):
-        return dataclasses.replace(batch, **{k: tree_map(fn, getattr(batch, k)) for k in _fields(batch)})
-    return batch
-
-
-def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor: ``x``, ``[0]``, ``inputs[1].mask``."""
-    if isinstance(batch, torch.Tensor):
-        return [(path or "batch", batch)]
-    if isinstance(batch, Mapping):
-        return [leaf for k, v in batch.items() for leaf in leaves(v, f"{path}.{k}" if path else str(k))]
-    if isinstance(batch, (list, tuple)):
-        return [leaf for i, v in enumerate(batch) for leaf in leaves(v, f"{path}[{i}]")]
-    if _is_dataclass_batch(batch):
-        return [leaf for k in _fields(batch) for leaf in leaves(getattr(batch, k), f"{path}.{k}" if path else k)]
-    return []
-
-
-def tensors(batch: Any) -> list[torch.Tensor]:
-    """Every tensor in the batch."""
-    return [t for _, t in leaves(batch)]
-
-
-def _sizes(batch: Any) -> dict[int, list[str]]:
-    """Dim 0 of every tensor with a dimension -> the tensors' paths (dense tensors only)."""
-    sizes: dict[int, list[str]] = {}
-    for path, t in leaves(batch):
-        if t.layout != torch.strided:  # it cannot be cut into micro-batches by rows, nor traced as bytes
-            raise ValueError(f"the batch's {path} is a {str(t.layout).removeprefix('torch.')} tensor: memopt plans "
-                             "and splits dense (strided) tensors only; pass it dense (.to_dense())")
-        if t.dim() > 0:
-            sizes.setdefault(int(t.shape[0]), []).append(path)
-    if not sizes:
-        kinds = type(batch).__name__
-        raise ValueError(f"the batch ({kinds}) holds no tensor with a batch dimension: pass a tensor, or a tuple, "
-                         "list or dict of tensors whose first dimension is the samples")
-    if len(sizes) > 1 and any("cu_seq_lens" in path for paths in sizes.values() for path in paths):
-        # planned whole, a packed batch would lose the rows the user's batch size counts (a Trainer's collator
-        # packs per_device_train_batch_size rows into one)
-        listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
-        raise ValueError(f"the batch is packed without padding ({listed}): its sequences are joined in one row "
-                         "and cu_seq_lens marks where each starts, so it has no samples along dim 0 to plan "
-                         "micro-batches by; memopt plans batches of padded rows: train with padding_free=False "
-                         "(TRL: packing=False, or packing_strategy='wrapped')")
-    return sizes
-
-
-#: what happens to an ``indivisible`` batch, and how to make it divisible (the plan's note after the reason)
-TRAINED_WHOLE = ("so it has no samples to split into micro-batches and is trained whole, as one sample; to let memopt "
-                 "split it, give every tensor the samples along dim 0 (a tensor that is not per sample, such as class "
-                 "weights, belongs in your loss_fn or training_step; a sequence-first tensor goes in batch-first and "
-                 "is transposed inside training_step)")
-
-
-def indivisible(batch: Any) -> str | None:
-    """Why ``batch`` cannot be split along dim 0, or None. Its tensors disagree on dim 0 (a graph's node features
-    beside its ``(2, edges)`` edge index, a sequence-first input beside per-sample targets): no dim 0 holds the
-    samples, so the batch is one indivisible sample, trained whole (one micro-batch, one rank's batch)."""
-    sizes = _sizes(batch)
-    if len(sizes) == 1:
-        return None
-    listed = "; ".join(f"{n} in {', '.join(paths[:3])}" for n, paths in sorted(sizes.items()))
-    return f"the batch's tensors disagree on dim 0 ({listed})"
-
-
-def batch_size(batch: Any) -> int:
-    """The number of samples: dim 0 of every tensor with a dimension; 1 for an ``indivisible`` batch."""
-    sizes = _sizes(batch)
-    return next(iter(sizes)) if len(sizes) == 1 else 1
-
-
 def _slice(batch: Any, lo: int, hi: int) -> Any:
     return tree_map(lambda t: t[lo:hi] if t.dim() > 0 else t, batch)
 
@@ -234,24 +137,20 @@ def to_device(batch: Any, device: torch.device | str | None, *, pin: bool = Fals
     def move(t: torch.Tensor) -> torch.Tensor:
         if t.device == device:
             return t
-        if pin and device.type == "cuda" and t.device.type == "cpu" and not _is_fake(t):
+        if pin and device.type == "cuda" and t.device.type == "cpu" and not is_fake(t):
             t = t.pin_memory()
         return t.to(device, non_blocking=True)
 
     return tree_map(move, batch)
 
 
-def _is_fake(t: Any) -> bool:
-    return type(t).__name__ == "FakeTensor"
-
-
 def labels_of(batch: Any) -> Any:
     """The batch's labels: dict key ``labels``, or the last element of a tuple/list of 2+ elements; else None."""
     if isinstance(batch, Mapping):
         return batch.get("labels")
-    if isinstance(batch, (list, tuple)) and not _is_namedtuple(batch) and len(batch) >= 2:
+    if isinstance(batch, (list, tuple)) and not is_namedtuple(batch) and len(batch) >= 2:
         return batch[-1]
-    if _is_namedtuple(batch) or _is_dataclass_batch(batch):
+    if is_namedtuple(batch) or is_dataclass_batch(batch):
         return getattr(batch, "labels", None)
     return None
 
@@ -272,7 +171,7 @@ def count_loss_items(batch: Any, *, causal: bool = False) -> int:
     """The labels that carry loss (labels != -100) where the batch has integer labels, else its samples."""
     labels = token_labels(batch, causal)
     if labels is not None:
-        if _is_fake(labels):
+        if is_fake(labels):
             return labels.numel()  # a fake batch has no values: every label counts
         return int((labels != IGNORE_INDEX).sum())
     return batch_size(batch)
@@ -281,72 +180,9 @@ def count_loss_items(batch: Any, *, causal: bool = False) -> int:
 def count_pending(batch: Any, *, causal: bool = False) -> int | torch.Tensor:
     """``count_loss_items``, left on the device as a tensor when the labels are there (read back in one sync)."""
     labels = token_labels(batch, causal)
-    if labels is not None and labels.device.type != "cpu" and not _is_fake(labels):
+    if labels is not None and labels.device.type != "cpu" and not is_fake(labels):
         return (labels != IGNORE_INDEX).sum()
     return count_loss_items(batch, causal=causal)
-
-
-def _accepts(model: nn.Module) -> set[str] | None:
-    """The keyword names ``model.forward`` takes; None when it takes any (``**kwargs``). A Hugging Face model's
-    ``**kwargs`` are its ``TransformersKwargs`` (flash-attention lengths, ``num_items_in_batch``, ...): those and the
-    named parameters are what it takes, so a target kept beside its inputs is not sent down its layers."""
-    forward = model.forward
-    try:
-        params = list(inspect.signature(forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        if not is_hf_model(model):
-            return None
-        names |= hf_forward_kwargs()
-    return names
-
-
-def forward_kwargs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of a dict batch that ``model.forward`` accepts (all of them when it takes ``**kwargs``)."""
-    names = _accepts(_unwrapped(model))
-    if names is None:
-        return dict(batch)
-    kept = {k: v for k, v in batch.items() if k in names}
-    if not kept:
-        raise ValueError(f"none of the batch's keys {sorted(batch)} is a parameter of {type(model).__name__}."
-                         f"forward ({', '.join(sorted(names)) or 'no keyword parameters'}): name the keys after "
-                         "forward's parameters, or pass training_step=(model, batch) -> loss to call it yourself")
-    return kept
-
-
-def takes_the_whole_dict(model: nn.Module, batch: Mapping[str, Any]) -> bool:
-    """Whether ``forward`` takes the dict itself (``def forward(self, batch)``, as many Lightning-style modules do):
-    one required parameter, no ``**kwargs``, and none of the batch's keys among its parameters' names."""
-    try:
-        params = list(inspect.signature(_unwrapped(model).forward).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params) or any(p.name in batch for p in params):
-        return False
-    required = [p for p in params if p.default is p.empty]
-    return len(required) == 1 and required[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The user's module inside a wrapper that forwards ``*args, **kwargs`` to it (DDP's and DeepSpeed's
-    ``module``, peft's base model), whose signature says nothing."""
-    inner = model
-    for _ in range(4):
-        peft_inner = peft_unwrapped(inner)  # a PeftModel: its forward(*args, **kwargs) calls the base model
-        candidate = peft_inner if peft_inner is not inner else getattr(inner, "module", None)
-        if not isinstance(candidate, nn.Module) or candidate is inner:
-            break
-        try:
-            params = inspect.signature(type(inner).forward).parameters.values()
-        except (TypeError, ValueError):
-            break
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-        inner = candidate
-    return inner
 
 
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
@@ -382,13 +218,13 @@ def compute_loss(model: nn.Module, batch: Any, loss_fn: Any = None) -> torch.Ten
         return loss_fn(model, batch)
     if isinstance(batch, Mapping):
         output = model(batch) if takes_the_whole_dict(model, batch) else model(**forward_kwargs(model, batch))
-    elif isinstance(batch, torch.Tensor) or _is_dataclass_batch(batch):
+    elif isinstance(batch, torch.Tensor) or is_dataclass_batch(batch):
         output = model(batch)
     elif isinstance(batch, (list, tuple)):
         if not batch:
             raise ValueError("the batch is an empty tuple/list: pass the model's inputs (and the target)")
         inputs = batch[:-1] if loss_fn is not None and len(batch) >= 2 else batch
-        _check_takes(model, batch, len(inputs))
+        check_takes(model, batch, len(inputs))
         output = model(*inputs)
     else:
         raise _not_a_batch(batch)
@@ -425,37 +261,6 @@ def scalar_loss(value: Any, source: str) -> torch.Tensor:
                      "'loss' (as a Lightning training_step may)")
 
 
-def _looks_like_rows(batch: Any) -> bool:
-    """A list of dataset rows not yet collated: two or more dicts with the same keys."""
-    return (isinstance(batch, (list, tuple)) and len(batch) >= 2 and all(isinstance(b, Mapping) for b in batch)
-            and len({tuple(b) for b in batch}) == 1)
-
-
-def _check_takes(model: nn.Module, batch: list[Any] | tuple[Any, ...], count: int) -> None:
-    """A one-line error when a tuple batch's first ``count`` elements (all but the target, under a ``loss_fn``) do
-    not fit ``forward``."""
-    name = type(_unwrapped(model)).__name__
-    target_held_back = count < len(batch)
-    try:
-        inspect.signature(_unwrapped(model).forward).bind(*range(count))
-    except TypeError:
-        if _looks_like_rows(batch):
-            raise ValueError(f"the batch is a list of {len(batch)} dicts with the same keys, which {name}.forward "
-                             "does not take: dataset rows not yet collated? memopt takes one collated batch (every "
-                             "tensor with the samples along dim 0), e.g. torch.utils.data.default_collate(rows) or "
-                             "next(iter(loader))") from None
-        if target_held_back:
-            raise ValueError(f"{name}.forward does not take the {count} input(s) of the (inputs..., target) batch: "
-                             "with loss_fn the last element is the target and is not passed to the model; to pass it "
-                             "too, give training_step=(model, batch) -> loss, or a dict batch whose keys are "
-                             "forward's parameters") from None
-        raise ValueError(f"{name}.forward does not take the batch's {count} elements: for an (inputs..., target) "
-                         "batch pass loss_fn=(output, batch) -> loss (the target is then not passed to the model) "
-                         "or training_step=(model, batch) -> loss") from None
-    except ValueError:  # no signature to read: let the call say
-        return
-
-
 def check_batch(batch: Any) -> int:
     """The batch's sample count, or a one-line ValueError saying what a batch may be."""
     if not is_batch(batch):
@@ -466,51 +271,3 @@ def check_batch(batch: Any) -> int:
 def _not_a_batch(batch: Any) -> ValueError:
     return ValueError(f"cannot train on a batch of type {type(batch).__name__}: pass a tensor, or a tuple, list, "
                       "dict or dataclass of tensors (samples along dim 0)")
-
-
-def structure(batch: Any) -> Any:
-    """A JSON-able description of the batch: its containers, and each tensor's shape and dtype (the profile's
-    cache key and the recipe for fake batches of another size)."""
-    if isinstance(batch, torch.Tensor):
-        return {"shape": list(batch.shape), "dtype": str(batch.dtype).replace("torch.", "")}
-    if isinstance(batch, Mapping):
-        return {"dict": {str(k): structure(v) for k, v in batch.items()}}
-    if isinstance(batch, (list, tuple)):
-        return {"list" if isinstance(batch, list) else "tuple": [structure(v) for v in batch]}
-    if _is_dataclass_batch(batch):
-        return {"dataclass": f"{type(batch).__module__}.{type(batch).__qualname__}",
-                "fields": {k: structure(getattr(batch, k)) for k in _fields(batch)}}
-    return {"value": repr(batch)}
-
-
-def integer_maxima(batch: Any) -> list[int | None]:
-    """For each tensor of the batch (``leaves`` order), the largest value of an integer one that holds values, else
-    None: what ``like`` fills it with."""
-    def top(t: torch.Tensor) -> int | None:
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
-            return None
-        if t.device.type == "meta" or _is_fake(t):
-            return None
-        return int(t.max())
-
-    return [top(t) for t in tensors(batch)]
-
-
-def like(batch: Any, size: int | None, device: str | torch.device, fill: list[int | None] | None = None) -> Any:
-    """A batch of ``size`` samples (None: the whole of ``batch``, every shape kept) with ``batch``'s structure,
-    dtypes and per-sample shapes, created on ``device``: random floats; each integer tensor filled with its ``fill``
-    value (``integer_maxima`` of the real batch: valid class ids and never -100, so every label carries loss, and the
-    longest of a batch's lengths, so a model that trims its padding to ``lengths.max()`` is traced at the batch's
-    length), or zeros without one; booleans false."""
-    fills = iter(fill or [])
-
-    def make(t: torch.Tensor) -> torch.Tensor:
-        shape = tuple(t.shape) if size is None else (size, *t.shape[1:]) if t.dim() > 0 else ()
-        value = next(fills, None)
-        if t.is_floating_point():
-            return torch.randn(shape, device=device).to(t.dtype)
-        if value is not None:
-            return torch.full(shape, value, dtype=t.dtype, device=device)
-        return torch.zeros(shape, dtype=t.dtype, device=device)
-
-    return tree_map(make, batch)

@@ -36,6 +36,8 @@ from torch import nn
 
 from memopt.models.hf_task import is_hf_model
 from memopt.step import batch as _batch
+from memopt.step.batch_samples import batch_size
+from memopt.step.batch_tree import tree_map
 from memopt.step.random_draws import DrawLog
 from memopt.techniques.precision import forward_context
 
@@ -120,10 +122,10 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     "mean", "sum", "coupled" (neither: ``why`` says what was measured), "masked" (a mean, but not over the items
     memopt weights micro-batches by: :func:`_weighting_mismatch`) or "unknown" (the check cannot tell: the loss is 0
     or not finite, or the forward fails in eval mode). ``causal``: the labels are shifted inside the model."""
-    m = _batch.batch_size(micro_batch)
+    m = batch_size(micro_batch)
     parts = _batch.split(micro_batch, max(1, m // 2))
     head = parts[0]
-    twice = _batch.tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
+    twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
     draws = DrawLog()
     try:
         with _side_effects_undone(model), forward_context(precision, device_type):
@@ -157,14 +159,14 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
         return ("mean" if is_mean else "sum"), ""
     if is_mean:  # both: the loss is about 0 on these samples
         return "unknown", f"the loss of the check's samples is {once:g}"
-    k = _batch.batch_size(head)
+    k = batch_size(head)
     return "coupled", f"the loss of {k} sample(s) given twice is {doubled:.4g} against {once:.4g} given once"
 
 
 def _loss_of_copy(model: nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
     """The loss of a copy of ``batch``: a forward that writes into its inputs (``x.sub_(mean)``) would otherwise change
     the batch the step then trains on, and the check's next forward."""
-    return _batch.compute_loss(model, _batch.tree_map(lambda t: t.clone(), batch), loss_fn)
+    return _batch.compute_loss(model, tree_map(lambda t: t.clone(), batch), loss_fn)
 
 
 def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: float, loss_fn: Any,
@@ -183,13 +185,13 @@ def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: 
     if not math.isfinite(whole_loss):
         return None
     if not math.isfinite(weighted):  # a half with nothing to average over (every item masked): 0/0
-        return (f"the loss of {_batch.batch_size(whole)} samples is {whole_loss:.6g}, but the loss of a part of them "
+        return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but the loss of a part of them "
                 f"is {first if not math.isfinite(first) else second:g}")
     tol = (_TOLERANCE / 5 if precision != "fp32" else 1e-4) * max(abs(whole_loss), abs(weighted), 1e-12)
     if abs(whole_loss - weighted) <= tol:
         return None
     unit = "samples" if _batch.token_labels(whole, causal) is None else "labels other than -100"
-    return (f"the loss of {_batch.batch_size(whole)} samples is {whole_loss:.6g}, but its two halves' losses "
+    return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but its two halves' losses "
             f"({first:.6g}, {second:.6g}) weighted by their {unit} ({counts[0]}, {counts[1]}) give {weighted:.6g}")
 
 

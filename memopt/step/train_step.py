@@ -26,10 +26,11 @@ from memopt.step import batch as _batch
 from memopt.step.loss_reduction import LossReduction, first_labelled, measure_reduction, micro_batch_weights
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
+from memopt.techniques.attention import sdpa_restricted
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
 from memopt.techniques.precision import MasterWeights, forward_context
 
-__all__ = ["TrainStep", "count_loss_items", "default_loss", "discard_accumulation", "split_batch"]
+__all__ = ["TrainStep", "count_loss_items", "default_loss", "discard_accumulation", "loss_item_counts", "split_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -64,8 +65,9 @@ def _stage(micro: list[Any], device: torch.device | str | None) -> list[Any]:
     return [_batch.to_device(mb, device, pin=True) for mb in micro]
 
 
-def _loss_item_counts(micro: list[Any], causal: bool) -> list[int]:
-    """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them."""
+def loss_item_counts(micro: list[Any], causal: bool) -> list[int]:
+    """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them: a sync per
+    micro-batch would drain the GPU's queue before each one's forward."""
     pending = [_batch.count_pending(mb, causal=causal) for mb in micro]
     on_device = [i for i, c in enumerate(pending) if isinstance(c, torch.Tensor)]
     if on_device:
@@ -103,7 +105,7 @@ class TrainStep:
 
     @contextlib.contextmanager
     def _forward_ctx(self) -> Iterator[None]:
-        with forward_context(self.strategy.precision, self.device_type):
+        with sdpa_restricted(self.strategy.attention), forward_context(self.strategy.precision, self.device_type):
             if self.offload is not None:
                 with self.offload.hooks():
                     yield
@@ -129,10 +131,12 @@ class TrainStep:
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        # checkpointed blocks recompute their forward here: under the kernel restriction their forward ran with
+        with sdpa_restricted(self.strategy.attention):
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
 
     def optimizer_step(self) -> None:
         """Unscale, clip, step, copy master weights back, clear gradients."""
@@ -174,7 +178,7 @@ class TrainStep:
         """One optimizer step over ``batch`` (the global batch); returns the batch's loss (its mean, or its sum
         for a summed loss)."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = _loss_item_counts(micro, self.causal_lm)
+        counts = loss_item_counts(micro, self.causal_lm)
         total_items = sum(counts)
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")

@@ -14,17 +14,15 @@ precision and optimizer every engine setting runs; ``memopt.plan.sharded`` plans
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from memopt.strategy import Strategy
 from memopt.techniques import adapters, quantization_apply
 from memopt.techniques.adapters import ADAPTER_FIDELITY, DEFAULT_ADAPTER_RANK, AdapterSetting
 from memopt.techniques.model_change import ModelChange, Undo
+from memopt.techniques.protocol import SearchContext
 from memopt.techniques.quantization import QUANT_BITS_LADDER, QUANT_FIDELITY, QuantSetting
 from memopt.techniques.sharding import ENGINE_OPTIMIZER, PLAN_PRECISION, ShardingSetting, sharding_settings
-
-if TYPE_CHECKING:
-    from memopt.techniques.registry import SearchContext
 
 
 class Policy(Protocol):

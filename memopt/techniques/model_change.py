@@ -2,7 +2,7 @@
 protocol.
 
 A technique that changes the model (its weights' dtype, its attention kernel, its blocks' ``forward``, its linears)
-answers ``apply(change) -> undo`` in its registry entry (``memopt.techniques.registry.ModelTechnique``); ``prepare``
+answers ``apply(change) -> undo`` in its registry entry (``memopt.techniques.protocol.ModelTechnique``); ``prepare``
 calls them in one documented order (``memopt.step.prepare.APPLY_ORDER``) and undoes them newest first. The others
 (optimizer, micro-batching, chunked loss, activation offload, allocator mode) change how the step runs, not the
 model: the train step and the hard cap read them from the strategy.

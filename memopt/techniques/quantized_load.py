@@ -14,12 +14,15 @@ from torch import nn
 
 from memopt.blocks import tied_parameter_groups
 from memopt.models import build_model
+from memopt.strategy import Strategy
+from memopt.techniques.precision import weight_dtype
 from memopt.techniques.quantization import QuantSetting
 from memopt.techniques.quantization_apply import flag_name, quantization_targets, quantize_linear, set_module
 from memopt.techniques.quantized_bytes import quantized_weight_bytes
 from memopt.units import allocator_size
 
 __all__ = [
+    "load_for_strategy",
     "load_peak_bytes",
     "load_quantized",
     "model_skeleton",
@@ -129,6 +132,20 @@ def load_quantized(model: Any, checkpoint: str | Path | Sequence[str | Path], se
     if names:  # peft reads the flag to pick its bitsandbytes layers: only a quantized model carries it
         setattr(model, flag_name(setting), True)
     return model
+
+
+def load_for_strategy(model: nn.Module, checkpoint: str | Path | Sequence[str | Path], strategy: Strategy,
+                      device: torch.device) -> int | None:
+    """The checkpoint's weights into ``model`` (its parameters on meta) on the training device, in the weight dtype
+    of the strategy's precision, its quantization targets quantized as they load; returns the peak allocated while
+    loading on a GPU (None elsewhere)."""
+    q = strategy.extra("quantization")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    load_quantized(model, checkpoint, q if q is not None else QuantSetting(), device,
+                   dtype=weight_dtype(strategy.precision), targets=None if q is not None else [])
+    return int(torch.cuda.max_memory_allocated(device)) if cuda else None
 
 
 def load_peak_bytes(model: nn.Module, setting: QuantSetting | dict[str, Any] | None, *,

@@ -13,6 +13,9 @@ from torch import nn
 
 import memopt
 from memopt.step import batch as B
+from memopt.step.batch_samples import batch_size, indivisible
+from memopt.step.batch_tree import structure
+from memopt.step.forward_signature import takes_the_whole_dict
 from tests.reference_loop import losses_of_plain_loop
 
 
@@ -188,7 +191,7 @@ def test_split_and_move_keep_the_structure():
     x, y = _xy(6)
     nested = {"a": (x, [y, "tag"]), "scalar": torch.tensor(3.0), "n": 1}
     parts = B.split(nested, 4)
-    assert [B.batch_size(p) for p in parts] == [4, 2]
+    assert [batch_size(p) for p in parts] == [4, 2]
     assert isinstance(parts[1]["a"], tuple) and isinstance(parts[1]["a"][1], list) and parts[1]["a"][1][1] == "tag"
     torch.testing.assert_close(parts[1]["a"][0], x[4:])
     assert parts[0]["scalar"] is nested["scalar"] and parts[0]["n"] == 1  # 0-d and non-tensors: every micro-batch
@@ -304,7 +307,7 @@ def test_a_dataclass_batch_is_split_by_its_fields(how):
     _assert_same(w, ref, got, want)
     micro = B.split(batch, 2)
     assert [type(mb) for mb in micro] == [Batch] * 4 and [mb.n for mb in micro] == [2] * 4
-    assert B.structure(batch)["fields"]["tag"] == {"value": "'train'"}
+    assert structure(batch)["fields"]["tag"] == {"value": "'train'"}
 
 
 @pytest.mark.parametrize("loss", [False, True])
@@ -475,7 +478,7 @@ def test_a_forward_that_takes_the_whole_dict_is_called_with_it(micro):
     got = [w.step(b) for b in batches]
     _assert_same(w, ref, got, want)
     # a forward with one parameter named after a key still gets the keys
-    assert not B.takes_the_whole_dict(nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
+    assert not takes_the_whole_dict(nn.Linear(2, 2), {"input": torch.zeros(1, 2)})
 
 
 @pytest.mark.parametrize("task_type, chunked_ce", [(None, 0), ("CAUSAL_LM", 0), (None, 4)])
@@ -557,7 +560,7 @@ def test_a_graph_batch_whose_tensors_disagree_on_dim_0_is_one_sample_trained_who
     model = Graph()
     ref = copy.deepcopy(model)
     batches = [_graph(10, 30, seed=i) for i in range(3)]
-    assert B.indivisible(batches[0]) and B.batch_size(batches[0]) == 1
+    assert indivisible(batches[0]) and batch_size(batches[0]) == 1
     assert B.split(batches[0], 1) == [batches[0]]
     with pytest.raises(ValueError, match=r"disagree on dim 0.*cannot be shared over 2 ranks"):
         B.shard(batches[0], 0, 2)

@@ -3,7 +3,7 @@ device before the first forward, and the guard's census off by default (it costs
 
 import torch
 
-from memopt.step.train_step import _loss_item_counts, _stage, count_loss_items, split_batch
+from memopt.step.train_step import _stage, count_loss_items, loss_item_counts, split_batch
 
 
 def _batch() -> dict:
@@ -16,9 +16,9 @@ def _batch() -> dict:
 def test_counts_match_count_loss_items_for_every_micro_batch():
     micro = split_batch(_batch(), 2)
     for causal in (False, True):
-        assert _loss_item_counts(micro, causal) == [count_loss_items(mb, causal=causal) for mb in micro]
+        assert loss_item_counts(micro, causal) == [count_loss_items(mb, causal=causal) for mb in micro]
     per_sample = [{"x": torch.zeros(3, 4), "labels": torch.tensor([1, 0, 1])}]
-    assert _loss_item_counts(per_sample, False) == [3]  # per-sample labels count samples
+    assert loss_item_counts(per_sample, False) == [3]  # per-sample labels count samples
 
 
 def test_staging_moves_every_micro_batch_and_keeps_non_tensors():

@@ -150,7 +150,7 @@ def test_the_trainer_is_planned_for_the_datasets_longest_row_wherever_it_is(tmp_
     """A Trainer shuffles: the longest row, far past the first few hundred, can come in any batch. The plan read
     the first 256 rows' lengths and a later, longer batch ran past it (a T5 translation run on the H200 ran out of
     memory under memopt's cap in its second epoch)."""
-    from memopt.integrations.hf_trainer import ROWS_READ, row_length_ranges
+    from memopt.integrations.trainer_sample import ROWS_READ, row_length_ranges
 
     rows = _rows({700: (40, 8)}, 1000)
     assert row_length_ranges(rows, ("input_ids", "labels")) == {"input_ids": (8, 40), "labels": (8, 8)}
@@ -240,14 +240,14 @@ def test_the_collated_sample_of_rows_of_several_lengths_is_padded_where_a_micro_
     from tokenizers import Tokenizer, models
     from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
 
-    from memopt.integrations.hf_trainer import _collated_batch
+    from memopt.integrations.trainer_sample import collated_batch
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
                                   pad_token="<pad>")
     rows = [{"input_ids": [1] * n, "attention_mask": [1] * n} for n in (5, 9, 3, 7, 9, 4)]
     trainer = _mask_reading_trainer(tmp_path, bf16=False)
     trainer.data_collator = DataCollatorWithPadding(tok)
-    batch = _collated_batch(trainer, rows, 4)
+    batch = collated_batch(trainer, rows, 4)
     assert batch["input_ids"].shape == (4, 9)
     assert batch["attention_mask"].sum(1).tolist()[:2] == [9, 3]
 
@@ -269,7 +269,7 @@ def test_a_trainer_fed_rows_of_several_lengths_is_planned_from_its_padded_batche
     from tokenizers import Tokenizer, models
     from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
 
-    from memopt.integrations.hf_trainer import _collated_batch
+    from memopt.integrations.trainer_sample import collated_batch
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "a": 1}, "<pad>")),
                                   pad_token="<pad>")
@@ -289,7 +289,7 @@ def test_a_trainer_fed_rows_of_several_lengths_is_planned_from_its_padded_batche
     plain = trainer(tmp_path / "a")
     plain.train()
     wrapped = memopt.wrap(trainer(tmp_path / "b"), budget="4GB", hardware="h200", pins=pins)
-    padded = _collated_batch(wrapped, rows, 8)
+    padded = collated_batch(wrapped, rows, 8)
     assert (padded["attention_mask"] == 0).any()
     on_batch = memopt.plan(_llama(), padded, budget="4GB", hardware="h200", pins=pins)
     on_shapes = memopt.plan(_llama(), {"batch_size": 8, "seq_len": 64}, budget="4GB", hardware="h200", pins=pins)
@@ -306,7 +306,7 @@ def test_a_collator_that_packs_its_rows_keeps_the_trainers_batch_of_rows(tmp_pat
     rows; a Trainer whose own loss needs its collated batch is refused in one line."""
     from transformers import DataCollatorWithFlattening
 
-    from memopt.integrations.hf_trainer import PackedRows, _collated_batch
+    from memopt.integrations.trainer_sample import PackedRows, collated_batch
 
     g = torch.Generator().manual_seed(3)
     rows = []
@@ -330,4 +330,4 @@ def test_a_collator_that_packs_its_rows_keeps_the_trainers_batch_of_rows(tmp_pat
     for k, v in plain.model.named_parameters():
         torch.testing.assert_close(wrapped.model.get_parameter(k), v, rtol=1e-4, atol=1e-6)
     with pytest.raises(PackedRows, match="padding-free packing"):
-        _collated_batch(trainer(tmp_path / "c"), rows, 8)
+        collated_batch(trainer(tmp_path / "c"), rows, 8)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memopt
-from memopt.step.batch import integer_maxima, like
+from memopt.step.batch_like import integer_maxima, like
 from memopt.strategy import Strategy
 
 HW = memopt.load_hardware("h200")

@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memopt.profile.attention_select import AttentionPolicy, UnsupportedAttention, choose_backend
 from memopt.profile.cuda_semantics import KernelPolicy, cuda_semantics
 from memopt.profile.tracker import MemoryTracker
+from memopt.techniques.attention import sdpa_restricted
 
 H90 = KernelPolicy(attention=AttentionPolicy(sm=90))
 H90_CUDNN = KernelPolicy(attention=AttentionPolicy(sm=90, prefer_cudnn=True))
@@ -72,16 +73,11 @@ def test_backend_selection_follows_cuda_rules():
         assert choose_backend(qg, kg, vg, None, 0.0, True, True, H90.attention) == "math"
         sm75 = AttentionPolicy(sm=75)
         assert choose_backend(q, k, v, None, 0.0, True, False, sm75) != "flash"
-    from memopt.techniques.attention import apply_attention_backend
 
-    undo = apply_attention_backend(torch.nn.Linear(1, 1), "flash")
-    try:
-        with FakeTensorMode():
-            q, k, v = _qkv(1, 2, 2, 16, 64, torch.float32)  # flash cannot take fp32, nothing else is enabled
-            with pytest.raises(UnsupportedAttention):
-                choose_backend(q, k, v, None, 0.0, True, False, H90.attention)
-    finally:
-        undo()
+    with sdpa_restricted("flash"), FakeTensorMode():
+        q, k, v = _qkv(1, 2, 2, 16, 64, torch.float32)  # flash cannot take fp32, nothing else is enabled
+        with pytest.raises(UnsupportedAttention):
+            choose_backend(q, k, v, None, 0.0, True, False, H90.attention)
 
 
 @pytest.mark.parametrize("policy", [H90, H90_CUDNN])

@@ -7,7 +7,8 @@ from memopt.plan.policy import Policy
 from memopt.plan.search import extras_levels
 from memopt.strategy import Strategy
 from memopt.techniques.extras import extras_ladder
-from memopt.techniques.registry import BY_NAME, LEVELED, SearchContext, extras_saving
+from memopt.techniques.protocol import SearchContext
+from memopt.techniques.registry import BY_NAME, LEVELED, extras_saving
 
 
 def _ctx(*, bnb: bool = True, peft: bool = True) -> SearchContext:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import memopt
+from memopt.blocks import find_block_stacks
 from memopt.models import SampleSpec, make_batch
 from memopt.models.hf_task import hf_task
 from memopt.profile.api import spec_from_module
@@ -87,10 +88,16 @@ def _reference(model, batches, *, loss_fn=None, bf16=False, max_grad_norm=None):
 
 def _check_equivalence(build, batches, sample, technique, *, loss_fn=None, max_grad_norm=None):
     pins = {**EXACT, **TECHNIQUES[technique]}
-    bf16 = pins["precision"] == "bf16_autocast"
     torch.manual_seed(11)
-    wrapped = memopt.wrap(build(), budget="20GB", sample=sample, hardware="h200", optimizer="sgd", lr=LR,
+    model = build()
+    longest = max((len(s) for s in find_block_stacks(model)), default=0)
+    if technique == "full" and longest:
+        pins["checkpoint_blocks"] = longest  # every block of every stack: at a roomy budget the planner needs one
+    bf16 = pins["precision"] == "bf16_autocast"
+    wrapped = memopt.wrap(model, budget="20GB", sample=sample, hardware="h200", optimizer="sgd", lr=LR,
                           pins=pins, guard=False, autotune=False, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
+    if technique == "full" and longest:
+        assert wrapped.plan.strategy.checkpointing.count(longest) == longest
     torch.manual_seed(11)
     got = [wrapped.step({k: v.clone() for k, v in b.items()}) for b in batches]
     ref_model = build()
