@@ -15,6 +15,12 @@ Exactness: when the Trainer normalizes the loss by the number of loss tokens of 
 batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean loss is weighted by its
 share of the batch's loss tokens (samples, for per-sample labels) before backward.
 
+Padding: the collator padded the whole batch to its longest row, so a micro-batch carries columns that are padding
+in all of its rows, which a script accumulating by hand (its collator pads each micro-batch to its own longest
+row) never computes. Where the model's loss is measured to be unchanged by right padding (once, on the first split
+batch: ``memopt.step.right_padding.padding_invariant``) those trailing columns are cut off each micro-batch before
+its forward; only ``-100`` labels go with them, so the loss-token counts stay. The plan's notes say which.
+
 The Trainer's optimizer step (outside ``training_step``) is made all-or-nothing and retried by
 ``memopt.integrations.trainer_optimizer_step``, installed on the Trainer's optimizer at the first step; its
 failures and switches go into the same report.
@@ -37,11 +43,22 @@ from memopt.guard.oom import (
     parse_oom_message,
     release_cache,
 )
+from memopt.integrations.trainer_loss import TrainerLoss, trainer_loss
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
 from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
-from memopt.step.train_step import count_loss_items, split_batch
+from memopt.step.batch import count_pending
+from memopt.step.loss_reduction import first_labelled
+from memopt.step.right_padding import (
+    drop_trailing,
+    model_loss,
+    padding_invariant,
+    pending_trailing_padding,
+    read_back,
+    trailing_padding,
+)
+from memopt.step.train_step import loss_item_counts, split_batch
 from memopt.strategy import Checkpointing
 
 __all__ = ["MicroBatchedTrainingStep", "trainer_escalator"]
@@ -65,6 +82,23 @@ def trainer_escalator(profile: Any = None) -> Escalate:
     return escalate
 
 
+@contextlib.contextmanager
+def _full_precision_forward(model: torch.nn.Module) -> Iterator[None]:
+    """The model's own forward while inside, without the autocast accelerate wraps around it for mixed precision
+    (it keeps the unwrapped one as ``_original_forward``): the padding check compares two losses to 1e-4, which
+    bf16 kernels picked by sequence length do not meet even where the model is invariant."""
+    wrapped = model.__dict__.get("forward")
+    original = model.__dict__.get("_original_forward")
+    if wrapped is None or original is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
 class MicroBatchedTrainingStep:
     """``trainer.training_step`` over the plan's micro-batches, retried after an OOM with an escalated plan."""
 
@@ -81,6 +115,9 @@ class MicroBatchedTrainingStep:
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
         self._loss_takes_num_items: bool | None = None
+        # trailing padding cut off each micro-batch: None until the first split batch decides (_decide_trimming)
+        self.trim_padding: bool | None = None
+        self.trim_padding_reason = ""
 
     # -- installing ------------------------------------------------------------------------------
     def install(self) -> MicroBatchedTrainingStep:
@@ -154,7 +191,7 @@ class MicroBatchedTrainingStep:
         normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
             getattr(tr, "model_accepts_loss_kwargs", False) and getattr(tr.args, "world_size", 1) > 1
             and self._model_loss_uses_num_items(model, micro[0])))
-        counts = [count_loss_items(mb, causal=self.causal_lm) for mb in micro]
+        counts, micro = self._counts_and_trimmed(model, micro)
         total_items = max(1, sum(counts))
         skip_empty = not normalized and sum(counts) > 0
         total: torch.Tensor | None = None
@@ -168,6 +205,46 @@ class MicroBatchedTrainingStep:
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def _counts_and_trimmed(self, model: torch.nn.Module, micro: list[Any]) -> tuple[list[int], list[Any]]:
+        """The loss items of each micro-batch (``loss_item_counts``), and the micro-batches without their trailing
+        padding when trimming is on. Counted before trimming: only ``-100`` labels are cut, so the counts are the
+        same. Once decided, the counts and the padding widths are read back in one sync."""
+        if self.trim_padding is None:
+            counts = loss_item_counts(micro, self.causal_lm)
+            self._decide_trimming(model, first_labelled(micro, counts, micro[0]))
+            trailing = trailing_padding(micro) if self.trim_padding else None
+        elif self.trim_padding:
+            n = len(micro)
+            values = read_back([count_pending(mb, causal=self.causal_lm) for mb in micro]
+                               + [pending_trailing_padding(mb) for mb in micro])
+            counts, trailing = values[:n], values[n:]
+        else:
+            counts, trailing = loss_item_counts(micro, self.causal_lm), None
+        return counts, micro if trailing is None else drop_trailing(micro, trailing)
+
+    def _decide_trimming(self, model: torch.nn.Module, sample: Any) -> None:
+        """Whether trailing padding is cut off the micro-batches, measured once on ``sample`` (a micro-batch with
+        loss items), with a note in the plan. The loss checked is the model's own (``output.loss``), or the Trainer's
+        ``compute_loss`` where only label smoothing makes it differ; a loss of the user's (``compute_loss_func``, a
+        subclass's ``compute_loss``) is not checked, and keeps the padding."""
+        from transformers import Trainer  # lazy: transformers is optional for memopt
+
+        tr = self.trainer
+        parallel = getattr(getattr(tr, "accelerator", None), "parallelism_config", None)
+        if getattr(tr, "compute_loss_func", None) is not None or \
+                getattr(type(tr), "compute_loss", Trainer.compute_loss) is not Trainer.compute_loss:
+            ok, why = False, "the Trainer computes the loss itself (compute_loss_func or a compute_loss override)"
+        elif parallel is not None and getattr(parallel, "cp_enabled", False):
+            ok, why = False, "context parallelism splits each sequence over the ranks"
+        else:
+            loss_of = TrainerLoss(tr) if trainer_loss(tr) is not None else model_loss
+            with _full_precision_forward(model):
+                ok, why = padding_invariant(model, sample, loss_of)
+        self.trim_padding, self.trim_padding_reason = ok, why
+        self.plan.notes.append(
+            f"trailing padding is cut off each micro-batch before its forward ({why})" if ok else
+            f"each micro-batch keeps the whole batch's padding: {why}")
 
     def _model_loss_uses_num_items(self, model: torch.nn.Module, batch: dict[str, Any]) -> bool:
         """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in

@@ -1,0 +1,200 @@
+"""Trailing padding that a micro-batch carries only because the whole batch was padded to its longest row.
+
+A collator pads the global batch to its longest row. Split into micro-batches, each one keeps those columns even
+where none of its own rows reaches them, while a script that accumulates gradients itself (``per_device=micro``)
+has its collator pad each micro-batch only to its own longest row: memopt would compute padding the hand-written
+configuration never does. The columns that are padding in every row of a micro-batch (``attention_mask == 0``,
+and no loss token in them: ``labels == -100``) are cut off before its forward, where that is exact for the model.
+
+Exactness is measured, not assumed (:func:`padding_invariant`): most models mask padded keys out of attention and
+never read a padded position into a real one, but a convolution over the sequence (ConvBERT), a mean over all
+positions, or a classifier that reads the last column does. The check appends right padding to a real
+micro-batch and compares the losses: adding padding and removing it are the same question, and appending needs no
+knowledge of where the batch's padding is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memopt.step.batch import IGNORE_INDEX
+from memopt.step.batch_tree import is_fake
+
+__all__ = ["LABEL_KEYS", "drop_trailing", "model_loss", "padding_invariant", "pending_trailing_padding",
+           "read_back", "trailing_padding", "trim_right"]
+
+# per-token targets whose padded columns must carry no loss (shift_labels: labels already shifted by one)
+LABEL_KEYS = ("labels", "shift_labels")
+LossOf = Callable[[nn.Module, Mapping], "torch.Tensor | None"]
+
+
+def _mask(batch: Any) -> torch.Tensor | None:
+    """The batch's 2-D ``attention_mask`` (B, T), or None: only then do columns mean sequence positions."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not is_fake(mask):
+        return mask
+    return None
+
+
+def _per_token(t: Any, shape: tuple[int, int]) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == shape
+
+
+def pending_trailing_padding(batch: Any) -> int | torch.Tensor:
+    """How many trailing columns of ``batch`` are padding in every row and carry no loss token: a 0-d tensor on the
+    batch's device (read back with the others in one sync: :func:`read_back`), or 0 when nothing can be said. At
+    least one column is kept, so that no forward sees an empty sequence."""
+    mask = _mask(batch)
+    if mask is None or mask.shape[1] < 2:
+        return 0
+    shape = (mask.shape[0], mask.shape[1])
+    pad = (mask == 0).all(dim=0)
+    for key in LABEL_KEYS:
+        labels = batch.get(key)
+        if not _per_token(labels, shape):
+            continue
+        if labels.dim() != 2 or labels.is_floating_point() or labels.dtype == torch.bool:
+            return 0  # per-token targets without an ignore index: no column is known to carry no loss
+        pad = pad & (labels == IGNORE_INDEX).all(dim=0)
+    # the run of True at the end: a cumulative product from the right stops at the first real column
+    return pad.flip(0).to(torch.int32).cumprod(0).sum().clamp(max=shape[1] - 1)
+
+
+def read_back(pending: list[int | torch.Tensor]) -> list[int]:
+    """The values of ``pending`` as ints, with one device-to-host copy per device (one on a single GPU): a sync per
+    value would drain the GPU's queue before each micro-batch's forward."""
+    out: list[Any] = list(pending)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(pending):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([pending[i] for i in idx]).tolist()):
+            out[i] = v
+    return [int(v) for v in out]
+
+
+def trailing_padding(micro: list[Any]) -> list[int]:
+    """For each micro-batch, its trailing columns that are padding in every row (``attention_mask == 0``) and, where
+    it has per-token ``labels``, hold ``-100`` in every row; 0 for a batch without a 2-D mask. One sync in all."""
+    return read_back([pending_trailing_padding(mb) for mb in micro])
+
+
+def trim_right(batch: Any, keep: int) -> Any:
+    """``batch`` with every tensor value of the attention mask's (B, T) leading shape cut to its first ``keep``
+    columns (contiguous, as a collator that padded only that far makes them); other values as they are. The
+    container keeps its type the way ``memopt.step.batch_tree.tree_map`` rebuilds one (a ``BatchEncoding`` stays
+    one, else a dict). ``keep == T`` returns ``batch`` itself."""
+    mask = _mask(batch)
+    if mask is None or keep >= mask.shape[1]:
+        return batch
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 column, got {keep}")
+    shape = (mask.shape[0], mask.shape[1])
+    items = {k: v[:, :keep].contiguous() if _per_token(v, shape) else v for k, v in batch.items()}
+    try:
+        return type(batch)(items)
+    except TypeError:
+        return items
+
+
+def drop_trailing(micro: list[Any], trailing: list[int]) -> list[Any]:
+    """Each micro-batch without its ``trailing`` padding columns (:func:`trailing_padding`)."""
+    return [trim_right(mb, _mask(mb).shape[1] - n) if n else mb for mb, n in zip(micro, trailing)]
+
+
+def model_loss(model: nn.Module, batch: Mapping) -> torch.Tensor | None:
+    """The loss the model returns for ``batch`` (``output.loss``), or None when its output carries none."""
+    return getattr(model(**batch), "loss", None)
+
+
+def _padded(batch: Mapping, extra: int, pad_token_id: int) -> Any:
+    """``batch`` with ``extra`` right-padding columns: mask 0, labels -100, floats 0, and other integers the batch's
+    own pad value (what its collator wrote under a 0 of the mask; the model's ``pad_token_id``, else 0, when the
+    batch has no padding): a model that finds padding by its token id is checked with the id the data uses."""
+    mask = _mask(batch)
+    assert mask is not None
+    shape = (mask.shape[0], mask.shape[1])
+    padded_at = mask == 0
+
+    def pad(key: str, t: torch.Tensor) -> torch.Tensor:
+        tail = (t.shape[0], extra, *t.shape[2:])
+        if key == "attention_mask" or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            return torch.cat([t, t.new_zeros(tail)], dim=1)
+        if key in LABEL_KEYS:
+            return torch.cat([t, t.new_full(tail, IGNORE_INDEX)], dim=1)
+        seen = t[padded_at]
+        fill = seen[:1] if seen.shape[0] else t.new_full((1, *t.shape[2:]), pad_token_id)
+        return torch.cat([t, fill.reshape(1, 1, *t.shape[2:]).expand(tail)], dim=1)
+
+    items = {k: pad(k, v) if _per_token(v, shape) else v for k, v in batch.items()}
+    try:
+        return type(batch)(items)
+    except TypeError:
+        return items
+
+
+@contextlib.contextmanager
+def _side_effects_undone(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradients; every module's training flag and the random generators (torch's, on the
+    model's GPUs too, and Python's) restored, so that training is as without the check. A local equivalent of
+    ``memopt.integrations.trainer_setup.preserved_random_state``, which sits a layer above this one."""
+    flags = [(m, m.training) for m in model.modules()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        random.setstate(state)
+        for m, training in flags:
+            m.training = training
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def padding_invariant(model: nn.Module, batch: Any, loss_of: LossOf = model_loss, *,
+                      extra: int = 3) -> tuple[bool, str]:
+    """(ok, reason): whether the loss of ``batch`` (a real micro-batch with a 2-D ``attention_mask``, on the model's
+    device) is unchanged by ``extra`` more right-padding columns: both losses finite and equal within rtol 1e-4 (atol
+    1e-6). Measured in eval mode without gradients; train mode and random state are restored. The caller runs it
+    in fp32 (a mixed-precision forward differs by more than that between sequence lengths); half-precision weights
+    are refused. ``reason`` says why trimming padding is off, or that it is exact."""
+    if _mask(batch) is None:
+        return False, "the batch has no 2-D attention_mask"
+    half = next((p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is not None:  # at 8 or 11 bits of mantissa, kernels chosen by sequence length differ by more than 1e-4
+        return False, f"the model's weights are {str(half).removeprefix('torch.')}: padding invariance cannot be " \
+                      "measured to fp32 precision"
+    norms = [type(m).__name__ for m in model.modules() if isinstance(m, _BATCH_NORMS) and m.training]
+    if norms:  # eval mode hides it: in training its statistics would count the padded positions
+        return False, f"the model has BatchNorm ({norms[0]}), whose training statistics see padded positions"
+    config = getattr(getattr(model, "module", model), "config", None)
+    pad_token_id = getattr(config, "pad_token_id", None)
+    padded = _padded(batch, extra, pad_token_id if isinstance(pad_token_id, int) else 0)
+    try:
+        with _side_effects_undone(model):
+            plain, longer = loss_of(model, batch), loss_of(model, padded)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # a forward that refuses the longer batch is no evidence of invariance
+        return False, f"the model fails on a right-padded batch ({type(exc).__name__}: {str(exc)[:120]})"
+    if not isinstance(plain, torch.Tensor) or not isinstance(longer, torch.Tensor):
+        return False, "the model's output has no loss to compare (no labels in the batch?)"
+    plain, longer = plain.detach().float(), longer.detach().float()
+    if not (torch.isfinite(plain).all() and torch.isfinite(longer).all()):
+        return False, "the loss of the sample micro-batch is not finite, so no comparison can tell"
+    if not torch.allclose(plain, longer, rtol=1e-4, atol=1e-6):
+        return False, (f"the loss changes with right padding ({float(plain.sum()):.6g} -> {float(longer.sum()):.6g}): "
+                       "padded positions reach the loss (ConvBERT-style convolutions, a mean over all positions)")
+    return True, "the loss is unchanged by right padding"
