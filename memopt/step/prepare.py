@@ -7,7 +7,8 @@ The techniques that change the model are applied through the registry (``ModelTe
   1. precision casts the weights first, so everything after sees their final dtype (and the
      fp32 master copies are taken from the weights as the user gave them); the weights are still on the host,
      so weights stored in bf16 never occupy the GPU in fp32;
-  2. the attention backend is a global switch, independent of the module tree;
+  2. the attention backend: flash-attn set on a Hugging Face model's config (PyTorch's SDPA backends change nothing
+     here: the train step restricts SDPA only around its own passes, ``memopt.techniques.attention``);
   3. activation checkpointing wraps the blocks' ``forward``; later wrappers (offload hooks, the
      train step's autocast) sit outside it, so recomputation happens under the same autocast;
   4. quantization swaps the block linears for frozen quantized layers (bitsandbytes; the profile's stand-ins
