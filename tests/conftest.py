@@ -50,6 +50,35 @@ def _sdpa_backends_unchanged():
     assert not changed, f"the test left SDPA backend flags changed: {sorted(changed)}"
 
 
+@pytest.fixture(autouse=True)
+def _autocast_unchanged():
+    """No test may leave autocast turned on: every later forward of the worker would run in reduced precision (and
+    a check that needs fp32, such as the Trainer path's padding check, would not get it). A test that leaks fails,
+    and autocast is turned off again for the tests after it."""
+    import torch
+
+    devices = ("cpu", "cuda")
+    before = {d: torch.is_autocast_enabled(d) for d in devices}
+    yield
+    changed = [d for d in devices if torch.is_autocast_enabled(d) != before[d]]
+    for d in changed:
+        torch.set_autocast_enabled(d, before[d])
+    assert not changed, f"the test left autocast changed on {changed}"
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """No test may leave a torch.distributed process group it started: every later Trainer of the worker would take
+    itself for one rank of a job (accelerate wraps its model in DDP), as a failed one-GPU offload wrap once did."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialized")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -44,7 +44,7 @@ from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.precision import cast_float_inputs
 from memopt.techniques.sharding import ShardingSetting, sharding_of
 
-__all__ = ["ShardedWrapped", "is_sharded_plan", "single_process_group"]
+__all__ = ["ShardedWrapped", "end_single_process_group", "is_sharded_plan", "single_process_group"]
 
 
 def is_sharded_plan(plan: Any) -> bool:
@@ -53,29 +53,48 @@ def is_sharded_plan(plan: Any) -> bool:
     return strategy is not None and strategy.extra("sharding") is not None
 
 
-def single_process_group(device: torch.device) -> bool:
+def single_process_group(device: torch.device) -> list[str] | None:
     """Start a one-process ``torch.distributed`` group (world size 1) when none exists, so that a one-GPU offload
     plan's engine (DeepSpeed or FSDP2) runs in a plain ``python`` process. The group's store lives in this process
-    (no port is opened); the launcher variables the engines read are set where absent. Returns whether it started
-    one. A process that a launcher started as one rank of several is refused: its group must be the launcher's."""
+    (no port is opened); the launcher variables the engines read are set where absent. Returns the variables it
+    set when it started a group (``end_single_process_group`` takes them back), None when a group existed. A process
+    that a launcher started as one rank of several is refused: its group must be the launcher's."""
     import torch.distributed as dist
 
     if not dist.is_available():
         raise ValueError("this PyTorch build has no torch.distributed, which a one-GPU offload plan's engine needs: "
                          "install a build with it, or pin offload=False")
     if dist.is_initialized():
-        return False
+        return None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise ValueError(f"WORLD_SIZE={world} says this process is one rank of a launched job, but torch.distributed "
                          "is not initialized: call torch.distributed.init_process_group first (torchrun does)")
+    env_set = []
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        os.environ.setdefault(name, value)
+        if name not in os.environ:
+            os.environ[name] = value
+            env_set.append(name)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    return True
+    try:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    except BaseException:
+        end_single_process_group(env_set)
+        raise
+    return env_set
+
+
+def end_single_process_group(env_set: list[str]) -> None:
+    """Destroy the group ``single_process_group`` started and take back the launcher variables it set: left behind,
+    every later library in the process (accelerate, a Trainer) would take the process for one rank of a job."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for name in env_set:
+        os.environ.pop(name, None)
 
 
 def _world() -> tuple[int, int, int]:
@@ -113,8 +132,31 @@ class ShardedWrapped:
             torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._checkpoint = None if checkpoint is None else (
+            [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint))
+        if self._checkpoint is None and any(p.device.type == "meta" for p in model.parameters()):
+            raise ValueError("the model's parameters are on the meta device: pass checkpoint=<safetensors file(s)> "
+                             "to load them into the sharded layout, or build the model with its weights")
         # one GPU: the engine still wants a process group; one of a single process is started here, not by the user
-        self.started_group = setting.world_size == 1 and single_process_group(self.device)
+        started = single_process_group(self.device) if setting.world_size == 1 else None
+        self.started_group = started is not None
+        self._env_set = started or []
+        undo: list[Any] = []
+        try:
+            self._build(model, plan, strategy, setting, undo, optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn,
+                        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, cap_budget_bytes=cap_budget_bytes,
+                        loss_reduction=loss_reduction)
+        except BaseException:
+            # nothing of a wrap that failed stays: the model as it was given, no process group of memopt's
+            while undo:
+                undo.pop()()
+            self.close()
+            raise
+
+    def _build(self, model: nn.Module, plan: Any, strategy: Any, setting: ShardingSetting, undo: list[Any], *,
+               optimizer_kwargs: dict[str, Any] | None, loss_fn: Any, max_grad_norm: float | None,
+               lr_scheduler: Any, cap_budget_bytes: int | None, loss_reduction: LossReduction | None) -> None:
+        """The cap, the model's changes (their undos pushed on ``undo``), the engine and the train step."""
         self.cap_fraction: float | None = None
         if self.device.type == "cuda":  # the budget holds here as in memopt.wrap: allocator mode, then the hard cap
             set_expandable_segments(strategy.expandable_segments)
@@ -123,19 +165,15 @@ class ShardedWrapped:
         self._causal_lm = is_causal_lm(model)  # before an engine wraps it
         # no KV cache in training, as in memopt's one-GPU step and in the profile the plan was traced from: a
         # checkpointed block would otherwise keep its keys and values alive until the loss
-        disable_kv_cache(model)
+        undo.append(disable_kv_cache(model))
         # the plan decides which blocks recompute, as it was traced: not a model's own gradient checkpointing
-        disable_own_checkpointing(model)
+        undo.append(disable_own_checkpointing(model))
         stacks = find_block_stacks(model)
-        apply_checkpointing(stacks, strategy.checkpointing)
+        undo.append(apply_checkpointing(stacks, strategy.checkpointing))
         self._opt_kwargs = {"lr": 1e-4, **(optimizer_kwargs or {})}
         self._max_grad_norm, self._lr_scheduler = max_grad_norm, lr_scheduler
-        # pretrained weights for a model built on the meta device: read into the engine's layout tensor by tensor
-        self._checkpoint = None if checkpoint is None else (
-            [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint))
-        if self._checkpoint is None and any(p.device.type == "meta" for p in model.parameters()):
-            raise ValueError("the model's parameters are on the meta device: pass checkpoint=<safetensors file(s)> "
-                             "to load them into the sharded layout, or build the model with its weights")
+        # pretrained weights for a model built on the meta device (self._checkpoint): read into the engine's layout
+        # tensor by tensor
         self.model, self.optimizer, step_kw = self._engine(model, setting, strategy, stacks)
         if "engine" not in step_kw:  # DeepSpeed clips and schedules inside its engine (its config / initialize)
             step_kw.update(max_grad_norm=max_grad_norm,
@@ -200,10 +238,7 @@ class ShardedWrapped:
         engine is destroyed (a group the user or the launcher started stays theirs). The engine cannot step after
         it; ``save`` first to keep the training state."""
         if self.started_group:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            end_single_process_group(self._env_set)
             self.started_group = False
 
     @property

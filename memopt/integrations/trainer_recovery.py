@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -82,21 +84,39 @@ def trainer_escalator(profile: Any = None) -> Escalate:
     return escalate
 
 
+def _own_forward(module: torch.nn.Module) -> Any:
+    """``module``'s forward without the wrappers set on the instance (accelerate wraps it in autocast for mixed
+    precision, and says so with ``__wrapped__``); None when nothing wraps it."""
+    wrapped = module.__dict__.get("forward")
+    if wrapped is None:
+        return None
+    inner = inspect.unwrap(getattr(wrapped, "__func__", wrapped))
+    if inner is getattr(wrapped, "__func__", wrapped):
+        return None
+    return inner if inspect.ismethod(inner) else types.MethodType(inner, module)
+
+
 @contextlib.contextmanager
 def _full_precision_forward(model: torch.nn.Module) -> Iterator[None]:
-    """The model's own forward while inside, without the autocast accelerate wraps around it for mixed precision
-    (it keeps the unwrapped one as ``_original_forward``): the padding check compares two losses to 1e-4, which
+    """The model's own forward in fp32 while inside: the autocast wrappers on the model's instance, and on the module
+    a DDP-style wrapper holds (``.module``: accelerate wraps the forward before DDP wraps the model), are stepped
+    around, and any autocast around the call is turned off. The padding check compares two losses to 1e-4, which
     bf16 kernels picked by sequence length do not meet even where the model is invariant."""
-    wrapped = model.__dict__.get("forward")
-    original = model.__dict__.get("_original_forward")
-    if wrapped is None or original is None:
-        yield
-        return
-    model.forward = original
-    try:
-        yield
-    finally:
-        model.forward = wrapped
+    chain = [model]
+    while isinstance(getattr(chain[-1], "module", None), torch.nn.Module):
+        chain.append(chain[-1].module)
+    swapped = [(m, m.__dict__["forward"], own) for m in chain if (own := _own_forward(m)) is not None]
+    devices = {"cpu"} | {p.device.type for p in model.parameters() if p.device.type != "meta"}
+    with contextlib.ExitStack() as stack:
+        for device in sorted(devices):
+            stack.enter_context(torch.autocast(device, enabled=False))
+        for m, _, own in swapped:
+            m.forward = own
+        try:
+            yield
+        finally:
+            for m, wrapped, _ in swapped:
+                m.forward = wrapped
 
 
 class MicroBatchedTrainingStep:

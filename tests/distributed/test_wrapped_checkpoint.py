@@ -78,3 +78,41 @@ def test_a_model_on_meta_needs_its_weights(tmp_path):
                            prediction={}, global_batch=8)
     with pytest.raises(ValueError, match=r"meta device: pass checkpoint=<safetensors file\(s\)>"):
         ShardedWrapped(model, plan, device="cpu")
+
+
+def test_a_wrap_that_fails_after_starting_its_process_group_leaves_nothing_behind(monkeypatch):
+    """memopt starts a one-process group (and the launcher variables) for a one-GPU offload engine; when building
+    the engine then fails, the group is destroyed, the variables taken back and the model's changes undone: left
+    behind, every later Trainer in the process took itself for one rank of a job (accelerate wrapped its model in
+    DDP) and the blocks stayed checkpointed."""
+    import os
+
+    import torch.distributed as dist
+
+    from memopt.strategy import Checkpointing, Strategy
+
+    from . import _workers as w
+
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in launcher:
+        monkeypatch.delenv(name, raising=False)
+    model = w.tiny_model()
+    forwards = [b.__dict__.get("forward") for b in model.layers]
+    seen = {}
+
+    def failing_engine(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen["group"] = dist.is_initialized()
+        seen["checkpointed"] = [b.__dict__.get("forward") is not None for b in model.layers]
+        raise RuntimeError("the engine could not be built")
+
+    monkeypatch.setattr(ShardedWrapped, "_engine", failing_engine)
+    setting = ShardingSetting(engine="fsdp2", stage=3, world_size=1)
+    plan = SimpleNamespace(strategy=Strategy(precision="fp32", checkpointing=Checkpointing(mode="full"),
+                                             extras=(("sharding", setting),)),
+                           budget_bytes=2**33, prediction={}, global_batch=8)
+    with pytest.raises(RuntimeError, match="the engine could not be built"):
+        ShardedWrapped(model, plan, device="cpu")
+    assert seen == {"group": True, "checkpointed": [True] * len(model.layers)}  # it got that far
+    assert not dist.is_initialized()
+    assert [name for name in launcher if name in os.environ] == []
+    assert [b.__dict__.get("forward") for b in model.layers] == forwards

@@ -254,7 +254,25 @@ def test_a_model_whose_loss_sees_padding_trains_untrimmed_and_the_same(tmp_path)
     assert "changes with right padding" in note
 
 
-def test_under_mixed_precision_the_padding_check_runs_the_forward_in_fp32(tmp_path):
+@pytest.fixture(params=[False, True], ids=["one_process", "process_group"])
+def process_group(request, monkeypatch):
+    """Optionally a one-process gloo group: accelerate then wraps the Trainer's model in DDP, after it wrapped the
+    model's forward in autocast, so the check must step around the wrapper on ``DDP.module``."""
+    import torch.distributed as dist
+
+    if not request.param:
+        yield False
+        return
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield True
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_mixed_precision_the_padding_check_runs_the_forward_in_fp32(tmp_path, process_group):
     """accelerate wraps the forward in bf16 autocast; a bf16 forward at two sequence lengths differs by more than
     the check's 1e-4 even where the model is invariant, so the check runs the model's own forward (fp32 weights)."""
     wrapped = memopt.wrap(_trainer(tmp_path, _llama(), per_sample_labels=False), budget="4GB",
@@ -265,6 +283,7 @@ def test_under_mixed_precision_the_padding_check_runs_the_forward_in_fp32(tmp_pa
         lambda m, args: autocast_in_eval.append(torch.is_autocast_enabled("cpu")) if not m.training else None)
     wrapped.train()
     assert autocast_in_eval == [False, False]  # the check's two passes, in fp32
+    assert isinstance(wrapped.model_wrapped, torch.nn.parallel.DistributedDataParallel) == process_group
     assert wrapped.accelerator.mixed_precision == "bf16"
     assert "_original_forward" in wrapped.model.__dict__  # the autocast wrapper the check steps around
     assert wrapped.memopt_recovery.trim_padding is True, wrapped.memopt_recovery.trim_padding_reason
