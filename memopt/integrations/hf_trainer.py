@@ -30,12 +30,7 @@ from memopt.guard.transaction import StepTransaction
 from memopt.integrations.trainer_loss import trainer_loss
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 from memopt.integrations.trainer_sample import sample_from_trainer
-from memopt.integrations.trainer_setup import (
-    TrainerCheckpointing,
-    fit_evaluation,
-    preserved_random_state,
-    set_trainer_precision,
-)
+from memopt.integrations.trainer_setup import TrainerCheckpointing, fit_evaluation, set_trainer_precision
 from memopt.plan.context import resolve_hardware, resolve_policy
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
@@ -48,6 +43,7 @@ from memopt.step.hard_cap import (
     set_expandable_segments,
     warn_allocator_mode_fixed,
 )
+from memopt.step.side_effects import preserved_random_state
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes

@@ -10,7 +10,7 @@ from torch import nn
 
 from memopt.profile.loss_key import loss_key
 
-__all__ = ["TrainerLoss", "trainer_loss"]
+__all__ = ["TrainerLoss", "script_loss", "trainer_loss"]
 
 
 class TrainerLoss:
@@ -28,12 +28,16 @@ class TrainerLoss:
         return self._trainer.compute_loss(model, dict(batch))
 
 
-def trainer_loss(trainer: Any) -> TrainerLoss | None:
-    """The Trainer's loss where it differs from the model's own, else None (the profile then traces the model's)."""
+def script_loss(trainer: Any) -> bool:
+    """Whether the script computes the loss itself: a subclass's ``compute_loss``, or a ``compute_loss_func``."""
     from transformers import Trainer
 
     custom = getattr(type(trainer), "compute_loss", Trainer.compute_loss) is not Trainer.compute_loss
-    if custom or getattr(trainer, "compute_loss_func", None) is not None or \
-            getattr(trainer, "label_smoother", None) is not None:
+    return custom or getattr(trainer, "compute_loss_func", None) is not None
+
+
+def trainer_loss(trainer: Any) -> TrainerLoss | None:
+    """The Trainer's loss where it differs from the model's own, else None (the profile then traces the model's)."""
+    if script_loss(trainer) or getattr(trainer, "label_smoother", None) is not None:
         return TrainerLoss(trainer)
     return None

@@ -45,21 +45,21 @@ from memopt.guard.oom import (
     parse_oom_message,
     release_cache,
 )
-from memopt.integrations.trainer_loss import TrainerLoss, trainer_loss
+from memopt.integrations.trainer_loss import TrainerLoss, script_loss, trainer_loss
 from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerStep, torch_optimizer
-from memopt.integrations.trainer_setup import TrainerCheckpointing, preserved_random_state
+from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
-from memopt.step.batch import count_pending
+from memopt.step.batch import count_pending, read_back
 from memopt.step.loss_reduction import first_labelled
 from memopt.step.right_padding import (
     drop_trailing,
     model_loss,
     padding_invariant,
     pending_trailing_padding,
-    read_back,
     trailing_padding,
 )
+from memopt.step.side_effects import preserved_random_state
 from memopt.step.train_step import loss_item_counts, split_batch
 from memopt.strategy import Checkpointing
 
@@ -248,12 +248,9 @@ class MicroBatchedTrainingStep:
         loss items), with a note in the plan. The loss checked is the model's own (``output.loss``), or the Trainer's
         ``compute_loss`` where only label smoothing makes it differ; a loss of the user's (``compute_loss_func``, a
         subclass's ``compute_loss``) is not checked, and keeps the padding."""
-        from transformers import Trainer  # lazy: transformers is optional for memopt
-
         tr = self.trainer
         parallel = getattr(getattr(tr, "accelerator", None), "parallelism_config", None)
-        if getattr(tr, "compute_loss_func", None) is not None or \
-                getattr(type(tr), "compute_loss", Trainer.compute_loss) is not Trainer.compute_loss:
+        if script_loss(tr):
             ok, why = False, "the Trainer computes the loss itself (compute_loss_func or a compute_loss override)"
         elif parallel is not None and getattr(parallel, "cp_enabled", False):
             ok, why = False, "context parallelism splits each sequence over the ranks"

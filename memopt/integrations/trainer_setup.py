@@ -11,19 +11,17 @@
   (``memopt.techniques.checkpointing``, the code the estimate was made for) to the model's block stacks, and the
   Trainer's flag stays off. An escalated plan re-applies it.
 * **The script's random stream.** Planning reads samples of the Trainer's dataset (whose transforms may draw
-  random augmentations) and traces the model; ``preserved_random_state`` puts torch's (CPU and CUDA), numpy's
-  and Python's generators back as they were, so that the script's augmentations, dropout and sampling after
-  ``wrap`` draw what they would have drawn without memopt.
+  random augmentations) and traces the model; ``memopt.step.side_effects.preserved_random_state`` (around
+  ``wrap_trainer``'s planning) puts torch's (CPU and CUDA), numpy's and Python's generators back as they were, so
+  that the script's augmentations, dropout and sampling after ``wrap`` draw what they would have drawn without
+  memopt.
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
@@ -32,29 +30,9 @@ from memopt.strategy import Checkpointing
 from memopt.techniques.checkpointing import apply_checkpointing
 from memopt.techniques.model_change import no_change
 
-__all__ = ["TrainerCheckpointing", "preserved_random_state", "set_trainer_precision"]
+__all__ = ["TrainerCheckpointing", "set_trainer_precision"]
 
 _ACCELERATE_PRECISION = {"bf16_autocast": "bf16", "fp16_autocast": "fp16"}
-
-
-@contextlib.contextmanager
-def preserved_random_state() -> Iterator[None]:
-    """Every random generator a training script draws from, restored on exit."""
-    py_state = random.getstate()
-    try:
-        import numpy as np
-
-        np_state: Any = np.random.get_state()
-    except ImportError:  # numpy is optional for memopt
-        np, np_state = None, None
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(py_state)
-        if np is not None:
-            np.random.set_state(np_state)
 
 
 def set_trainer_precision(trainer: Any, precision: str) -> str:

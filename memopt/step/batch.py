@@ -53,7 +53,7 @@ from memopt.step.batch_tree import is_batch, is_dataclass_batch, is_fake, is_nam
 from memopt.step.forward_signature import check_takes, forward_kwargs, takes_the_whole_dict
 
 __all__ = ["IGNORE_INDEX", "TrainingStep", "as_loss", "check_batch", "compute_loss", "count_loss_items",
-           "count_pending", "default_loss", "labels_of", "scalar_loss", "shard", "split", "to_device",
+           "count_pending", "default_loss", "labels_of", "read_back", "scalar_loss", "shard", "split", "to_device",
            "token_labels"]
 
 IGNORE_INDEX = -100
@@ -183,6 +183,21 @@ def count_pending(batch: Any, *, causal: bool = False) -> int | torch.Tensor:
     if labels is not None and labels.device.type != "cpu" and not is_fake(labels):
         return (labels != IGNORE_INDEX).sum()
     return count_loss_items(batch, causal=causal)
+
+
+def read_back(pending: list[int | torch.Tensor]) -> list[int]:
+    """The values of ``pending`` as ints, with one device-to-host copy per device (one on a single GPU): a sync per
+    value would drain the GPU's queue before each micro-batch's forward. ``pending``: ``count_pending``'s values,
+    or any other per-micro-batch count left on the device."""
+    out: list[Any] = list(pending)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(pending):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([pending[i] for i in idx]).tolist()):
+            out[i] = v
+    return [int(v) for v in out]
 
 
 def default_loss(output: Any, batch: Any) -> torch.Tensor:

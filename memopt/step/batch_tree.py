@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_batch", "is_dataclass_batch", "is_fake", "is_namedtuple", "leaves", "structure", "tensors",
+__all__ = ["is_batch", "is_dataclass_batch", "is_fake", "is_namedtuple", "leaves", "rebuilt", "structure", "tensors",
            "tree_map"]
 
 
@@ -43,16 +43,21 @@ def is_batch(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, Mapping, list, tuple)) or is_dataclass_batch(x)
 
 
+def rebuilt(batch: Mapping, items: dict[Any, Any]) -> Mapping:
+    """``items`` in ``batch``'s mapping type (a BatchEncoding or OrderedDict stays one), or a dict where that type
+    cannot be built from a dict."""
+    try:
+        return type(batch)(items)
+    except TypeError:
+        return items
+
+
 def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        items = {k: tree_map(fn, v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)  # a BatchEncoding or OrderedDict stays one
-        except TypeError:
-            return items
+        return rebuilt(batch, {k: tree_map(fn, v) for k, v in batch.items()})
     if is_namedtuple(batch):
         return type(batch)(*(tree_map(fn, v) for v in batch))
     if isinstance(batch, (list, tuple)):

@@ -24,10 +24,8 @@ each time, so no comparison can tell: it is accumulated as a mean, with a warnin
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +37,7 @@ from memopt.step import batch as _batch
 from memopt.step.batch_samples import batch_size
 from memopt.step.batch_tree import tree_map
 from memopt.step.random_draws import DrawLog
+from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
 __all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
@@ -97,25 +96,6 @@ def micro_batch_weights(counts: list[int], mode: str, world_size: int = 1, total
     return [n * world_size / total for n in counts]
 
 
-@contextlib.contextmanager
-def _side_effects_undone(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no gradients; every module's training flag, every buffer and the random generators restored."""
-    flags = [(m, m.training) for m in model.modules()]
-    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
-            yield
-    finally:
-        for m, training in flags:
-            m.training = training
-        for m, name, b, saved in buffers:
-            m._buffers[name] = b  # a forward may rebind a buffer rather than write into it
-            b.copy_(saved)
-
-
 def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str,
                        device_type: str, causal: bool = False) -> tuple[str, str]:
     """(verdict, why): how the loss of ``micro_batch`` (on the device) reduces over its samples. The verdict is
@@ -128,7 +108,7 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
     draws = DrawLog()
     try:
-        with _side_effects_undone(model), forward_context(precision, device_type):
+        with side_effects_undone(model), forward_context(precision, device_type):
             with draws:
                 once = float(_loss_of_copy(model, head, loss_fn))
                 doubled = float(_loss_of_copy(model, twice, loss_fn))

@@ -15,19 +15,18 @@ knowledge of where the batch's padding is.
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from memopt.step.batch import IGNORE_INDEX
-from memopt.step.batch_tree import is_fake
+from memopt.step.batch import IGNORE_INDEX, read_back
+from memopt.step.batch_tree import is_fake, rebuilt
+from memopt.step.side_effects import side_effects_undone
 
 __all__ = ["LABEL_KEYS", "drop_trailing", "model_loss", "padding_invariant", "pending_trailing_padding",
-           "read_back", "trailing_padding", "trim_right"]
+           "trailing_padding", "trim_right"]
 
 # per-token targets whose padded columns must carry no loss (shift_labels: labels already shifted by one)
 LABEL_KEYS = ("labels", "shift_labels")
@@ -68,20 +67,6 @@ def pending_trailing_padding(batch: Any) -> int | torch.Tensor:
     return pad.flip(0).to(torch.int32).cumprod(0).sum().clamp(max=shape[1] - 1)
 
 
-def read_back(pending: list[int | torch.Tensor]) -> list[int]:
-    """The values of ``pending`` as ints, with one device-to-host copy per device (one on a single GPU): a sync per
-    value would drain the GPU's queue before each micro-batch's forward."""
-    out: list[Any] = list(pending)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(pending):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault(v.device, []).append(i)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([pending[i] for i in idx]).tolist()):
-            out[i] = v
-    return [int(v) for v in out]
-
-
 def trailing_padding(micro: list[Any]) -> list[int]:
     """For each micro-batch, its trailing columns that are padding in every row (``attention_mask == 0``) and, where
     it has per-token ``labels``, hold ``-100`` in every row; 0 for a batch without a 2-D mask. One sync in all."""
@@ -91,19 +76,15 @@ def trailing_padding(micro: list[Any]) -> list[int]:
 def trim_right(batch: Any, keep: int) -> Any:
     """``batch`` with every tensor value of the attention mask's (B, T) leading shape cut to its first ``keep``
     columns (contiguous, as a collator that padded only that far makes them); other values as they are. The
-    container keeps its type the way ``memopt.step.batch_tree.tree_map`` rebuilds one (a ``BatchEncoding`` stays
-    one, else a dict). ``keep == T`` returns ``batch`` itself."""
+    container keeps its type (``memopt.step.batch_tree.rebuilt``: a ``BatchEncoding`` stays one, else a
+    dict). ``keep == T`` returns ``batch`` itself."""
     mask = _mask(batch)
     if mask is None or keep >= mask.shape[1]:
         return batch
     if keep < 1:
         raise ValueError(f"keep must be at least 1 column, got {keep}")
     shape = (mask.shape[0], mask.shape[1])
-    items = {k: v[:, :keep].contiguous() if _per_token(v, shape) else v for k, v in batch.items()}
-    try:
-        return type(batch)(items)
-    except TypeError:
-        return items
+    return rebuilt(batch, {k: v[:, :keep].contiguous() if _per_token(v, shape) else v for k, v in batch.items()})
 
 
 def drop_trailing(micro: list[Any], trailing: list[int]) -> list[Any]:
@@ -135,29 +116,7 @@ def _padded(batch: Mapping, extra: int, pad_token_id: int) -> Any:
         fill = seen[:1] if seen.shape[0] else t.new_full((1, *t.shape[2:]), pad_token_id)
         return torch.cat([t, fill.reshape(1, 1, *t.shape[2:]).expand(tail)], dim=1)
 
-    items = {k: pad(k, v) if _per_token(v, shape) else v for k, v in batch.items()}
-    try:
-        return type(batch)(items)
-    except TypeError:
-        return items
-
-
-@contextlib.contextmanager
-def _side_effects_undone(model: nn.Module) -> Iterator[None]:
-    """Eval mode without gradients; every module's training flag and the random generators (torch's, on the
-    model's GPUs too, and Python's) restored, so that training is as without the check. A local equivalent of
-    ``memopt.integrations.trainer_setup.preserved_random_state``, which sits a layer above this one."""
-    flags = [(m, m.training) for m in model.modules()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    state = random.getstate()
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
-            yield
-    finally:
-        random.setstate(state)
-        for m, training in flags:
-            m.training = training
+    return rebuilt(batch, {k: pad(k, v) if _per_token(v, shape) else v for k, v in batch.items()})
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -183,7 +142,7 @@ def padding_invariant(model: nn.Module, batch: Any, loss_of: LossOf = model_loss
     pad_token_id = getattr(config, "pad_token_id", None)
     padded = _padded(batch, extra, pad_token_id if isinstance(pad_token_id, int) else 0)
     try:
-        with _side_effects_undone(model):
+        with side_effects_undone(model):
             plain, longer = loss_of(model, batch), loss_of(model, padded)
     except torch.OutOfMemoryError:
         raise

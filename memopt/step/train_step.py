@@ -68,13 +68,7 @@ def _stage(micro: list[Any], device: torch.device | str | None) -> list[Any]:
 def loss_item_counts(micro: list[Any], causal: bool) -> list[int]:
     """``count_loss_items`` of each micro-batch, with at most one device-to-host sync for all of them: a sync per
     micro-batch would drain the GPU's queue before each one's forward."""
-    pending = [_batch.count_pending(mb, causal=causal) for mb in micro]
-    on_device = [i for i, c in enumerate(pending) if isinstance(c, torch.Tensor)]
-    if on_device:
-        values = torch.stack([pending[i] for i in on_device]).tolist()
-        for i, v in zip(on_device, values):
-            pending[i] = int(v)
-    return [int(c) for c in pending]
+    return _batch.read_back([_batch.count_pending(mb, causal=causal) for mb in micro])
 
 
 @dataclass

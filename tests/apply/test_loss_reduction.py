@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
-from memopt.step.loss_reduction import LossNotSplittable, _side_effects_undone, micro_batch_weights
+from memopt.step.loss_reduction import LossNotSplittable, micro_batch_weights
+from memopt.step.side_effects import side_effects_undone
 
 
 def _mlp() -> nn.Module:
@@ -155,7 +156,7 @@ def test_the_check_puts_back_modes_buffers_and_random_state():
     model.frozen_norm.eval()
     calls = model.calls
     state = torch.get_rng_state()
-    with _side_effects_undone(model):
+    with side_effects_undone(model):
         assert not model.training
         model(torch.randn(4, 6))
     assert model.training and model.body.training and not model.frozen_norm.training

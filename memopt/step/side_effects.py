@@ -1,0 +1,56 @@
+"""Running a model without leaving a trace: the checks memopt makes with real forwards (how the loss reduces over
+samples, whether it is invariant to padding) and the planning it does inside a user's script (reading samples
+whose transforms draw random augmentations, tracing) must leave the training run as it would have been without
+them: every random generator, every module's train flag, every buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["preserved_random_state", "side_effects_undone"]
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Every random generator a training script draws from (torch's on the CPU and each initialized GPU, numpy's,
+    Python's), restored on exit."""
+    py_state = random.getstate()
+    try:
+        import numpy as np
+
+        np_state: Any = np.random.get_state()
+    except ImportError:  # numpy is optional for memopt
+        np, np_state = None, None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def side_effects_undone(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no gradients; every module's training flag, every buffer and the random generators restored."""
+    flags = [(m, m.training) for m in model.modules()]
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]
+    try:
+        with preserved_random_state(), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        for m, training in flags:
+            m.training = training
+        for m, name, b, saved in buffers:
+            m._buffers[name] = b  # a forward may rebind a buffer rather than write into it
+            b.copy_(saved)
