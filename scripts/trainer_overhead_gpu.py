@@ -147,8 +147,8 @@ def main() -> None:
             row.update(kind=kind, round=r)
             rows.append(row)
             print(kind, r, row.get("median_step_s"), row.get("plan", ""), row.get("error", "")[-300:], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(rows, indent=1))  # after each run: a time limit keeps what was done
     by_kind: dict[str, list[float]] = {}
     for row in rows:
         if "median_step_s" in row:

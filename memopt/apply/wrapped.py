@@ -40,6 +40,7 @@ from memopt.step.hard_cap import (
 )
 from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.step.prepare import Prepared, prepare
+from memopt.step.right_padding import PaddingCut
 from memopt.step.train_step import count_loss_items
 from memopt.techniques.attention import sdpa_restricted
 from memopt.techniques.precision import forward_context
@@ -69,6 +70,7 @@ class Wrapped:
         self._optimizer_kwargs = optimizer_kwargs
         self._loss_fn = loss_fn
         self._reduction = LossReduction(starting_mode(model, loss_fn, loss_reduction))
+        self._padding = PaddingCut()
         self._lr_scheduler_factory = lr_scheduler
         self._max_grad_norm = max_grad_norm
         self._hardware = hardware
@@ -213,7 +215,7 @@ class Wrapped:
         return {"device_type": self.device.type, "device": self.device, "optimizer": user_opt,
                 "optimizer_kwargs": self._optimizer_kwargs, "loss_fn": self._loss_fn,
                 "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
-                "move_to": self.device, "loss_reduction": self._reduction}
+                "move_to": self.device, "loss_reduction": self._reduction, "padding_cut": self._padding}
 
     def _run_autotune(self, batch: Any) -> None:
         """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
@@ -332,6 +334,9 @@ class Wrapped:
                     self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
             else:
                 loss = self._prepared.step.step(batch)
+        note = self._padding.note()
+        if note:
+            self.plan.notes.append(note)
         if self.steps_done == 0:
             progress.done(f"first step trained: {self.plan.strategy.label()}")
         self.steps_done += 1

@@ -50,17 +50,9 @@ from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerSte
 from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
-from memopt.step.batch import count_pending, read_back
-from memopt.step.loss_reduction import first_labelled
-from memopt.step.right_padding import (
-    drop_trailing,
-    model_loss,
-    padding_invariant,
-    pending_trailing_padding,
-    trailing_padding,
-)
+from memopt.step.right_padding import PaddingCut, model_loss, padding_invariant
 from memopt.step.side_effects import preserved_random_state
-from memopt.step.train_step import loss_item_counts, split_batch
+from memopt.step.train_step import split_batch
 from memopt.strategy import Checkpointing
 
 __all__ = ["MicroBatchedTrainingStep", "trainer_escalator"]
@@ -135,9 +127,7 @@ class MicroBatchedTrainingStep:
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
         self._loss_takes_num_items: bool | None = None
-        # trailing padding cut off each micro-batch: None until the first split batch decides (_decide_trimming)
-        self.trim_padding: bool | None = None
-        self.trim_padding_reason = ""
+        self.padding = PaddingCut()  # trailing padding cut off each micro-batch, decided at the first split batch
 
     # -- installing ------------------------------------------------------------------------------
     def install(self) -> MicroBatchedTrainingStep:
@@ -211,7 +201,10 @@ class MicroBatchedTrainingStep:
         normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
             getattr(tr, "model_accepts_loss_kwargs", False) and getattr(tr.args, "world_size", 1) > 1
             and self._model_loss_uses_num_items(model, micro[0])))
-        counts, micro = self._counts_and_trimmed(model, micro)
+        counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, lambda s: self._verdict(model, s))
+        note = self.padding.note()
+        if note:
+            self.plan.notes.append(note)
         total_items = max(1, sum(counts))
         skip_empty = not normalized and sum(counts) > 0
         total: torch.Tensor | None = None
@@ -226,42 +219,20 @@ class MicroBatchedTrainingStep:
         assert total is not None
         return total
 
-    def _counts_and_trimmed(self, model: torch.nn.Module, micro: list[Any]) -> tuple[list[int], list[Any]]:
-        """The loss items of each micro-batch (``loss_item_counts``), and the micro-batches without their trailing
-        padding when trimming is on. Counted before trimming: only ``-100`` labels are cut, so the counts are the
-        same. Once decided, the counts and the padding widths are read back in one sync."""
-        if self.trim_padding is None:
-            counts = loss_item_counts(micro, self.causal_lm)
-            self._decide_trimming(model, first_labelled(micro, counts, micro[0]))
-            trailing = trailing_padding(micro) if self.trim_padding else None
-        elif self.trim_padding:
-            n = len(micro)
-            values = read_back([count_pending(mb, causal=self.causal_lm) for mb in micro]
-                               + [pending_trailing_padding(mb) for mb in micro])
-            counts, trailing = values[:n], values[n:]
-        else:
-            counts, trailing = loss_item_counts(micro, self.causal_lm), None
-        return counts, micro if trailing is None else drop_trailing(micro, trailing)
-
-    def _decide_trimming(self, model: torch.nn.Module, sample: Any) -> None:
-        """Whether trailing padding is cut off the micro-batches, measured once on ``sample`` (a micro-batch with
-        loss items), with a note in the plan. The loss checked is the model's own (``output.loss``), or the Trainer's
-        ``compute_loss`` where only label smoothing makes it differ; a loss of the user's (``compute_loss_func``, a
-        subclass's ``compute_loss``) is not checked, and keeps the padding."""
+    def _verdict(self, model: torch.nn.Module, sample: Any) -> tuple[bool, str]:
+        """Whether trailing padding may be cut off the micro-batches, measured on ``sample`` (a micro-batch with
+        loss items). The loss checked is the model's own (``output.loss``), or the Trainer's ``compute_loss`` where
+        only label smoothing makes it differ; a loss of the user's (``compute_loss_func``, a subclass's
+        ``compute_loss``) is not checked, and keeps the padding."""
         tr = self.trainer
         parallel = getattr(getattr(tr, "accelerator", None), "parallelism_config", None)
         if script_loss(tr):
-            ok, why = False, "the Trainer computes the loss itself (compute_loss_func or a compute_loss override)"
-        elif parallel is not None and getattr(parallel, "cp_enabled", False):
-            ok, why = False, "context parallelism splits each sequence over the ranks"
-        else:
-            loss_of = TrainerLoss(tr) if trainer_loss(tr) is not None else model_loss
-            with _full_precision_forward(model):
-                ok, why = padding_invariant(model, sample, loss_of)
-        self.trim_padding, self.trim_padding_reason = ok, why
-        self.plan.notes.append(
-            f"trailing padding is cut off each micro-batch before its forward ({why})" if ok else
-            f"each micro-batch keeps the whole batch's padding: {why}")
+            return False, "the Trainer computes the loss itself (compute_loss_func or a compute_loss override)"
+        if parallel is not None and getattr(parallel, "cp_enabled", False):
+            return False, "context parallelism splits each sequence over the ranks"
+        loss_of = TrainerLoss(tr) if trainer_loss(tr) is not None else model_loss
+        with _full_precision_forward(model):
+            return padding_invariant(model, sample, loss_of)
 
     def _model_loss_uses_num_items(self, model: torch.nn.Module, batch: dict[str, Any]) -> bool:
         """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in

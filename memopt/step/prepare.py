@@ -35,6 +35,7 @@ from torch import nn
 from memopt.blocks import BlockStack, find_block_stacks
 from memopt.models.hf_task import is_causal_lm
 from memopt.step.loss_reduction import LossReduction
+from memopt.step.right_padding import PaddingCut
 from memopt.step.train_step import LossFn, TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
@@ -144,10 +145,12 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             loss_fn: LossFn | None = None, stand_ins: StandIns | None = None, host_device: str = "cpu",
             max_grad_norm: float | None = None, lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
             stacks: list[BlockStack] | None = None, move_to: torch.device | str | None = None,
-            loss_reduction: LossReduction | None = None) -> Prepared:
+            loss_reduction: LossReduction | None = None, padding_cut: PaddingCut | None = None) -> Prepared:
     """Apply ``strategy`` to ``model`` (in place, reversibly) and build its optimizer and train step (to be traced
     on fake tensors when ``stand_ins`` are given). ``loss_reduction``: how the loss reduces over samples, shared
-    with every other step built for the same user (``memopt.step.loss_reduction``); None: a mean."""
+    with every other step built for the same user (``memopt.step.loss_reduction``); None: a mean. ``padding_cut``:
+    whether trailing padding is cut off each micro-batch, shared the same way (``memopt.step.right_padding``); None:
+    never cut."""
     undo: list[Callable[[], None]] = []
     try:
         undo.append(disable_kv_cache(model))
@@ -180,6 +183,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         step = TrainStep(model=model, optimizer=opt, strategy=strategy, device_type=device_type, device=device,
                          loss_fn=loss_fn, scaler=scaler, master=master, offload=offload,
                          max_grad_norm=max_grad_norm, causal_lm=is_causal_lm(model), reduction=loss_reduction,
+                         padding=padding_cut,
                          lr_scheduler=lr_scheduler(opt) if lr_scheduler is not None else None)
     except Exception:
         while undo:

@@ -16,21 +16,24 @@ knowledge of where the batch's padding is.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memopt.step.batch import IGNORE_INDEX, read_back
+from memopt.step.batch import IGNORE_INDEX, count_pending, read_back
 from memopt.step.batch_tree import is_fake, rebuilt
+from memopt.step.loss_reduction import first_labelled
 from memopt.step.side_effects import side_effects_undone
 
-__all__ = ["LABEL_KEYS", "drop_trailing", "model_loss", "padding_invariant", "pending_trailing_padding",
+__all__ = ["LABEL_KEYS", "PaddingCut", "drop_trailing", "model_loss", "padding_invariant", "pending_trailing_padding",
            "trailing_padding", "trim_right"]
 
 # per-token targets whose padded columns must carry no loss (shift_labels: labels already shifted by one)
 LABEL_KEYS = ("labels", "shift_labels")
 LossOf = Callable[[nn.Module, Mapping], "torch.Tensor | None"]
+Verdict = Callable[[Any], tuple[bool, str]]
 
 
 def _mask(batch: Any) -> torch.Tensor | None:
@@ -157,3 +160,43 @@ def padding_invariant(model: nn.Module, batch: Any, loss_of: LossOf = model_loss
         return False, (f"the loss changes with right padding ({float(plain.sum()):.6g} -> {float(longer.sum()):.6g}): "
                        "padded positions reach the loss (ConvBERT-style convolutions, a mean over all positions)")
     return True, "the loss is unchanged by right padding"
+
+
+@dataclass
+class PaddingCut:
+    """Whether trailing padding is cut off each micro-batch: ``on`` is None until the first split batch is
+    measured (by the caller's ``verdict``: :func:`padding_invariant` with its loss and precision), then holds for
+    every later batch. One object is shared by every train step built for the same user (the plan's, the autotune's
+    candidates, the guard's re-plans), so the check runs once. ``reason`` says why it is on or off."""
+
+    on: bool | None = None
+    reason: str = ""
+    noted: bool = False  # the verdict went into the plan's notes (:meth:`note`)
+
+    def counts_and_micro(self, micro: list[Any], causal: bool, verdict: Verdict) -> tuple[list[int], list[Any]]:
+        """The loss items of each micro-batch (``count_pending``), and the micro-batches without their trailing
+        padding when cutting is on. Counted before cutting: only ``-100`` labels are cut, so the counts are the
+        same. Once decided, the counts and the padding widths are read back in one sync."""
+        n = len(micro)
+        if self.on is None:
+            counts = read_back([count_pending(mb, causal=causal) for mb in micro])
+            if _mask(micro[0]) is None:  # no padding to speak of: nothing measured, nothing noted
+                self.on, self.reason, self.noted = False, "the batch has no 2-D attention_mask", True
+            else:
+                self.on, self.reason = verdict(first_labelled(micro, counts, micro[0]))
+            trailing = trailing_padding(micro) if self.on else None
+        elif self.on:
+            values = read_back([count_pending(mb, causal=causal) for mb in micro]
+                               + [pending_trailing_padding(mb) for mb in micro])
+            counts, trailing = values[:n], values[n:]
+        else:
+            counts, trailing = read_back([count_pending(mb, causal=causal) for mb in micro]), None
+        return counts, micro if trailing is None else drop_trailing(micro, trailing)
+
+    def note(self) -> str | None:
+        """The verdict as a plan note, once (None before the verdict and after the note)."""
+        if self.on is None or self.noted:
+            return None
+        self.noted = True
+        return (f"trailing padding is cut off each micro-batch before its forward ({self.reason})" if self.on else
+                f"each micro-batch keeps the whole batch's padding: {self.reason}")

@@ -24,6 +24,7 @@ from torch import nn
 
 from memopt.step import batch as _batch
 from memopt.step.loss_reduction import LossReduction, first_labelled, measure_reduction, micro_batch_weights
+from memopt.step.right_padding import PaddingCut, padding_invariant
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.attention import sdpa_restricted
@@ -90,6 +91,9 @@ class TrainStep:
     causal_lm: bool = False  # labels are shifted inside the model (Hugging Face *ForCausalLM)
     # how the loss reduces over samples (memopt.step.loss_reduction); None: a mean, not measured (traces, simulations)
     reduction: LossReduction | None = None
+    # trailing padding cut off each micro-batch where measured exact (memopt.step.right_padding); None: never cut
+    # (traces and simulations, whose batches are fake)
+    padding: PaddingCut | None = None
     steps_done: int = 0
     last_micro_losses: list[float] = field(default_factory=list)
 
@@ -168,11 +172,23 @@ class TrainStep:
                                                     causal=self.causal_lm)
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
+    def _padding_verdict(self, sample: Any) -> tuple[bool, str]:
+        """Whether the loss of ``sample`` (a micro-batch, moved to the device here) is unchanged by right padding,
+        measured in fp32 without autocast (a bf16 forward differs by more than the check's 1e-4 between sequence
+        lengths) with this step's loss: ``padding_invariant``."""
+        with sdpa_restricted(self.strategy.attention), torch.autocast(self.device_type, enabled=False):
+            # under chunked cross-entropy the loss is still the model's own, computed in pieces
+            return padding_invariant(self.model, micro_batch_to(sample, self.device),
+                                     lambda model, batch: _batch.compute_loss(model, batch, self.loss_fn))
+
     def step(self, batch: Any) -> float:
         """One optimizer step over ``batch`` (the global batch); returns the batch's loss (its mean, or its sum
         for a summed loss)."""
         micro = split_batch(batch, self.strategy.micro_batch_size)
-        counts = loss_item_counts(micro, self.causal_lm)
+        if self.padding is not None and len(micro) > 1:
+            counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, self._padding_verdict)
+        else:
+            counts = loss_item_counts(micro, self.causal_lm)
         total_items = sum(counts)
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")

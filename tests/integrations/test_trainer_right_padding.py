@@ -230,7 +230,7 @@ def test_a_wrapped_trainer_runs_each_micro_batch_at_its_own_length_and_trains_th
         assert max(w for w, _ in widths[step * GLOBAL:(step + 1) * GLOBAL]) == width
     assert sum(w for w, _ in widths) < sum(GLOBAL * w for w, _ in plain_widths)
     _assert_same_training(plain, wrapped)
-    assert wrapped.memopt_recovery.trim_padding is True
+    assert wrapped.memopt_recovery.padding.on is True
     assert any(n.startswith("trailing padding is cut off each micro-batch") for n in wrapped.memopt_plan.notes)
 
 
@@ -249,7 +249,7 @@ def test_a_model_whose_loss_sees_padding_trains_untrimmed_and_the_same(tmp_path)
     # every micro-batch kept the whole batch's width: its padding is part of this model's loss
     assert [w for w, _ in widths] == [w for w, _ in plain_widths for _ in range(GLOBAL)]
     _assert_same_training(plain, wrapped)
-    assert wrapped.memopt_recovery.trim_padding is False
+    assert wrapped.memopt_recovery.padding.on is False
     note = next(n for n in wrapped.memopt_plan.notes if n.startswith("each micro-batch keeps the whole batch's"))
     assert "changes with right padding" in note
 
@@ -286,5 +286,5 @@ def test_under_mixed_precision_the_padding_check_runs_the_forward_in_fp32(tmp_pa
     assert isinstance(wrapped.model_wrapped, torch.nn.parallel.DistributedDataParallel) == process_group
     assert wrapped.accelerator.mixed_precision == "bf16"
     assert "_original_forward" in wrapped.model.__dict__  # the autocast wrapper the check steps around
-    assert wrapped.memopt_recovery.trim_padding is True, wrapped.memopt_recovery.trim_padding_reason
+    assert wrapped.memopt_recovery.padding.on is True, wrapped.memopt_recovery.padding.reason
     assert all(width == tokens for width, tokens in widths), widths
