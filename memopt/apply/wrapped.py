@@ -20,8 +20,8 @@ from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
-from memopt.apply.wrap_checks import check_model, micro_batch_warning, optimizer_choice
-from memopt.errors import InputError
+from memopt.apply.wrap_checks import check_model, micro_batch_warning
+from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse_unfit
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
@@ -32,11 +32,9 @@ from memopt.profile.api import profile_model
 from memopt.step.batch import check_batch
 from memopt.step.batch_samples import indivisible
 from memopt.step.hard_cap import (
-    allocator_mode_in_force,
     cap_to_plan,
     room_taken_on_device,
     set_expandable_segments,
-    warn_allocator_mode_fixed,
 )
 from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.step.prepare import Prepared, prepare
@@ -109,14 +107,7 @@ class Wrapped:
     def _make_plan(self, sample: Any) -> Plan:
         if self._budget is None:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
-        pins, user_opt = optimizer_choice(self._optimizer_arg)
-        merged_pins = {**pins, **(self._policy_args["pins"] or {})}
-        if self._loss_fn is not None:  # chunked cross-entropy replaces the model's own loss; this loss is the user's
-            merged_pins.setdefault("chunked_ce", 0)
-        in_force = allocator_mode_in_force()
-        if in_force is not None and "expandable_segments" not in merged_pins:
-            merged_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
-            warn_allocator_mode_fixed(in_force)
+        merged_pins, user_opt = planning_pins(self._optimizer_arg, self._policy_args["pins"], self._loss_fn)
         hw = resolve_hardware(self._hardware)
         progress.start(f"profiling {type(self._user_model).__name__} for {hw.name} (fake-tensor traces of the "
                        "training step)")
@@ -133,13 +124,7 @@ class Wrapped:
         if plan.fits and self.device.type == "cuda" and self._enforce_budget:
             taken = room_taken_on_device(self._user_model, int(plan.prediction.get("runtime_bytes", 0)), self.device)
             plan = self._plan_for_room_left(plan, merged_pins, taken) if taken else plan
-        if not plan.fits:
-            infeasible = plan.infeasible or {}
-            # nothing could be estimated at all: the model cannot take the pinned techniques, not a memory problem
-            said = ("no strategy can be planned" if infeasible.get("smallest_total_bytes") is None
-                    else "no strategy fits the budget")
-            progress.done(said)
-            raise ValueError(f"{said}: {infeasible.get('message', '')}")
+        refuse_unfit(plan)
         progress.report(f"planned: {plan.strategy.label()} (predicted {format_bytes(plan.total_bytes)} of "
                         f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step)")
         if plan.strategy.extra("sharding") is not None and user_opt is not None:
@@ -152,25 +137,11 @@ class Wrapped:
         return plan
 
     def _plan_for_room_left(self, plan: Plan, pins: dict[str, Any], taken: int) -> Plan:
-        """Re-plan for what is left when ``taken`` bytes of the budget are already in use on the device by memory
-        the plan cannot own (``memopt.step.hard_cap.room_taken_bytes``); the cap still takes the user's budget, so
-        nothing is subtracted twice."""
+        """Re-plan for what ``taken`` bytes already in use on the device leave of the budget; the cap still takes
+        the user's budget, so nothing is subtracted twice."""
         self._cap_budget_bytes = plan.budget_bytes
         self._plan_budget = max(plan.budget_bytes - taken, 0)
-        taken_note = (f"{format_bytes(taken)} of the {format_bytes(plan.budget_bytes)} budget was already in use on "
-                      "the device when memopt.wrap planned (memory outside the allocator beyond the CUDA runtime, or "
-                      "tensors that are not the model's)")
-        try:
-            smaller = self._replan(pins)
-        except InputError as exc:  # the room left is below the policy's margin: no budget to plan with
-            raise ValueError(f"{taken_note}, and the {format_bytes(self._plan_budget)} left is too little to plan "
-                             f"with ({exc}); free that memory or raise the budget") from None
-        if not smaller.fits:
-            reason = smaller.infeasible["message"] if smaller.infeasible else "no strategy fits"
-            raise ValueError(f"{taken_note}, and no plan fits in the {format_bytes(self._plan_budget)} left "
-                             f"({reason}); free that memory or raise the budget")
-        smaller.notes.append(f"{taken_note}: planned for the {format_bytes(self._plan_budget)} left")
-        return smaller
+        return plan_for_room_left(plan.budget_bytes, taken, lambda: self._replan(pins))
 
     def _apply(self, plan: Plan) -> None:
         if plan.strategy.extra("sharding") is not None:

@@ -87,3 +87,4 @@ def test_too_little_left_to_plan_with_names_the_memory_in_use_not_the_margin():
     with pytest.raises(ValueError, match=r"^[^\n]*6.00 GiB of the 6.00 GiB budget was already in use.*the 0 B left "
                                          r"is too little to plan with.*free that memory or raise the budget"):
         w._plan_for_room_left(w.plan, w._plan_pins, 6 * GiB)
+

@@ -11,8 +11,8 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-import memopt  # noqa: E402 -- after the importorskip
-from memopt.models import build_model  # noqa: E402
+import memopt
+from memopt.models import build_model
 
 STEPS = 3
 PINS = {"micro_batch_size": 2, "precision": "fp32", "optimizer": "sgd"}
