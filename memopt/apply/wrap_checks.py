@@ -9,21 +9,8 @@ from typing import Any
 from torch import nn
 
 from memopt.techniques.micro_batching import micro_batch_refusal
-from memopt.techniques.optimizers import USER, VARIANTS
 
-__all__ = ["check_model", "is_trainer", "micro_batch_warning", "optimizer_choice"]
-
-
-def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
-    """(pins for the planner, the callable for 'user'). 'adamw' lets the planner pick the AdamW variant."""
-    if callable(optimizer) and not isinstance(optimizer, str):
-        return {"optimizer": USER}, optimizer
-    if optimizer in (None, "adamw", "adam"):
-        return {}, None
-    if optimizer in VARIANTS:
-        return {"optimizer": optimizer}, None
-    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the variant), one of "
-                     f"{', '.join(VARIANTS)}, or a callable taking the parameters")
+__all__ = ["check_model", "is_trainer", "micro_batch_warning"]
 
 
 def is_trainer(obj: Any) -> bool:

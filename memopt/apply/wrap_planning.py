@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from memopt import progress
-from memopt.apply.wrap_checks import optimizer_choice
 from memopt.errors import InputError
 from memopt.plan.schema import Plan
 from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
+from memopt.techniques.optimizers import optimizer_choice
 from memopt.units import format_bytes
 
 __all__ = ["plan_for_room_left", "planning_pins", "refuse_unfit"]

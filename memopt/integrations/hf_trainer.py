@@ -28,6 +28,7 @@ from memopt import progress
 from memopt.guard.attribution_hooks import TrainerStepAttribution
 from memopt.guard.transaction import StepTransaction
 from memopt.integrations.trainer_loss import trainer_loss
+from memopt.integrations.trainer_optim import TRAINER_OPTIM, kept_optimizer, script_optimizer
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 from memopt.integrations.trainer_sample import sample_from_trainer
 from memopt.integrations.trainer_setup import TrainerCheckpointing, fit_evaluation, set_trainer_precision
@@ -45,13 +46,10 @@ from memopt.step.hard_cap import (
 )
 from memopt.step.side_effects import preserved_random_state
 from memopt.techniques.micro_batching import micro_batch_refusal
-from memopt.techniques.optimizers import VARIANTS
+from memopt.techniques.optimizers import USER
 from memopt.units import format_bytes
 
 __all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
-
-#: memopt's optimizer name -> ``TrainingArguments.optim``, for the variants a Trainer can build
-TRAINER_OPTIM = {v.name: v.trainer_optim for v in VARIANTS.values() if v.trainer_optim is not None}
 
 
 def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1,
@@ -62,7 +60,7 @@ def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_s
     ``memopt_checkpointing``: memopt checkpoints the blocks itself (``TrainerCheckpointing``, any setting), so the
     Trainer's own ``gradient_checkpointing`` stays off; otherwise the plan must checkpoint every block or none."""
     s = plan.strategy
-    if s.optimizer not in TRAINER_OPTIM:
+    if s.optimizer not in TRAINER_OPTIM and s.optimizer != USER:
         raise ValueError(f"the Trainer has no optimizer for memopt's {s.optimizer!r}; plan with one of "
                          f"{', '.join(TRAINER_OPTIM)} (pin optimizer=...)")
     if s.activation_offload or s.chunked_ce or s.attention != "auto":
@@ -82,7 +80,8 @@ def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_s
         "fp16": s.precision == "fp16_autocast",
         "gradient_checkpointing": hf_checkpointing,
         "gradient_checkpointing_kwargs": {"use_reentrant": False} if hf_checkpointing else None,
-        "optim": TRAINER_OPTIM[s.optimizer],
+        # the script's own optimizer (memopt's "user"): the Trainer builds it as the script asked
+        **({} if s.optimizer == USER else {"optim": TRAINER_OPTIM[s.optimizer]}),
     }
 
 
@@ -148,9 +147,14 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             trainer_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
             warn_allocator_mode_fixed(in_force)
         args = trainer.args
+        resolved = resolve_policy(policy, fidelity=fidelity)
+        user_opt = None
+        if "optimizer" not in trainer_pins:  # the script chose its update: the plan keeps it
+            optimizer_pins, user_opt = script_optimizer(trainer, resolved)
+            trainer_pins.update(optimizer_pins)
         asked = _script_precision(args)
         if asked is not None and "precision" not in trainer_pins:
-            if resolve_policy(policy, fidelity=fidelity).allows("precision", asked):
+            if resolved.allows("precision", asked):
                 trainer_pins["precision"] = asked  # the script chose its numerics: the plan keeps them
             else:
                 warnings.warn(f"the Trainer's arguments ask for {asked}, which the plan's fidelity does not allow: "
@@ -169,10 +173,13 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
         if recover:  # the same profile serves the plan and, after an OOM, its escalation
             hardware = resolve_hardware(hardware)
             profile = profile_model(trainer.model, sample, hardware=hardware, use_cache=use_cache,
-                                    training_step=step)
+                                    training_step=step, optimizer=user_opt)
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
                          pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile,
-                         training_step=step)
+                         training_step=step, optimizer=user_opt)
+        if user_opt is not None:
+            plan.notes.append(f"the script's optimizer ({kept_optimizer(trainer)}) is kept: the plan counts the states "
+                              "it traced, and the Trainer builds it as the script asked")
     return plan, profile
 
 

@@ -25,7 +25,7 @@ from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
 from memopt.techniques.optimizer_instance import is_optimizer, optimizer_factory
-from memopt.techniques.optimizers import VARIANTS
+from memopt.techniques.optimizers import VARIANTS, optimizer_choice
 from memopt.units import format_bytes, parse_bytes
 
 __all__ = ["make_plan"]
@@ -66,6 +66,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         loss_fn = as_loss(loss_fn, training_step)
     if is_optimizer(optimizer) and isinstance(model, nn.Module):  # one the user built: the recipe it gives
         optimizer = optimizer_factory(optimizer, model)
+    if isinstance(optimizer, str) and optimizer in checks.OPTIMIZER_NAMES:  # a name, as wrap takes it: a pin or none
+        pins = {**optimizer_choice(optimizer)[0], **(pins or {})}
+        optimizer = None
     if loss_fn is not None and profile is None:  # chunked cross-entropy replaces the model's own loss, not the user's
         pins = {"chunked_ce": 0, **(pins or {})}
     hw, budget_bytes, pol = _checked_args(model, sample, budget=budget, hardware=hardware, policy=policy,

@@ -230,6 +230,9 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     if not policy.allows("precision", SHARDING.precision) or not hw.supports_bf16:
         raise ValueError("sharded and offloaded plans run the engines' bf16 mixed precision (fp32 master weights): "
                          "allow bf16 (fidelity 'default' on a GPU with bf16), or plan for one GPU")
+    if SHARDING.optimizer in policy.forbid.get("optimizer", ()):
+        raise ValueError(f"sharded and offloaded plans run the engines' AdamW (memopt's {SHARDING.optimizer}), which "
+                         "forbid excludes: drop it from forbid, or plan for one GPU without offload")
     global_batch = int(profile.sample["batch_size"])
     if global_batch % world_size:
         raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "

@@ -16,8 +16,8 @@ import torch
 from memopt.techniques import optim_bnb, optim_torch, optim_torchao
 from memopt.techniques.optimizer_variant import OptimizerVariant
 
-__all__ = ["OPTIMIZER_NAMES", "USER", "VARIANTS", "bnb_installed", "build_optimizer", "optimizer_fidelity",
-           "states_per_item", "variant"]
+__all__ = ["OPTIMIZER_NAMES", "USER", "VARIANTS", "bnb_installed", "build_optimizer", "optimizer_choice",
+           "optimizer_fidelity", "states_per_item", "variant"]
 
 VARIANTS: dict[str, OptimizerVariant] = {v.name: v for v in (*optim_torch.VARIANTS, *optim_bnb.VARIANTS,
                                                              *optim_torchao.VARIANTS)}
@@ -67,3 +67,16 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, trace_on
         return chosen.trace_optimizer(params, trace_on, **options)
     chosen.require()
     return chosen.build(params, **options)
+
+
+def optimizer_choice(optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """(pins for the planner, the callable for 'user') for an ``optimizer=`` argument: a variant's name pins it;
+    'adamw' (or 'adam', 'auto', None) lets the planner pick the AdamW variant; a callable is the user's."""
+    if callable(optimizer) and not isinstance(optimizer, str):
+        return {"optimizer": USER}, optimizer
+    if optimizer in (None, "auto", "adamw", "adam"):
+        return {}, None
+    if optimizer in VARIANTS:
+        return {"optimizer": optimizer}, None
+    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' (memopt picks the AdamW variant), one of "
+                     f"{', '.join(v for v in VARIANTS if v != 'adamw')}, or a callable taking the parameters")
