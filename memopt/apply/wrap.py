@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memopt.apply.wrap_checks import is_trainer
+from memopt.apply.wrap_checks import is_trainer, refuse_plan_overrides, refuse_trainer_ignored
 from memopt.apply.wrapped import Wrapped
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.checks import check_wrap_args
@@ -93,6 +93,14 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     ``allow_plan_mismatch=True``. Returns a ``Wrapped`` (one GPU), a ``ShardedWrapped`` (a sharded plan under
     torchrun) or the ``Trainer`` it was given, set up from the plan.
     """
+    if is_trainer(target):
+        refuse_trainer_ignored({name: value for name, value, default in (
+            ("optimizer", optimizer, "adamw"), ("lr", lr, None), ("weight_decay", weight_decay, None),
+            ("betas", betas, None), ("optimizer_kwargs", optimizer_kwargs or None, None), ("loss_fn", loss_fn, None),
+            ("training_step", training_step, None), ("lr_scheduler", lr_scheduler, None),
+            ("max_grad_norm", max_grad_norm, None), ("loss_reduction", loss_reduction, "auto"),
+            ("run_dir", run_dir, None), ("device", device, None), ("checkpoint", checkpoint, None),
+            ("autotune", autotune, None), ("calibration", calibration, "use")) if value != default})
     kwargs = dict(optimizer_kwargs or {})
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("betas", betas)):
         if value is not None:
@@ -103,7 +111,12 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
-                    allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction)
+                    allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction,
+                    max_grad_norm=max_grad_norm)
+    if loaded is not None:
+        refuse_plan_overrides(loaded, {name: value for name, value in (
+            ("budget", budget), ("optimizer", None if optimizer == "adamw" or callable(optimizer) else optimizer),
+            ("policy", policy), ("fidelity", fidelity), ("pins", pins), ("forbid", forbid)) if value is not None})
     if is_trainer(target):
         # lazy: keeps memopt.integrations (Trainer support) out of import memopt
         from memopt.integrations.hf_trainer import wrap_trainer

@@ -9,8 +9,9 @@ from typing import Any
 from torch import nn
 
 from memopt.techniques.micro_batching import micro_batch_refusal
+from memopt.units import format_bytes, parse_budget
 
-__all__ = ["check_model", "is_trainer", "micro_batch_warning"]
+__all__ = ["check_model", "is_trainer", "micro_batch_warning", "refuse_plan_overrides", "refuse_trainer_ignored"]
 
 
 def is_trainer(obj: Any) -> bool:
@@ -36,3 +37,57 @@ def micro_batch_warning(model: nn.Module, micro: int, global_batch: int, profile
         warnings.warn(f"the plan splits each batch of {global_batch} into micro-batches of {micro}, but {reason}; "
                       f"pin micro_batch_size={global_batch} (or leave it unpinned) to keep training exact",
                       stacklevel=3)
+
+
+# where a Trainer script sets what memopt.wrap(model) takes as an argument
+_TRAINER_SETS = {
+    "optimizer": "TrainingArguments(optim=...) or Trainer(optimizers=(optimizer, scheduler))",
+    "lr": "TrainingArguments(learning_rate=...)",
+    "weight_decay": "TrainingArguments(weight_decay=...)",
+    "betas": "TrainingArguments(adam_beta1=..., adam_beta2=...)",
+    "optimizer_kwargs": "TrainingArguments(optim_args=...)",
+    "loss_fn": "Trainer(compute_loss_func=...) or a compute_loss override",
+    "training_step": "Trainer(compute_loss_func=...) or a compute_loss override",
+    "lr_scheduler": "TrainingArguments(lr_scheduler_type=...) or Trainer(optimizers=(optimizer, scheduler))",
+    "max_grad_norm": "TrainingArguments(max_grad_norm=...)",
+    "loss_reduction": "the Trainer's loss (its own accumulation)",
+    "run_dir": "TrainingArguments(output_dir=...): memopt writes to <output_dir>/memopt",
+    "device": "the Trainer's own device placement",
+    "checkpoint": "the model's weights, loaded before the Trainer is built",
+    "autotune": "nothing: the Trainer path does not autotune",
+    "calibration": "nothing: the Trainer path plans without stored calibration",
+}
+
+
+def refuse_trainer_ignored(given: dict[str, Any]) -> None:
+    """One line naming the arguments ``memopt.wrap(trainer)`` was given that a Trainer takes from its script
+    (``given``: each such argument that differs from its default), and where the script sets each."""
+    if given:
+        where = "; ".join(f"{name}: {_TRAINER_SETS[name]}" for name in given)
+        raise ValueError(f"memopt.wrap(trainer) does not take {', '.join(given)}: the Trainer runs its own loop, so "
+                         f"set them in the script ({where})")
+
+
+def refuse_plan_overrides(plan: Any, given: dict[str, Any]) -> None:
+    """A saved plan is applied as it was made: arguments that would plan otherwise (``given``: each one passed,
+    with its value) are refused in one line, as is a plan that does not fit its budget."""
+    if not plan.fits:
+        raise ValueError("the saved plan does not fit its budget (it was saved from an infeasible planning): plan "
+                         "again with a larger budget, or with memopt.wrap(model, budget=...)")
+    conflicts = []
+    for name, value in given.items():
+        if name == "budget":
+            try:
+                same = parse_budget(value, device_total_bytes=None) == plan.budget_bytes
+            except ValueError:  # a percentage: of a device the plan names, not this one
+                same = False
+            if not same:
+                conflicts.append(f"budget={value!r} (the plan's is {format_bytes(plan.budget_bytes)})")
+        elif name == "optimizer":
+            if value != plan.strategy.optimizer:
+                conflicts.append(f"optimizer={value!r} (the plan's is {plan.strategy.optimizer!r})")
+        else:
+            conflicts.append(f"{name}={value!r}")
+    if conflicts:
+        raise ValueError(f"a saved plan= is applied as it was made, but {', '.join(conflicts)} would plan otherwise: "
+                         "drop them, or plan again with memopt.wrap(model, budget=..., ...) instead of plan=")

@@ -164,6 +164,8 @@ class Wrapped:
             from memopt.techniques.quantized_load import load_for_strategy
 
             self.load_peak_allocated_bytes = load_for_strategy(model, self._checkpoint, strategy, self.device)
+        # gradients left on the model (a sanity-check backward before wrap) would be added to the first step's
+        model.zero_grad(set_to_none=True)
         prepare_kwargs = self._prepare_kwargs()
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:

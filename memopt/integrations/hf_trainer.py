@@ -49,7 +49,10 @@ from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.techniques.optimizers import USER
 from memopt.units import format_bytes
 
-__all__ = ["TRAINER_OPTIM", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
+__all__ = ["TRAINER_OPTIM", "TRAINER_PRECISIONS", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
+
+#: the precisions a Trainer's loop runs: fp32 weights, with or without autocast
+TRAINER_PRECISIONS = ("fp32", "bf16_autocast", "fp16_autocast")
 
 
 def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_size: int = 1,
@@ -63,7 +66,7 @@ def trainer_arguments(plan: Plan, *, micro_batches_inside: bool = False, world_s
     if s.optimizer not in TRAINER_OPTIM and s.optimizer != USER:
         raise ValueError(f"the Trainer has no optimizer for memopt's {s.optimizer!r}; plan with one of "
                          f"{', '.join(TRAINER_OPTIM)} (pin optimizer=...)")
-    if s.activation_offload or s.chunked_ce or s.attention != "auto":
+    if s.activation_offload or s.chunked_ce or s.attention != "auto" or s.precision not in TRAINER_PRECISIONS:
         raise ValueError(f"the plan uses techniques a Trainer cannot express ({s.label()}); plan with "
                          "memopt.wrap(trainer, ...) so the search is restricted to what the Trainer supports")
     partial = s.checkpointing.mode == "selective" or (s.checkpointing.mode == "full" and s.checkpointing.num_blocks)
@@ -137,7 +140,13 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
     if plan is None:
         if budget is None:
             raise ValueError("memopt.wrap(trainer) needs budget= (e.g. '24GB') or a saved plan=")
-        restricted: dict[str, list[Any]] = {"activation_offload": [True]}
+        pinned = (pins or {}).get("precision")
+        if pinned is not None and pinned not in TRAINER_PRECISIONS:
+            raise ValueError(f"pin precision={pinned!r} cannot run under a Trainer, whose loop trains fp32 weights "
+                             f"(autocast or not): pin one of {', '.join(TRAINER_PRECISIONS)}, or wrap the model "
+                             "itself with memopt.wrap(model, ...)")
+        # what the Trainer's own step cannot run: weights in bf16 (its optimizer steps the parameters themselves)
+        restricted: dict[str, list[Any]] = {"activation_offload": [True], "precision": ["bf16_master", "bf16_pure"]}
         for key, values in (forbid or {}).items():
             restricted.setdefault(key, [])
             restricted[key] = list(restricted[key]) + list(values if isinstance(values, (list, tuple)) else [values])

@@ -89,7 +89,8 @@ def fit_evaluation(trainer: Any, micro_batch_size: int) -> list[str]:
     notes = []
     if args.per_device_eval_batch_size > micro_batch_size:
         notes.append(f"evaluation batch {args.per_device_eval_batch_size} per device capped to the plan's micro-batch "
-                     f"of {micro_batch_size}: a larger one is not planned")
+                     f"of {micro_batch_size}: a larger one is not planned (eval_loss, the Trainer's mean of its "
+                     "batches' losses, then averages other batches: with rows of uneven length it can differ slightly)")
         args.per_device_eval_batch_size = micro_batch_size
     if args.eval_accumulation_steps is None and not args.prediction_loss_only:
         args.eval_accumulation_steps = 1

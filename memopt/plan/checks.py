@@ -33,6 +33,7 @@ from memopt.units import format_bytes, parse_budget
 __all__ = [
     "OPTIMIZER_NAMES",
     "InputError",
+    "accepted_hyperparameters",
     "check_budget",
     "check_checkpoint_pins",
     "check_global_batch_pins",
@@ -148,7 +149,13 @@ def check_hardware(hardware: Any, problems: list[str]) -> Any:
         return None
     try:
         spec = resolve_hardware(hardware)
-    except (ValueError, TypeError, KeyError) as exc:
+    except KeyError as exc:  # a dict without a field the spec needs
+        needed = [f.name for f in dataclasses.fields(HardwareSpec)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        problems.append(f"hardware dict lacks {exc.args[0]!r}: give each of {', '.join(needed)}, or a shipped name "
+                        f"({', '.join(hardware_names())})")
+        return None
+    except (ValueError, TypeError) as exc:
         problems.append(f"hardware: {str(exc).splitlines()[0]}")
         return None
     return check_hardware_timing(spec, problems)
@@ -187,12 +194,37 @@ def _number(name: str, value: Any, problems: list[str], *, low: float, low_open:
         problems.append(f"{name}={value!r} must be a finite number {rng}, e.g. {name}={example}")
 
 
-def check_hyperparameters(kwargs: Mapping[str, Any], problems: list[str], *, prefix: str = "") -> None:
-    """The optimizer's hyper-parameters that memopt passes on (lr, weight_decay, betas, eps, momentum, ...)."""
+def _torch_arguments(cls: type) -> frozenset[str]:
+    # fused / foreach choose the implementation: that is the optimizer variant memopt plans, not a hyper-parameter
+    return frozenset(inspect.signature(cls).parameters) - {"params", "fused", "foreach"}
+
+
+def accepted_hyperparameters(optimizer: Any) -> tuple[str, frozenset[str]] | None:
+    """(what the optimizer is, in words; the keyword arguments it takes) for an optimizer memopt builds from
+    torch's classes ("adamw" or None: the AdamW variant the planner picks; "sgd"), else None: the 8-bit variants and
+    the user's own take arguments of their own."""
+    import torch
+
+    if optimizer in (None, "auto", "adam", "adamw", "adamw_fused", "adamw_foreach"):
+        return "AdamW", _torch_arguments(torch.optim.AdamW)
+    if optimizer == "sgd":
+        return "SGD", _torch_arguments(torch.optim.SGD)
+    return None
+
+
+def check_hyperparameters(kwargs: Mapping[str, Any], problems: list[str], *, prefix: str = "",
+                          optimizer: Any = None) -> None:
+    """The optimizer's hyper-parameters that memopt passes on (lr, weight_decay, betas, eps, momentum, ...): names
+    the optimizer takes (``optimizer``: as ``memopt.wrap`` takes it), values in range."""
+    accepted = accepted_hyperparameters(optimizer)
     for name, value in kwargs.items():
+        key = f"{prefix}{name}"
+        if accepted is not None and name not in accepted[1]:
+            problems.append(f"{key}: {accepted[0]} takes no argument {name!r}{closest(name, accepted[1])}; it takes "
+                            f"{', '.join(sorted(accepted[1]))}")
+            continue
         if value is None:
             continue
-        key = f"{prefix}{name}"
         if name == "lr":
             _number(key, value, problems, low=0.0, low_open=True, example="1e-4")
         elif name in ("weight_decay", "momentum", "dampening"):
@@ -368,7 +400,7 @@ def check_plan_matches(plan: Any, model: Any, sample: Any = None, *, allow_misma
 def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimizer: Any,
                     optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
                     calibration: Any = "use", allow_plan_mismatch: bool = False,
-                    loss_reduction: Any = "auto") -> None:
+                    loss_reduction: Any = "auto", max_grad_norm: Any = None) -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
     problems: list[str] = []
@@ -380,7 +412,9 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
             hw = check_hardware(hardware, problems)
         check_budget(budget, problems, device_total_bytes=hw.memory_bytes if hw is not None else None)
     check_optimizer(optimizer, problems)
-    check_hyperparameters(optimizer_kwargs, problems)
+    check_hyperparameters(optimizer_kwargs, problems, optimizer=optimizer)
+    if max_grad_norm is not None:
+        _number("max_grad_norm", max_grad_norm, problems, low=0.0, low_open=True, example="1.0")
     if pins is not None and not isinstance(pins, Mapping):
         problems.append(f"pins must be a dict such as {{'micro_batch_size': 2}}, got {type(pins).__name__}")
     elif isinstance(sample, Mapping):

@@ -86,9 +86,10 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
             f"budget {format_bytes(budget_bytes)} is below what the CUDA runtime alone holds on {hw.name} "
             f"({format_bytes(hw.runtime_overhead_bytes)} outside PyTorch's allocator); give at least "
             f"{format_bytes(hw.runtime_overhead_bytes + pol.margin(budget_bytes) + (1 << 30))}")
-    if budget_bytes > hw.memory_bytes:
+    if budget_bytes > hw.memory_bytes:  # a plan for memory the device does not have would not run on it
         notes.append(f"the budget {format_bytes(budget_bytes)} is more than {hw.name} has "
-                     f"({format_bytes(hw.memory_bytes)}); planning for the budget as given")
+                     f"({format_bytes(hw.memory_bytes)}): planned for the device's {format_bytes(hw.memory_bytes)}")
+        budget_bytes = hw.memory_bytes
     prof = profile if profile is not None else profile_model(model, sample, hardware=hw, loss_fn=loss_fn,
                                                              optimizer=optimizer, use_cache=use_cache)
     if prof.sample.get("variable_length"):
@@ -107,6 +108,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         checks.raise_problems([f"pin optimizer={pol.pins['optimizer']!r} cannot be honoured: {pinned_optimizer}; "
                                + (f"pin {instead!r} (the same update) or drop the pin" if instead else
                                   "drop the pin")], "pins")
+    if pol.pins.get("chunked_ce") and prof.chunked_ce_refusal:
+        checks.raise_problems([f"pin chunked_ce={pol.pins['chunked_ce']} cannot be honoured: chunked cross-entropy "
+                               f"would not be exact for this model ({prof.chunked_ce_refusal}); drop the pin"], "pins")
     notes.extend(refused_optimizer_notes(ctx, pol))
     if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
         notes.append(f"micro-batching refused under fidelity 'exact': {ctx.micro_batch_refusal}; allow bf16 "
