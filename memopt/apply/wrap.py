@@ -29,9 +29,9 @@ from torch import nn
 from memopt.apply.wrap_checks import is_trainer, refuse_plan_overrides, refuse_trainer_ignored
 from memopt.apply.wrapped import Wrapped
 from memopt.guard.transaction import StepTransaction
-from memopt.plan.checks import check_wrap_args
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
+from memopt.plan.wrap_arguments import check_wrap_args
 from memopt.step.batch import as_loss
 from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.techniques.optimizer_instance import is_optimizer, is_scheduler, optimizer_factory, scheduler_factory
@@ -112,7 +112,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
                     allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction,
-                    max_grad_norm=max_grad_norm)
+                    max_grad_norm=max_grad_norm, device=device)
     if loaded is not None:
         refuse_plan_overrides(loaded, {name: value for name, value in (
             ("budget", budget), ("optimizer", None if optimizer == "adamw" or callable(optimizer) else optimizer),

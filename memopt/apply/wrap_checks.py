@@ -11,14 +11,23 @@ from torch import nn
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.units import format_bytes, parse_budget
 
-__all__ = ["check_model", "is_trainer", "micro_batch_warning", "refuse_plan_overrides", "refuse_trainer_ignored"]
+__all__ = ["WRAPPED_BY", "check_model", "is_trainer", "micro_batch_warning", "refuse_plan_overrides",
+           "refuse_trainer_ignored"]
 
 
 def is_trainer(obj: Any) -> bool:
     return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
 
 
+#: the attribute a wrapped model holds its wrapper under, from the wrap until its unwrap(): a second wrap of the same
+#: module would plan its already-changed weights (bf16 with the first wrapper's fp32 masters) as the user's own
+WRAPPED_BY = "memopt_wrapper"
+
+
 def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
+    if model.__dict__.get(WRAPPED_BY) is not None:
+        raise ValueError("this model is already wrapped by memopt.wrap: train through that wrapper, or call its "
+                         "unwrap() first to wrap the model again")
     if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
         raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
                          "that memopt's plan does not account for. Wrap the uncompiled model")

@@ -20,7 +20,7 @@ from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
-from memopt.apply.wrap_checks import check_model, micro_batch_warning
+from memopt.apply.wrap_checks import WRAPPED_BY, check_model, micro_batch_warning
 from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse_unfit
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
@@ -102,6 +102,7 @@ class Wrapped:
             self.plan = self._make_plan(sample)
         if self.plan is not None:
             self._apply(self.plan)
+        model.__dict__[WRAPPED_BY] = self  # until unwrap(): a second wrap of this module is refused
 
     # -- planning and applying -------------------------------------------------------------------
     def _make_plan(self, sample: Any) -> Plan:
@@ -298,7 +299,8 @@ class Wrapped:
         # lazy: keeps memopt.guard.attribution_hooks (and guard.attribution) out of import memopt
         from memopt.guard.attribution_hooks import record_wrapped_step
 
-        with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir (memopt.report)
+        # a training step needs gradients even where the caller's code turned them off (a step inside no_grad)
+        with torch.enable_grad(), record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
             if self.guard is not None:
                 loss = self.guard.step(batch)
                 if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
@@ -307,9 +309,7 @@ class Wrapped:
                     self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
             else:
                 loss = self._prepared.step.step(batch)
-        note = self._padding.note()
-        if note:
-            self.plan.notes.append(note)
+        self.plan.notes.extend(filter(None, [self._padding.note()]))  # the padding verdict, once decided
         if self.steps_done == 0:
             progress.done(f"first step trained: {self.plan.strategy.label()}")
         self.steps_done += 1
@@ -356,6 +356,7 @@ class Wrapped:
             self._prepared.undo()
             self._prepared = None
             self._unwrapped = True
+        self._user_model.__dict__.pop(WRAPPED_BY, None)
         return self._user_model
 
     # -- checkpoints -----------------------------------------------------------------------------

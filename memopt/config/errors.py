@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from memopt.config.compose import compose_plan_config
-from memopt.config.omegaconf_errors import explain_omegaconf_error, first_line
+from memopt.config.omegaconf_errors import explain_omegaconf_error, first_line, one_line, root_cause
 from memopt.config.validate import validate
 from memopt.plan.checks import closest
 from memopt.resources import configs_dir
@@ -53,7 +53,15 @@ def explain_hydra_error(exc: BaseException, *, primary_dirs: list[Path] | None =
         return explain_omegaconf_error(cause)
     if isinstance(exc, OmegaConfBaseException):
         return explain_omegaconf_error(exc)
-    return [str(exc).strip() or type(exc).__name__]
+    taken = re.search(r"An item is already at '([^']*)'", str(exc))
+    if taken:  # '+key=value' on a key that has a value: Hydra says so over three lines
+        plain = re.search(r"remove \+ prefix: '([^']*)'", str(exc))
+        fix = plain.group(1) if plain else f"{taken.group(1)}=<value>"
+        return [f"{taken.group(1)} already has a value and '+' only adds keys: write {fix} to change it"]
+    root = root_cause(exc)
+    if root is not exc:  # Hydra's wrappers end where the reason would start
+        return [f"{first_line(exc).rstrip(':').rstrip()}: {type(root).__name__}: {one_line(root)}"]
+    return [" ".join(str(exc).split()) or type(exc).__name__]
 
 
 def diagnose(overrides: list[str], *, config_name: str = "plan", config_dir: str | Path | None = None) -> list[str]:

@@ -75,27 +75,78 @@ def closest(name: Any, choices: list[str] | tuple[str, ...]) -> str:
 def to_plain(cfg: Any) -> dict[str, Any]:
     """A composed config (DictConfig, dataclass or dict) as a plain dict of the schema's keys, without ``hydra``.
 
-    A dict is merged into the schema first, so missing keys take their defaults and unknown ones are reported.
+    The config is merged into the schema, so missing keys take their defaults and unknown ones are reported:
+    a key added on the command line with ``+`` (which Hydra lets past the schema) is checked as the same key
+    without ``+`` would be.
     """
-    from omegaconf import DictConfig, OmegaConf
+    problems: list[str] = []
+    data = _plain(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return data
+
+
+def _plain(cfg: Any, problems: list[str]) -> dict[str, Any]:
+    """:func:`to_plain` that appends each unknown or mistyped key to ``problems`` and drops it, so the rest of the
+    config is still checked (every problem at once)."""
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = OmegaConf.structured(cfg)
-    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
-        try:
-            cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), dict(cfg))
-        except OmegaConfBaseException as exc:
-            raise ConfigError(explain_omegaconf_error(exc)) from None
-    if not isinstance(cfg, DictConfig):
+    if not isinstance(cfg, Mapping):
         raise ConfigError([f"a plan config must be a mapping, got {type(cfg).__name__}"])
+    source = _tree(cfg)
+    source.pop("hydra", None)
+    typed = _into_schema(source, problems)
+    if typed is None:
+        raise ConfigError(problems)
     try:
-        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        data = OmegaConf.to_container(typed, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
-        raise ConfigError(explain_omegaconf_error(exc)) from None
+        raise ConfigError([*problems, *explain_omegaconf_error(exc)]) from None
     assert isinstance(data, dict)
-    data.pop("hydra", None)
     return data
+
+
+def _tree(node: Any) -> Any:
+    """A copy of ``node`` whose mappings are dicts (a DictConfig's interpolations left unresolved: they resolve
+    once, against the typed config), so refused keys can be dropped without touching the caller's config."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    if isinstance(node, Mapping):
+        return {key: _tree(value) for key, value in node.items()}
+    return node
+
+
+def _into_schema(source: dict[str, Any], problems: list[str]) -> Any:
+    """``source`` merged into :class:`PlanConfig`; each key the schema refuses is reported and left out, or None
+    when a refused key cannot be told apart from its node (a whole section of the wrong type)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    while True:
+        try:
+            return OmegaConf.merge(OmegaConf.structured(PlanConfig), source)
+        except OmegaConfBaseException as exc:
+            problems.extend(p for p in explain_omegaconf_error(exc) if p not in problems)
+            if not _drop(source, str(getattr(exc, "full_key", "") or "")):
+                return None
+
+
+def _drop(tree: dict[str, Any], full_key: str) -> bool:
+    """Remove ``full_key`` (``training.lr``; a list item's key drops the whole list) from ``tree``; False when
+    there is no such key to remove."""
+    parts = full_key.split("[", 1)[0].split(".") if full_key else []
+    node: Any = tree
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not parts or not isinstance(node, dict) or parts[-1] not in node:
+        return False
+    del node[parts[-1]]
+    return True
 
 
 def validate(cfg: Any) -> list[str]:
@@ -110,8 +161,8 @@ def validate(cfg: Any) -> list[str]:
 def resolve(cfg: Any) -> PlanRequest:
     """The planner's arguments from a composed config; raises :class:`ConfigError` listing every problem. The
     checks are those of the Python API (:mod:`memopt.plan.checks`), with the config's key names."""
-    data = to_plain(cfg)
     problems: list[str] = []
+    data = _plain(cfg, problems)
     model = data.get("model") or {}
     training = data.get("training") or {}
 
@@ -139,8 +190,10 @@ def resolve(cfg: Any) -> PlanRequest:
             if isinstance(sample, dict) and not model.get("_target_") else (training.get("batch_size"))
         checks.check_global_batch_pins(policy.pins, batch, problems, key="policy.pins.micro_batch_size",
                                        batch_key="training.batch_size")
-    checks.check_hyperparameters(training.get("optimizer_kwargs") or {}, problems,
-                                 prefix="training.optimizer_kwargs.")
+    # a null hyper-parameter is the optimizer's default: it is not passed on, so there is nothing to check
+    kwargs = {k: v for k, v in (training.get("optimizer_kwargs") or {}).items() if v is not None}
+    checks.check_hyperparameters(kwargs, problems, prefix="training.optimizer_kwargs.",
+                                 optimizer=training.get("optimizer"))
     calibration = data.get("calibration", "use")
     if calibration not in CALIBRATION_MODES:
         problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
@@ -157,7 +210,6 @@ def resolve(cfg: Any) -> PlanRequest:
         problems.append(f"use_cache must be true or false, got {use_cache!r}")
     if problems:
         raise ConfigError(problems)
-    kwargs = {k: v for k, v in (training.get("optimizer_kwargs") or {}).items() if v is not None}
     return PlanRequest(model=model_arg, model_label=label, sample=sample, hardware=hardware, budget=budget_text,
                        budget_bytes=budget_bytes, policy=policy, loss_fn=loss_fn,
                        optimizer=training.get("optimizer") or "auto", optimizer_kwargs=kwargs, output=output,

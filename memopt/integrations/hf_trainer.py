@@ -205,6 +205,9 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     when parameters and states are copied before the step, "auto", "always" or "never").
     ``trainer.memopt_recovery`` holds the report."""
     StepTransaction.check_mode(transaction)
+    if getattr(trainer, "memopt_plan", None) is not None:
+        raise ValueError("this Trainer is already wrapped by memopt.wrap (trainer.memopt_plan): train it as it is, "
+                         "or build a new Trainer to plan it again")
     if plan is None:
         progress.start(f"profiling {type(trainer.model).__name__} for the Trainer (fake-tensor traces of the "
                        "training step)")

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from memopt.cli_render import make_console, render_errors, render_plan
 from memopt.config.errors import diagnose, explain_hydra_error
+from memopt.config.omegaconf_errors import one_line, root_cause, with_root_cause
 from memopt.config.store import register
 from memopt.config.validate import ConfigError, resolve
 from memopt.resources import configs_dir
@@ -87,11 +89,17 @@ def run(cfg: Any) -> int:
     except Exception as exc:  # never a traceback: one line, and how to report it
         if os.environ.get("MEMOPT_DEBUG"):
             raise
-        render_errors([unexpected(exc)], console=err, title=title)
+        render_errors([model_build_error(exc, request.model) or unexpected(exc)], console=err, title=title)
         return EXIT_BAD_INPUT
     path = _save_path(request.save_plan, multirun, job_dir)
     if path is not None:
-        plan.save(path)
+        try:
+            plan.save(path)
+        except OSError as exc:  # the folder cannot be made or written, or the path is a folder
+            reason = f"{exc.strerror}: {exc.filename!r}" if exc.strerror else str(exc)
+            render_errors([f"save_plan={request.save_plan!r}: cannot write the plan to {str(path)!r} ({reason}); "
+                           "give a file path in a folder you can write to"], console=err, title=title)
+            return EXIT_BAD_INPUT
     if request.output == "json":
         sys.stdout.write(json.dumps(plan.to_dict(), indent=None if multirun else 2, default=str) + "\n")
         sys.stdout.flush()
@@ -126,10 +134,26 @@ def _argv_parts(argv: list[str]) -> tuple[list[str], str, str | None]:
 
 
 def unexpected(exc: BaseException) -> str:
-    """One line for an error memopt did not expect (a bug, or input no check caught)."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return (f"unexpected error {type(exc).__name__}: {first} -- the input may be invalid in a way memopt does not "
+    """One line for an error memopt did not expect (a bug, or input no check caught), with its root cause: the
+    wrappers' own messages (Hydra's, huggingface_hub's) end where the reason would start."""
+    return (f"unexpected error {with_root_cause(exc)} -- the input may be invalid in a way memopt does not "
             "check yet; please report it with the command line (MEMOPT_DEBUG=1 shows the traceback)")
+
+
+def model_build_error(exc: BaseException, model: Any) -> str | None:
+    """One line for a model the config describes but that cannot be built (None: ``exc`` is not that): a
+    ``_target_`` whose call fails (Hydra wraps the error in an ``InstantiationException``), or an ``hf_config``
+    that transformers refuses (a strict-dataclass validation error)."""
+    root = root_cause(exc)
+    reason = f"{type(root).__name__}: {one_line(root)}"
+    if isinstance(exc, InstantiationException) and isinstance(model, dict) and model.get("_target_"):
+        return (f"model._target_={model['_target_']!r} cannot build the model ({reason}); model.kwargs are passed "
+                "to it as keyword arguments, on the meta device")
+    strict = any(cls.__name__ == "StrictDataclassError" for cls in type(exc).__mro__)
+    if strict and isinstance(model, dict) and not model.get("_target_"):
+        architecture = model.get("architecture") or model.get("name") or "the model"
+        return f"model.hf_config is not a valid config for {architecture}: {reason}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,13 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 from memopt.errors import InputError, raise_problems
 from memopt.estimate.timing import timing_for
 from memopt.hardware import HardwareSpec, hardware_names
 from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
-from memopt.plan.calibrate import CALIBRATION_MODES
 from memopt.plan.context import resolve_hardware
-from memopt.step.loss_reduction import REDUCTIONS
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
 
@@ -45,8 +45,8 @@ __all__ = [
     "check_optimizer",
     "check_pins_honoured",
     "check_plan_matches",
+    "check_positive",
     "check_world",
-    "check_wrap_args",
     "closest",
     "model_fingerprint",
     "profile_fingerprint",
@@ -203,13 +203,16 @@ def accepted_hyperparameters(optimizer: Any) -> tuple[str, frozenset[str]] | Non
     """(what the optimizer is, in words; the keyword arguments it takes) for an optimizer memopt builds from
     torch's classes ("adamw" or None: the AdamW variant the planner picks; "sgd"), else None: the 8-bit variants and
     the user's own take arguments of their own."""
-    import torch
-
     if optimizer in (None, "auto", "adam", "adamw", "adamw_fused", "adamw_foreach"):
         return "AdamW", _torch_arguments(torch.optim.AdamW)
     if optimizer == "sgd":
         return "SGD", _torch_arguments(torch.optim.SGD)
     return None
+
+
+def check_positive(name: str, value: Any, problems: list[str], *, example: str) -> None:
+    """A finite number > 0 (``example``: one that would do)."""
+    _number(name, value, problems, low=0.0, low_open=True, example=example)
 
 
 def check_hyperparameters(kwargs: Mapping[str, Any], problems: list[str], *, prefix: str = "",
@@ -364,8 +367,6 @@ def profile_fingerprint(profile: Any) -> str:
 
 def model_fingerprint(model: Any) -> str | None:
     """The same fingerprint of an ``nn.Module`` (None for anything else)."""
-    import torch
-
     if not isinstance(model, torch.nn.Module):
         return None
     seen: set[int] = set()
@@ -394,38 +395,3 @@ def check_plan_matches(plan: Any, model: Any, sample: Any = None, *, allow_misma
         problems.append(f"the saved plan is for a global batch of {plan.global_batch}, the sample has batch_size="
                         f"{batch}; make a plan for this batch, or pass allow_plan_mismatch=True")
     raise_problems(problems, "plan")
-
-
-# -- memopt.wrap -------------------------------------------------------------------------------------------------
-def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimizer: Any,
-                    optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
-                    calibration: Any = "use", allow_plan_mismatch: bool = False,
-                    loss_reduction: Any = "auto", max_grad_norm: Any = None) -> None:
-    """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
-    problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
-    problems: list[str] = []
-    hw = None
-    if plan is None and budget is not None:
-        import torch
-
-        if hardware not in (None, "auto") or torch.cuda.is_available():
-            hw = check_hardware(hardware, problems)
-        check_budget(budget, problems, device_total_bytes=hw.memory_bytes if hw is not None else None)
-    check_optimizer(optimizer, problems)
-    check_hyperparameters(optimizer_kwargs, problems, optimizer=optimizer)
-    if max_grad_norm is not None:
-        _number("max_grad_norm", max_grad_norm, problems, low=0.0, low_open=True, example="1.0")
-    if pins is not None and not isinstance(pins, Mapping):
-        problems.append(f"pins must be a dict such as {{'micro_batch_size': 2}}, got {type(pins).__name__}")
-    elif isinstance(sample, Mapping):
-        check_global_batch_pins(pins, sample.get("batch_size"), problems, batch_key="sample batch_size")
-    if transaction not in ("auto", "always", "never"):
-        problems.append(f"transaction={transaction!r}: use one of auto, always, never")
-    if calibration not in CALIBRATION_MODES:
-        problems.append(f"calibration={calibration!r} is not one of {', '.join(CALIBRATION_MODES)}"
-                        f"{closest(calibration, CALIBRATION_MODES)}")
-    if loss_reduction not in REDUCTIONS:
-        problems.append(f"loss_reduction={loss_reduction!r}: use 'mean' (a loss averaged over samples or tokens), "
-                        "'sum' (summed over them) or 'auto' (measured on the first batch)")
-    raise_problems(problems, "arguments")
-    check_plan_matches(plan, target, sample, allow_mismatch=allow_plan_mismatch)

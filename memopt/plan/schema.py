@@ -122,8 +122,13 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ValueError(f"no plan file at {path}") from None
-        except json.JSONDecodeError as exc:
+        except IsADirectoryError:
+            raise ValueError(f"{path} is a directory: pass the plan's JSON file (plan.save(path) writes one)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}); it is not a memopt plan") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds a JSON {type(data).__name__}, not a memopt plan (an object with fits, "
+                             "strategy, budget_bytes, ...): pass a file plan.save(path) wrote")
         return cls.from_dict(data)
 
 

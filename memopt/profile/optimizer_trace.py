@@ -18,6 +18,7 @@ from memopt.profile.stand_ins import FakeGradScaler
 from memopt.profile.tracker import ALLOC, FREE, MemoryTracker
 from memopt.step.train_step import TrainStep
 from memopt.strategy import Strategy
+from memopt.techniques.optimizer_instance import user_optimizer
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, stored_dtype, weight_dtype
 from memopt.units import allocator_size
@@ -92,7 +93,7 @@ def trace_optimizer(model: nn.Module | None, precision: str, optimizer: str, pol
         master = MasterWeights(list(holder.parameters())) if precision == "bf16_master" else None
         opt_params = master.masters if master is not None else list(holder.parameters())
         if optimizer == "user":
-            opt = optimizer_spec(opt_params)
+            opt = user_optimizer(optimizer_spec, opt_params)
         else:
             opt = build_optimizer(optimizer, opt_params, trace_on=host, **(optimizer_kwargs or {}))
         scaler = None

@@ -40,6 +40,7 @@ from memopt.step.train_step import LossFn, TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.model_change import ModelChange, Undo, no_change
+from memopt.techniques.optimizer_instance import user_optimizer
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, uses_grad_scaler
 from memopt.techniques.registry import model_technique
@@ -134,10 +135,20 @@ def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSp
     if strategy.optimizer == "user":
         if not callable(spec):
             raise ValueError("strategy.optimizer='user' needs optimizer=<callable taking the parameters>")
-        return spec(params)
+        return user_optimizer(spec, params)
     # in a fake-tensor trace, the variant's stand-in where the real optimizer needs real values
     return build_optimizer(strategy.optimizer, params, trace_on=host_device if stand_ins is not None else None,
                            **kwargs)
+
+
+def _scheduler(factory: Callable[[torch.optim.Optimizer], Any] | None, optimizer: torch.optim.Optimizer) -> Any:
+    if factory is None:
+        return None
+    built = factory(optimizer)
+    if not all(hasattr(built, name) for name in ("step", "state_dict", "load_state_dict")):
+        raise ValueError(f"lr_scheduler= returned a {type(built).__name__}, not a learning-rate scheduler: pass a "
+                         "callable optimizer -> scheduler, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)")
+    return built
 
 
 def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: torch.device | str | None = None,
@@ -184,7 +195,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
                          loss_fn=loss_fn, scaler=scaler, master=master, offload=offload,
                          max_grad_norm=max_grad_norm, causal_lm=is_causal_lm(model), reduction=loss_reduction,
                          padding=padding_cut,
-                         lr_scheduler=lr_scheduler(opt) if lr_scheduler is not None else None)
+                         lr_scheduler=_scheduler(lr_scheduler, opt))
     except Exception:
         while undo:
             undo.pop()()

@@ -104,3 +104,21 @@ def _track_steps(opt: torch.optim.Optimizer) -> None:
 
     tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = tracked  # type: ignore[method-assign]
+
+
+def user_optimizer(build: Callable[[list[nn.Parameter]], Any], params: list[nn.Parameter]) -> Any:
+    """The optimizer the user's ``build(params)`` makes, checked: something with an optimizer's surface, over the
+    parameters it was given and no others (one built over another module's parameters would step those: training
+    would change nothing). Raises ``TypeError``: the planner takes a ``ValueError`` in an estimate for a candidate it
+    cannot run and tries the next, where this is the user's argument, wrong for every candidate."""
+    built = build(params)
+    if not all(hasattr(built, name) for name in ("step", "zero_grad", "param_groups", "state_dict")):
+        raise TypeError(f"optimizer= returned a {type(built).__name__}, not an optimizer: pass a callable "
+                         "params -> torch.optim.Optimizer, e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)")
+    given = {id(p) for p in params}
+    foreign = sum(1 for g in built.param_groups for p in g["params"] if id(p) not in given)
+    if foreign:
+        raise TypeError(f"the optimizer optimizer= built holds {foreign} tensor(s) other than the parameters it was "
+                         "given: build it over the parameters the callable receives (lambda params: "
+                         "torch.optim.AdamW(params, ...)), not over another module's")
+    return built

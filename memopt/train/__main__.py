@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default="runs/train")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        print(f"error: --steps must be a positive integer, got {args.steps} (e.g. --steps 20)", file=sys.stderr)
+        return 2
     try:
         import torch
 
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(args.model, budget=args.budget, steps=args.steps, batch_size=args.batch_size, seq_len=seq_len,
                        image_size=args.image_size, hardware=hardware, run_dir=Path(args.run_dir), lr=args.lr,
                        seed=args.seed, resume=args.resume, fidelity=args.fidelity, plan_path=args.plan)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a run directory that cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))

@@ -29,3 +29,13 @@ def test_train_cli_bad_model_is_explained(tmp_path):
     out = subprocess.run([sys.executable, "-m", "memopt.train", "--model", "lama3", "--run-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "llama" in out.stderr
+
+
+def test_train_cli_refuses_a_step_count_that_is_not_positive_and_an_unwritable_run_dir(tmp_path):
+    from memopt.train.__main__ import main
+
+    assert main(["--model", "tiny_llama", "--steps", "0", "--run-dir", str(tmp_path)]) == 2
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the run directory would go
+    assert main(["--model", "tiny_llama", "--steps", "1", "--hardware", "h100_80gb",
+                 "--run-dir", str(blocker / "run")]) == 2

@@ -78,3 +78,66 @@ def test_gradients_left_on_the_model_before_wrap_are_not_in_the_first_step():
     dirty.step(_batch(0))
     for name, value in clean.model.named_parameters():
         torch.testing.assert_close(dirty.model.get_parameter(name), value, rtol=0, atol=0)
+
+
+def test_a_wrapped_model_is_not_wrapped_again_until_unwrapped():
+    model = _model()
+    first = memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb", fidelity="mixed",
+                        pins={"precision": "bf16_master"})
+    with pytest.raises(ValueError, match=r"^this model is already wrapped by memopt.wrap: .* unwrap\(\) first"):
+        memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb")
+    memopt.wrap(first.unwrap(), budget="4GB", sample=SAMPLE, hardware="h100_80gb").close()
+
+
+def test_a_failed_wrap_leaves_the_model_free_to_wrap_again():
+    model = _model()
+    with pytest.raises(ValueError):
+        memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb", pins={"checkpoint_blocks": 99})
+    memopt.wrap(model, budget="4GB", sample=SAMPLE, hardware="h100_80gb").close()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("[1, 2]", r"holds a JSON list, not a memopt plan"),
+    (None, r"is a directory: pass the plan's JSON file"),
+])
+def test_a_plan_path_that_holds_no_plan_is_refused_in_one_line(tmp_path, content, message):
+    path = tmp_path / "plan.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        memopt.wrap(_model(), plan=str(path))
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", r"device='tpu' is not a torch device|device='tpu': memopt trains on a CUDA GPU or the CPU"),
+    ("cuda", r"device='cuda', but no CUDA GPU is visible: use device='cpu'"),
+])
+def test_a_device_memopt_cannot_train_on_is_refused(device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ValueError, match=message):
+        memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", device=device)
+
+
+def test_a_step_inside_no_grad_still_trains():
+    pins = {"precision": "fp32", "optimizer": "sgd"}
+    plain = memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", pins=pins, lr=0.1)
+    plain.step(_batch(0))
+    quiet = memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", pins=pins, lr=0.1)
+    with torch.no_grad():
+        quiet.step(_batch(0))
+    for name, value in plain.model.named_parameters():
+        torch.testing.assert_close(quiet.model.get_parameter(name), value, rtol=0, atol=0)
+
+
+def test_an_optimizer_or_schedule_callable_that_builds_something_else_is_refused():
+    other = torch.nn.Linear(2, 2)
+    for optimizer, message in ((lambda params: "adamw", r"optimizer= returned a str, not an optimizer"),
+                               (lambda params: torch.optim.SGD(other.parameters(), lr=0.1),
+                                r"holds 2 tensor\(s\) other than the parameters it was given")):
+        with pytest.raises(TypeError, match=message):
+            memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", optimizer=optimizer)
+    with pytest.raises(ValueError, match=r"lr_scheduler= returned a float, not a learning-rate scheduler"):
+        memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr_scheduler=lambda opt: 0.5)

@@ -45,3 +45,9 @@ def test_a_precision_the_trainers_loop_cannot_run_is_refused_and_never_planned(t
     plan = memopt.wrap(_trainer(tmp_path / "b"), budget="4GB", hardware="h100_80gb", fidelity="mixed").memopt_plan
     assert plan.strategy.precision in ("fp32", "bf16_autocast", "fp16_autocast")
     assert {"bf16_master", "bf16_pure"} <= set(plan.policy["forbid"]["precision"])
+
+
+def test_a_wrapped_trainer_is_not_wrapped_again(tmp_path):
+    trainer = memopt.wrap(_trainer(tmp_path), budget="4GB", hardware="h100_80gb")
+    with pytest.raises(ValueError, match=r"^this Trainer is already wrapped by memopt.wrap"):
+        memopt.wrap(trainer, budget="4GB", hardware="h100_80gb")
