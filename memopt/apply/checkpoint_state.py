@@ -62,6 +62,10 @@ def restore_training_state(model: nn.Module, prepared: Prepared, state: dict[str
     optimizer's is refused before anything is loaded, and a part that still fails to load puts back every part
     loaded before it."""
     optimizer = prepared.optimizer
+    lacking = [k for k in ("model", "optimizer") if not isinstance(state, dict) or k not in state]
+    if lacking:
+        raise ValueError(f"this is not a memopt checkpoint (it has no {' or '.join(repr(k) for k in lacking)}): pass "
+                         "what wrapped.state_dict() returned, or load the folder wrapped.save(dir) wrote")
     problems = _model_problems(model, state)
     if not problems:
         other = optimizer_mismatch(optimizer, state)

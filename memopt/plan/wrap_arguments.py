@@ -4,6 +4,7 @@ messages, as ``memopt.plan`` and ``python -m memopt.plan`` where the arguments a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,7 +47,8 @@ def check_device(device: Any, problems: list[str]) -> None:
 def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimizer: Any,
                     optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
                     calibration: Any = "use", allow_plan_mismatch: bool = False,
-                    loss_reduction: Any = "auto", max_grad_norm: Any = None, device: Any = None) -> None:
+                    loss_reduction: Any = "auto", max_grad_norm: Any = None, device: Any = None,
+                    run_dir: Any = None) -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
     problems: list[str] = []
@@ -61,6 +63,9 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
         check_positive("max_grad_norm", max_grad_norm, problems, example="1.0")
     if device is not None:
         check_device(device, problems)
+    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        problems.append(f"run_dir={str(run_dir)!r} is a file: give a folder for the step telemetry (it is created "
+                        "if missing)")
     if pins is not None and not isinstance(pins, Mapping):
         problems.append(f"pins must be a dict such as {{'micro_batch_size': 2}}, got {type(pins).__name__}")
     elif isinstance(sample, Mapping):

@@ -141,3 +141,15 @@ def test_an_optimizer_or_schedule_callable_that_builds_something_else_is_refused
             memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", optimizer=optimizer)
     with pytest.raises(ValueError, match=r"lr_scheduler= returned a float, not a learning-rate scheduler"):
         memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr_scheduler=lambda opt: 0.5)
+
+
+def test_a_run_dir_that_is_a_file_and_a_state_that_is_no_checkpoint_are_refused(tmp_path):
+    blocker = tmp_path / "telemetry"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"run_dir=.* is a file: give a folder"):
+        memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", run_dir=blocker)
+    wrapped = memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb")
+    before = {k: v.clone() for k, v in wrapped.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"this is not a memopt checkpoint \(it has no 'model' or 'optimizer'\)"):
+        wrapped.load_state_dict({})
+    assert all(torch.equal(v, before[k]) for k, v in wrapped.model.state_dict().items())
