@@ -24,6 +24,7 @@ from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.loss_key import loss_key
 from memopt.profile.profile import Profile, VariantFailed
+from memopt.profile.real_rows import MASKS, real_rows, with_real_rows
 from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory
@@ -101,18 +102,19 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
     if spec is not None:
         parsed = SampleSpec.parse(sample, spec)
         config = getattr(module, "config", None)
-        masks = _real_masks(sample)
+        rows = real_rows(sample)
 
         def factory(b: int, device: str) -> dict[str, Any]:
             batch = make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
                                config=config)
-            return _with_masks(batch, masks, b)
+            return with_real_rows(batch, rows, b)
 
         factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
-        if masks:  # a padded row takes other attention paths than a full one: which rows are padded keys the profile
-            # (not the mask itself: another batch padded in the same rows finds the same traces)
+        padding = {k: m for k, m in rows.items() if k in MASKS}
+        if padding:  # a padded row takes other attention paths than a full one: which rows are padded keys the
+            # profile (not the mask itself: another batch padded in the same rows finds the same traces)
             factory.key_part = {k: "".join("p" if bool((m[i] == 0).any()) else "f"  # type: ignore[attr-defined]
-                                           for i in range(m.shape[0])) for k, m in masks.items()}
+                                           for i in range(m.shape[0])) for k, m in padding.items()}
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
     if isinstance(sample, dict) and sample and _is_shapes(sample):
@@ -122,29 +124,6 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             "a real batch instead, e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
         )
     return _structure_factory(sample)
-
-
-#: the masks of a real batch that ``make_batch`` (no mask: an unpadded batch) would drop: a Trainer's collator pads
-#: its batches and says where, and a loss of its own may read them (TRL's ``SFTTrainer.compute_loss`` needs one)
-_MASKS = {"attention_mask": "input_ids", "decoder_attention_mask": "decoder_input_ids"}
-
-
-def _real_masks(sample: Any) -> dict[str, torch.Tensor]:
-    """The 2-d masks ``sample`` (a real dict batch) carries, on the CPU."""
-    if not isinstance(sample, dict):
-        return {}
-    return {key: sample[key].detach().cpu() for key in _MASKS
-            if isinstance(sample.get(key), torch.Tensor) and sample[key].dim() == 2}
-
-
-def _with_masks(batch: dict[str, Any], masks: dict[str, torch.Tensor], b: int) -> dict[str, Any]:
-    """``batch`` (``b`` samples made by ``make_batch``) with the real batch's masks, its rows taken in turn, where
-    the mask's length is the length of the ids it masks (the decoder's ids: ``labels`` where none are made)."""
-    for key, mask in masks.items():
-        ids = batch.get(_MASKS[key], batch.get("labels") if key == "decoder_attention_mask" else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == mask.shape[1]:
-            batch[key] = mask[torch.arange(b) % mask.shape[0]].to(ids.device)
-    return batch
 
 
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
@@ -276,8 +255,9 @@ def _record_micro_batch_refusal(prof: Profile, module: nn.Module, probed: str | 
         return
     prof.micro_batch_refusal = reason
     if reason is not None and int(prof.sample.get("batch_size", 1)) > 1:
-        prof.notes.append(f"micro-batching refused (it would not be exact): {reason}; pin micro_batch_size to "
-                          "split the batch anyway")
+        how = ("the batch is traced and trained whole, in one micro-batch" if prof.whole_batch
+               else "pin micro_batch_size to split the batch anyway")
+        prof.notes.append(f"micro-batching refused (it would not be exact): {reason}; {how}")
 
 
 def _loss_part(loss_fn: Any) -> dict[str, str]:
@@ -289,13 +269,28 @@ def _loss_part(loss_fn: Any) -> dict[str, str]:
 def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_fn: Any) -> None:
     """What splitting the batch does to the model (``memopt.profile.sample_axis_probe``), for a batch that can be
     split."""
-    if int(prof.sample.get("batch_size", 1)) < 2:
+    batch = int(prof.sample.get("batch_size", 1))
+    if batch < 2:
         return
-    probe = probe_batch(module, factory, loss_fn)
+    probe = probe_batch(module, factory, loss_fn, batch)
     if probe is None:
         return
     prof.forward_random_ops = list(probe.random_ops)
-    _record_micro_batch_refusal(prof, module, probe.axis_refusal or probe.state_refusal)
+    prof.whole_batch = probe.whole_batch
+    refusal = probe.axis_refusal or probe.state_refusal
+    if probe.whole_batch:
+        refusal = f"{refusal}; {probe.whole_batch}"
+    _record_micro_batch_refusal(prof, module, refusal)
+
+
+def _whole_batch_factory(factory: BatchFactory, samples: int) -> BatchFactory:
+    """``factory`` making the whole batch of ``samples`` whatever it is asked for: the traces at 1 and 2 samples of
+    a step that runs on the whole batch only are the whole batch's (a micro-batch of it adds nothing)."""
+    def whole(b: int, device: str) -> Any:
+        return factory(samples, device)
+
+    whole.__dict__.update(getattr(factory, "__dict__", {}))  # values_are_real, key_part
+    return whole
 
 
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
@@ -336,10 +331,12 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
             _record_micro_batch_refusal(prof, source, prof.micro_batch_refusal)
         if prof.forward_random_ops is None:  # cached before the batch probe was recorded
             _probe_batch(prof, source if isinstance(source, nn.Module) else source(), factory, loss_fn)
+    batch = int(sample_dict.get("batch_size", 1))
+    if prof.whole_batch:
+        factory = _whole_batch_factory(factory, batch)
     prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()
-    batch = int(sample_dict.get("batch_size", 1))
     for v in variants or [default_variant(hw)]:
         try:
             try:
@@ -349,7 +346,7 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
                     raise
                 # a model without bf16 kernels for some op may still train in fp32; the planner refuses the rest
                 prof.variant(dataclasses.replace(v, precision="fp32"), micro_batch=batch)
-        except VariantFailed as exc:
+        except ValueError as exc:  # VariantFailed, or a ValueError the model's own step raised (a target's size)
             if isinstance(source, nn.Module) and runs_whole_batch_only(source, factory, loss_fn, batch):
                 raise ValueError(
                     f"{name} trains on the whole batch of {batch} but not on one sample of it ({exc}): memopt profiles "

@@ -42,7 +42,10 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 13: the profile refuses micro-batching for a training forward that writes persistent buffers
 #     (memopt.profile.sample_axis_probe)
 # 14: a run of blocks inside a container that mixes other layers with them is a stack (memopt.blocks)
-TRACE_REVISION = 14
+# 15: unique, unique_consecutive, bincount and repeat_interleave are sized from their shadows or bounded
+#     (memopt.profile.data_dependent); a real dict sample's token ids are the traced batch's; a step that runs on
+#     the whole batch only (a sequence-first batch as long as it is large) is traced whole
+TRACE_REVISION = 15
 
 
 def cache_dir() -> Path:

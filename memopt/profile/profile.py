@@ -90,6 +90,9 @@ class Profile:
     forward_random_ops: list[str] | None = None
     # the model's cuDNN recurrent layers (nn.RNN, nn.GRU, nn.LSTM): a static fact, read from the module each time
     recurrent_layers: list[str] = field(default_factory=list)
+    # why the step runs on the whole batch only (memopt.profile.sample_axis_probe: a batch whose dim 0 is not the
+    # samples, which fails on part of it): every trace is of the whole batch, and no micro-batch is smaller
+    whole_batch: str | None = None
     # not serialized: what lazy tracing needs
     _model: nn.Module | None = field(default=None, repr=False, compare=False)
     _model_builder: Callable[[], nn.Module] | None = field(default=None, repr=False, compare=False)
@@ -137,6 +140,11 @@ class Profile:
 
     def variant(self, key: VariantKey, micro_batch: int = 1) -> VariantTrace:
         """The trace of ``key`` that covers ``micro_batch`` (traced now if missing and the model is at hand)."""
+        batch = int(self.sample.get("batch_size", 1))
+        if self.whole_batch and micro_batch < batch:
+            # every trace is of the whole batch (the step fails on less), so a smaller micro-batch has no trace
+            raise VariantFailed(f"{STEP_FAILS}{key.at(micro_batch).label()} ({self.whole_batch}: micro-batches of "
+                                f"{micro_batch} cannot run; leave micro_batch_size unpinned or pin it to {batch})")
         if key.activation_offload or (micro_batch == 1 and self._one_sample()):
             # offload's bounded copy window makes the event sequence depend on the bytes: trace each size. With a
             # batch of one sample no plan has a larger micro-batch: one pass instead of the two of a linear trace
@@ -185,7 +193,8 @@ class Profile:
         bounded = sorted({op for t in traces for op in t.bounded_ops})
         if bounded:
             note = (f"{', '.join(bounded)}: output size depends on values; traced at its largest (every element "
-                    "selected), which over-estimates batches that select fewer")
+                    "selected, every value distinct), which over-estimates batches that select fewer or repeat "
+                    "values")
             if note not in self.notes:
                 self.notes.append(note)
         took = time.perf_counter() - start
@@ -294,7 +303,7 @@ class Profile:
             "vocab_size": self.vocab_size, "engine_facts": self.engine_facts,
             "chunked_ce_refusal": self.chunked_ce_refusal, "liger_ce_refusal": self.liger_ce_refusal,
             "micro_batch_refusal": self.micro_batch_refusal, "forward_random_ops": self.forward_random_ops,
-            "recurrent_layers": self.recurrent_layers,
+            "recurrent_layers": self.recurrent_layers, "whole_batch": self.whole_batch,
         }
 
     @classmethod
@@ -318,7 +327,8 @@ class Profile:
                    notes=list(d.get("notes", [])), trace_s=d.get("trace_s", 0.0), vocab_size=d.get("vocab_size"),
                    engine_facts=d.get("engine_facts"), chunked_ce_refusal=d.get("chunked_ce_refusal"),
                    liger_ce_refusal=d.get("liger_ce_refusal"), micro_batch_refusal=d.get("micro_batch_refusal"),
-                   forward_random_ops=d.get("forward_random_ops"), recurrent_layers=d.get("recurrent_layers", []))
+                   forward_random_ops=d.get("forward_random_ops"), recurrent_layers=d.get("recurrent_layers", []),
+                   whole_batch=d.get("whole_batch"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,10 @@ micro-batch would then be a slice of time steps: the recurrence restarts and att
 so the loss changes silently. Such a model may also transpose a batch-first input itself, so the layer's flag alone
 says nothing; what does is how the layer's batch axis grows with the number of samples fed. One forward of a fake
 copy (no memory, no values) at 1 and at 2 samples: a layer whose batch axis does not double is not fed samples along
-the batch's dim 0, and micro-batching is refused with that reason.
+the batch's dim 0, and micro-batching is refused with that reason. Where the sequence is as long as the batch is
+large, every tensor agrees on dim 0 and a per-sample target makes the forward fail on part of the batch (the output
+has a row per sequence, the target one per "sample" cut): the layer's batch axis still says why, so where the whole
+batch runs, the batch is traced and trained whole (``BatchProbe.whole_batch``).
 
 The same forward records whether the training forward draws random numbers (dropout, stochastic depth, LayerDrop,
 attention dropout inside a fused kernel). Micro-batches draw their masks one after another, so they are not the
@@ -37,6 +40,7 @@ from memopt.profile.fake_model import fake_copy
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.recurrent_kernels import recurrent_kernels
+from memopt.profile.step_failures import describe_step_failure
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 from memopt.step.random_draws import DrawLog
@@ -55,6 +59,8 @@ class BatchProbe:
     axis_refusal: str | None = None
     random_ops: tuple[str, ...] = ()
     state_refusal: str | None = None  # the persistent buffers a training forward writes, or None
+    # why the step runs on the whole batch only (its dim 0 is not the samples, and a part of it fails), or None
+    whole_batch: str | None = None
 
 
 class _ForwardLog(DrawLog):
@@ -127,12 +133,26 @@ def _batch_axis_size(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return int(x.shape[0] if getattr(module, "batch_first", False) else x.shape[1])
 
 
-def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
-             samples: int) -> tuple[dict[str, int], set[str], list[str]]:
-    """One training forward (and loss) of a fake copy at ``samples`` samples: the batch-axis size each axis layer
-    saw, the random ops drawn, and the persistent buffers written (in place, or rebound to a new tensor)."""
+@dataclass
+class _Forward:
+    """What one fake training forward saw: the batch-axis size of each axis layer it reached, the random ops drawn,
+    the persistent buffers written, and the error that stopped it (None: it ran to its loss)."""
+
+    seen: dict[str, int]
+    draws: set[str]
+    written: list[str]
+    error: Exception | None = None
+
+
+def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> _Forward:
+    """One training forward (and loss) of a fake copy at ``samples`` samples. A forward that fails still says what
+    its layers saw before it failed: a sequence-first batch whose length equals its batch size reaches its recurrent
+    layer at any number of samples, and fails only where a per-sample target meets the output."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    clone = fake_copy(model, mode, "cpu", keep_blocks=1)
+    try:
+        clone = fake_copy(model, mode, "cpu", keep_blocks=1)
+    except Exception as exc:  # no copy, no forward: the trace reports what it can of such a model
+        return _Forward({}, set(), [], exc)
     clone.train()
     seen: dict[str, int] = {}
     ran: set[str] = set()
@@ -149,6 +169,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
         hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
     before = state_buffers(clone)
     draws = _ForwardLog({id(b): name for name, b in before.items()})
+    error: Exception | None = None
     try:
         with contextlib.ExitStack() as stack:
             if any(isinstance(m, nn.RNNBase) for m in clone.modules()):
@@ -167,6 +188,8 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
             batch = batch_factory(samples, "cpu")  # outside the op log: a factory may draw random inputs
             with draws:
                 compute_loss(clone, batch, loss_fn)
+    except Exception as exc:  # the model's own step failing is a finding here, reported by the caller
+        error = exc
     finally:
         for h in hooks:
             h.remove()
@@ -178,7 +201,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any,
             draws.seen.add(f"{type(layer).__name__.lower()}(dropout={layer.dropout:g})")
     after = state_buffers(clone)
     rebound = [name for name, b in before.items() if after.get(name) is not b and name not in draws.written]
-    return seen, draws.seen, draws.written + rebound
+    return _Forward(seen, draws.seen, draws.written + rebound, error)
 
 
 def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) -> str | None:
@@ -198,24 +221,33 @@ def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) ->
 def runs_whole_batch_only(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> bool:
     """Whether the model's forward runs on the whole batch of ``samples`` but not on one sample of it: its batch's
     first dimension is not independent samples (a whole graph: its nodes' features and their adjacency)."""
-    def runs(b: int) -> bool:
-        try:
-            _forward(model, batch_factory, loss_fn, b)
-        except Exception:
-            return False
-        return True
-
-    return samples > 1 and not runs(1) and runs(samples)
+    if samples < 2 or _forward(model, batch_factory, loss_fn, 1).error is None:
+        return False
+    return _forward(model, batch_factory, loss_fn, samples).error is None
 
 
-def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None) -> BatchProbe | None:
+def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None,
+                samples: int | None = None) -> BatchProbe | None:
     """What splitting the batch along dim 0 does to ``model``'s training forward; None when the probe could not
     run (the trace itself reports a model that cannot). ``batch_factory(b, device)`` makes a batch of ``b``
-    samples."""
-    try:
-        one, draws, written = _forward(model, batch_factory, loss_fn, 1)
-        two = _forward(model, batch_factory, loss_fn, 2)[0] if one else {}
-    except Exception:
+    samples; ``samples`` is the whole batch's.
+
+    A forward that fails on one sample while a layer that names its batch axis finds that axis the same size at 1
+    and 2 samples is fed a batch whose dim 0 is not the samples (time steps, with a per-sample target that only
+    the whole batch matches): where the whole batch of ``samples`` runs, ``whole_batch`` says so, and the profile
+    traces and trains the batch whole."""
+    one = _forward(model, batch_factory, loss_fn, 1)
+    two = _forward(model, batch_factory, loss_fn, 2) if one.seen else None
+    if one.error is None and (two is None or two.error is None):
+        return BatchProbe(axis_refusal=_axis_refusal(model, one.seen, two.seen if two is not None else {}),
+                          random_ops=tuple(sorted(one.draws)), state_refusal=state_refusal(one.written))
+    if one.error is None or two is None or samples is None or samples < 2:
         return None
-    return BatchProbe(axis_refusal=_axis_refusal(model, one, two), random_ops=tuple(sorted(draws)),
-                      state_refusal=state_refusal(written))
+    axis = _axis_refusal(model, one.seen, two.seen)
+    whole = _forward(model, batch_factory, loss_fn, samples) if axis is not None else None
+    if whole is None or whole.error is not None:
+        return None
+    return BatchProbe(axis_refusal=axis, random_ops=tuple(sorted(whole.draws)),
+                      state_refusal=state_refusal(whole.written),
+                      whole_batch=(f"its step runs on the whole batch of {samples} only (on 1 sample: "
+                                   f"{describe_step_failure(one.error)})"))
