@@ -19,6 +19,7 @@ from memopt.models import SampleSpec, load_model_spec, model_names
 from memopt.plan import checks
 from memopt.plan.calibrate import CALIBRATION_MODES
 from memopt.plan.context import resolve_hardware
+from memopt.plan.model_keys import check_model_keys
 from memopt.plan.planner import make_plan
 from memopt.plan.policy import Policy
 from memopt.techniques.optimizers import VARIANTS
@@ -176,7 +177,7 @@ def resolve(cfg: Any) -> PlanRequest:
                                        device_total_bytes=hardware.memory_bytes if hardware else None) or 0
     checks.check_margin(policy, budget_bytes, problems)
     if spec is not None:
-        checks.check_model_keys(spec, problems)
+        check_model_keys(spec, problems)
     if budget_bytes and hardware is not None and budget_bytes <= hardware.runtime_overhead_bytes:
         margin = policy.margin(budget_bytes) if policy is not None else 0
         least = hardware.runtime_overhead_bytes + margin + (1 << 30)

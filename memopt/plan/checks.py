@@ -25,7 +25,6 @@ import torch
 from memopt.errors import InputError, raise_problems
 from memopt.estimate.timing import timing_for
 from memopt.hardware import HardwareSpec, hardware_names
-from memopt.models.build import EXTRA_CONFIG_KWARGS, config_class
 from memopt.plan.context import resolve_hardware
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
@@ -40,7 +39,6 @@ __all__ = [
     "check_hardware",
     "check_hyperparameters",
     "check_margin",
-    "check_model_keys",
     "check_nvme_path",
     "check_optimizer",
     "check_pins_honoured",
@@ -317,43 +315,6 @@ def check_pins_honoured(plan: Any, pins: Mapping[str, Any] | None) -> None:
 
 
 # -- model specs ---------------------------------------------------------------------------------------------------
-def _config_keys(cls: type) -> set[str]:
-    from transformers import PretrainedConfig
-
-    keys: set[str] = set()
-    for c in (cls, PretrainedConfig):
-        if dataclasses.is_dataclass(c):
-            keys |= {f.name for f in dataclasses.fields(c)}
-        try:
-            keys |= {p for p in inspect.signature(c.__init__).parameters if p not in ("self", "kwargs")}
-        except (TypeError, ValueError):
-            pass
-    try:  # what a default config of the class carries (attributes its __init__ sets for every config)
-        keys |= set(cls().to_dict())
-    except Exception:  # a config class that needs arguments: its fields and signature suffice
-        pass
-    attribute_map = dict(getattr(cls, "attribute_map", {}) or {})
-    return keys | set(attribute_map) | set(attribute_map.values())
-
-
-def check_model_keys(spec: Any, problems: list[str], *, key: str = "model.hf_config") -> None:
-    """Every ``hf_config`` key of a model spec is a field of its family's transformers config class
-    (transformers itself would keep a typo such as ``hiden_size`` as an unused attribute and build the
-    default-sized model)."""
-    hf = getattr(spec, "hf_config", None)
-    if not isinstance(hf, Mapping) or "model_type" not in hf:
-        return
-    try:
-        cls = config_class(str(hf["model_type"]))
-    except ValueError as exc:
-        problems.append(f"{key}.model_type: {exc}")
-        return
-    known = _config_keys(cls) | set(EXTRA_CONFIG_KWARGS) | {"model_type"}
-    for name in sorted(set(hf) - known):
-        problems.append(f"{key}.{name} is not a field of {cls.__name__}{closest(name, sorted(known))}; remove it or "
-                        "use one of the config's fields")
-
-
 # -- saved plans -------------------------------------------------------------------------------------------------
 def _fingerprint(model_class: str, numels: Iterable[int]) -> str:
     text = f"{model_class}:" + ",".join(map(str, sorted(int(n) for n in numels)))

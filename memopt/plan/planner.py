@@ -16,6 +16,7 @@ from memopt.plan.calibrate import CALIBRATION_MODES, calibrated
 from memopt.plan.checks import check_pins_honoured, profile_fingerprint
 from memopt.plan.context import refused_optimizer_notes, resolve_policy, search_context
 from memopt.plan.footprint import Estimates, level_fits
+from memopt.plan.model_keys import check_model_keys
 from memopt.plan.plan_build import build_plan
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
@@ -194,7 +195,7 @@ def _checked_args(model: Any, sample: Any, *, budget: Any, hardware: Any, policy
                         f"{checks.closest(calibration, CALIBRATION_MODES)}")
     spec = _spec_of(model)
     if spec is not None:
-        checks.check_model_keys(spec, problems)
+        check_model_keys(spec, problems)
     if isinstance(sample, dict) and pol is not None:
         checks.check_global_batch_pins(pol.pins, sample.get("batch_size"), problems, key="pins.micro_batch_size",
                                        batch_key="sample batch_size")

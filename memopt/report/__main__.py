@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from memopt.config.omegaconf_errors import with_root_cause
 from memopt.guard.report import load_run, summarize
 from memopt.report import render_report
 
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # never a traceback
         if os.environ.get("MEMOPT_DEBUG"):
             raise
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"memopt.report: unexpected error {type(exc).__name__}: {first} -- please report it with the run "
+        print(f"memopt.report: unexpected error {with_root_cause(exc)} -- please report it with the run "
               "directory (MEMOPT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     print(f"{summary['steps']} steps, strategies: {', '.join(summary['strategies']) or 'n/a'}")

@@ -95,6 +95,16 @@ def test_model_yaml_key_typos_are_refused(capsys, tmp_path):
         make_plan(spec, {"batch_size": 2, "seq_len": 8}, budget="8GB", hardware="h100_80gb")
 
 
+def test_a_size_or_count_that_is_not_positive_is_refused_before_the_model_is_built(capsys):
+    code, out = cli(["model.hf_config.hidden_size=-64"], capsys)
+    assert code == EXIT_BAD_INPUT and "model.hf_config.hidden_size=-64 must be a positive integer" in out, out
+    assert "unexpected error" not in out
+    spec = {"name": "t", "family": "causal_lm", "architecture": "LlamaForCausalLM",
+            "hf_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0}}
+    with pytest.raises(ValueError, match=r"num_hidden_layers=0 must be a positive integer"):
+        make_plan(spec, {"batch_size": 2, "seq_len": 8}, budget="8GB", hardware="h100_80gb")
+
+
 def test_documented_nvme_key_works_without_plus(capsys, tmp_path):
     code, out = cli([f"hardware.extra.nvme_path={tmp_path}"], capsys)
     assert code == EXIT_OK, out
