@@ -177,21 +177,20 @@ class PaddingCut:
         """The loss items of each micro-batch (``count_pending``), and the micro-batches without their trailing
         padding when cutting is on. Counted before cutting: only ``-100`` labels are cut, so the counts are the
         same. Once decided, the counts and the padding widths are read back in one sync."""
-        n = len(micro)
+        pending = [count_pending(mb, causal=causal) for mb in micro]
+        if self.on:  # one sync for the counts and the padding widths together
+            values = read_back(pending + [pending_trailing_padding(mb) for mb in micro])
+            counts, trailing = values[:len(micro)], values[len(micro):]
+            return counts, drop_trailing(micro, trailing)
+        counts = read_back(pending)
         if self.on is None:
-            counts = read_back([count_pending(mb, causal=causal) for mb in micro])
             if _mask(micro[0]) is None:  # no padding to speak of: nothing measured, nothing noted
                 self.on, self.reason, self.noted = False, "the batch has no 2-D attention_mask", True
             else:
                 self.on, self.reason = verdict(first_labelled(micro, counts, micro[0]))
-            trailing = trailing_padding(micro) if self.on else None
-        elif self.on:
-            values = read_back([count_pending(mb, causal=causal) for mb in micro]
-                               + [pending_trailing_padding(mb) for mb in micro])
-            counts, trailing = values[:n], values[n:]
-        else:
-            counts, trailing = read_back([count_pending(mb, causal=causal) for mb in micro]), None
-        return counts, micro if trailing is None else drop_trailing(micro, trailing)
+            if self.on:
+                return counts, drop_trailing(micro, trailing_padding(micro))
+        return counts, micro
 
     def note(self) -> str | None:
         """The verdict as a plan note, once (None before the verdict and after the note)."""
