@@ -49,19 +49,18 @@ def main() -> int:
 
 
 def autotune_candidates(cases: list[str]) -> int:
-    from memopt.apply.autotune import candidate_pins
+    from memopt.plan.evaluated import ALTERNATIVES_WITHIN
 
     for case in cases:
         model, budget = case.split(":")
         sample = dict(CASES)[model]
         folder = OUT / "autotune" / plan_name(model, budget)
         folder.mkdir(parents=True, exist_ok=True)
-        chosen = memopt.plan(model, sample, budget=budget, hardware=HARDWARE)
+        chosen = memopt.plan(model, sample, budget=budget, hardware=HARDWARE, alternatives_within=ALTERNATIVES_WITHIN)
         chosen.save(folder / "0_chosen.json")
-        for i, pins in enumerate(candidate_pins(chosen, None), start=1):
-            plan = memopt.plan(model, sample, budget=budget, hardware=HARDWARE, pins=pins)
-            plan.save(folder / f"{i}_{pins['checkpointing']}.json")
-            print(f"{case} {pins['checkpointing']:9s} fits={plan.fits} {plan.strategy.label():70s} "
+        for i, plan in enumerate(chosen.alternatives, start=1):
+            plan.save(folder / f"{i}_{plan.strategy.checkpointing.mode}.json")
+            print(f"{case} {plan.strategy.checkpointing.mode:9s} {plan.strategy.label():70s} "
                   f"step={plan.step_time_s:.3f}s", flush=True)
     return 0
 

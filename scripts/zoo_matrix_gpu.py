@@ -805,6 +805,7 @@ def run_row(row: ZooRow, steps: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
             if i == 0:
                 out["time_to_first_step_end_s"] = out["wrap_s"] + times[0]
+                out["startup_s"] = getattr(wrapped, "startup_s", None)  # wrap to the first step's start
                 if wrapped.plan.strategy.label() != out["plan"]:
                     out["autotuned_plan"] = wrapped.plan.strategy.label()
                     out["predicted_peak_allocated_bytes"] = int(wrapped.plan.peak_allocated_bytes)

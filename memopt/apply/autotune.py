@@ -2,9 +2,10 @@
 
 The step-time model ranks candidates from FLOPs, bytes and kernel counts; on a fast GPU two candidates
 within ~10% of each other can swap places (host-side overhead per micro-batch pass and per checkpointed
-block is hard to predict). When ``wrap`` makes the plan itself on a GPU it therefore measures a handful
-of *structurally different* candidates that the planner says fit -- its choice, and the fastest plan
-for each checkpointing mode -- on the first real batch, and keeps the fastest:
+block is hard to predict). When ``wrap`` makes the plan itself on a GPU, its search also keeps every fitting plan
+of the same optimizer, allocator mode, precision and method predicted within ``ALTERNATIVES_WITHIN`` of its choice
+(``Plan.alternatives``: other block counts, micro-batch sizes, checkpointing modes; no re-plan is made for them), and
+measures them on the first real batch, keeping the fastest:
 
 * each candidate is applied with ``prepare`` and undone afterwards, so the user's module is untouched;
 * a candidate runs the forward and backward passes of every micro-batch of the global batch three times
@@ -30,15 +31,13 @@ import torch
 from torch import nn
 
 from memopt import progress
+from memopt.plan.evaluated import ALTERNATIVES_WITHIN
 from memopt.plan.schema import Plan
 from memopt.step.batch import to_device
 from memopt.step.prepare import Prepared, prepare
 from memopt.step.train_step import count_loss_items, discard_accumulation, split_batch
-from memopt.techniques.quantization import extras_pins
 
-__all__ = ["CHECKPOINT_MODES", "Trial", "autotune", "candidate_pins", "frontier", "time_passes"]
-
-CHECKPOINT_MODES = ("none", "selective", "full")
+__all__ = ["Trial", "autotune", "frontier", "time_passes"]
 
 
 @dataclass
@@ -55,33 +54,7 @@ class Trial:
                 "measured_passes_s": self.passes_s, "score_s": self.score_s, "error": self.error}
 
 
-def candidate_pins(plan: Plan, user_pins: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Pins that make the other candidates: one per checkpointing mode the user did not pin away, each with
-    the chosen plan's optimizer and allocator setting (the process's allocator is configured once) and its
-    training method (adapters, quantized base: a timing never changes what is trained)."""
-    user_pins = dict(user_pins or {})
-    if "checkpointing" in user_pins or "checkpoint_blocks" in user_pins:
-        return []
-    fixed = {"optimizer": plan.strategy.optimizer, "expandable_segments": plan.strategy.expandable_segments,
-             "precision": plan.strategy.precision, **extras_pins(plan.strategy)}
-    # activation offload as the chosen plan has it: the clock prices its copies (fitted on the H200), and each
-    # re-plan that may offload traces the model once more per micro-batch size (offload's copy window depends on the
-    # bytes), which made the candidates' re-plans most of the CPU time before the first step
-    fixed.setdefault("activation_offload", user_pins.get("activation_offload", plan.strategy.activation_offload))
-    pins = [{**user_pins, **fixed, "checkpointing": mode} for mode in CHECKPOINT_MODES]
-    if "micro_batch_size" not in user_pins:
-        # the chosen plan's neighbours in micro-batch (the planner then picks their block counts): host overhead
-        # per micro-batch and per checkpointed block is what the clock predicts worst, and a neighbour is where a
-        # faster plan hides (all blocks checkpointed at 4 per micro-batch against 18 of 22 at 2, measured 1.19x)
-        micro, total = plan.strategy.micro_batch_size, plan.global_batch
-        mode = plan.strategy.checkpointing.mode
-        for m in (2 * micro, micro // 2):
-            if 1 <= m <= total and total % m == 0 and m != micro:
-                pins.append({**user_pins, **fixed, "checkpointing": mode, "micro_batch_size": m})
-    return pins
-
-
-def frontier(chosen: Plan, others: Iterable[Plan], *, tolerance: float = 0.15) -> list[Plan]:
+def frontier(chosen: Plan, others: Iterable[Plan], *, tolerance: float = ALTERNATIVES_WITHIN) -> list[Plan]:
     """The candidates worth measuring: the chosen plan, then the distinct fitting plans the clock cannot tell
     apart from it (predicted within ``tolerance`` of its step time), fastest predicted first. Measuring a plan the
     clock puts 30% behind costs seconds at the start of training and almost never wins. Only plans of the chosen

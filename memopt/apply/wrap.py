@@ -20,6 +20,7 @@ from the plan (see ``memopt.integrations.hf_trainer``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     ``allow_plan_mismatch=True``. Returns a ``Wrapped`` (one GPU), a ``ShardedWrapped`` (a sharded plan under
     torchrun) or the ``Trainer`` it was given, set up from the plan.
     """
+    started = time.perf_counter()  # the time to the first step counts from here (Wrapped.startup_s)
     if is_trainer(target):
         refuse_trainer_ignored({name: value for name, value, default in (
             ("optimizer", optimizer, "adamw"), ("lr", lr, None), ("weight_decay", weight_decay, None),
@@ -144,9 +146,9 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     if budget is not None and loaded is None:
         hw = resolve_hardware(hardware) if hardware != "auto" or torch.cuda.is_available() else None
         parse_budget(budget, device_total_bytes=hw.memory_bytes if hw is not None else None)  # fail early
-    return Wrapped(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
-                   loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, hardware=hardware,
-                   policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
+    return Wrapped(target, started=started, budget=budget, sample=sample, plan=loaded, optimizer=optimizer,
+                   optimizer_kwargs=kwargs, loss_fn=loss_fn, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
+                   hardware=hardware, policy=policy, fidelity=fidelity, pins=pins, forbid=forbid, device=device,
                    enforce_budget=enforce_budget, use_cache=use_cache, guard=guard, run_dir=run_dir,
                    autotune=autotune, checkpoint=checkpoint, transaction=transaction, calibration=calibration,
                    loss_reduction=loss_reduction)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
 from memopt.plan.context import resolve_hardware
+from memopt.plan.evaluated import ALTERNATIVES_WITHIN
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
 from memopt.profile.api import profile_model
@@ -37,7 +39,7 @@ from memopt.step.hard_cap import (
     set_expandable_segments,
 )
 from memopt.step.loss_reduction import LossReduction, starting_mode
-from memopt.step.prepare import Prepared, prepare
+from memopt.step.prepare import Prepared, keeps_placement, prepare
 from memopt.step.right_padding import PaddingCut
 from memopt.step.train_step import count_loss_items
 from memopt.techniques.attention import sdpa_restricted
@@ -56,7 +58,11 @@ class Wrapped:
                  device: Any, enforce_budget: bool, use_cache: bool, guard: bool = True,
                  run_dir: str | os.PathLike[str] | None = None, autotune: bool | None = None,
                  checkpoint: Any = None, transaction: str = "auto", calibration: str = "use",
-                 loss_reduction: str = "auto") -> None:
+                 loss_reduction: str = "auto", started: float | None = None) -> None:
+        self._started = time.perf_counter() if started is None else started
+        # seconds from wrap to the start of the first training step: trace, plan, apply and autotune (issue's "time
+        # to the first step"; None until the first step)
+        self.startup_s: float | None = None
         check_model(model, weights_pending=checkpoint is not None)
         self._checkpoint = checkpoint
         self.load_peak_allocated_bytes: int | None = None  # measured while the checkpoint loaded (CUDA)
@@ -115,11 +121,11 @@ class Wrapped:
         self._profile = profile_model(self._user_model, sample, hardware=hw, loss_fn=self._loss_fn, optimizer=user_opt,
                                       use_cache=self._use_cache)
         self._hw = hw
-        self._replan = lambda pins, attribute=True: make_plan(  # autotune re-plans with extra pins
+        self._replan = lambda pins: make_plan(  # the autotune's candidates come with it (plan.alternatives)
             self._user_model, sample, budget=self._plan_budget, hardware=hw, policy=self._policy_args["policy"],
             fidelity=self._policy_args["fidelity"], pins=pins or None, forbid=self._policy_args["forbid"],
             optimizer=user_opt, loss_fn=self._loss_fn, profile=self._profile, calibration=self._calibration,
-            attribute=attribute)
+            alternatives_within=ALTERNATIVES_WITHIN if self._autotune else None)
         self._plan_pins = merged_pins
         plan = self._replan(merged_pins)
         if plan.fits and self.device.type == "cuda" and self._enforce_budget:
@@ -192,29 +198,31 @@ class Wrapped:
                 "move_to": self.device, "loss_reduction": self._reduction, "padding_cut": self._padding}
 
     def _run_autotune(self, batch: Any) -> None:
-        """Measure the planner's choice against the fastest plan of each checkpointing mode on this batch and
-        keep the fastest (see memopt.apply.autotune); the choice and every timing go into the plan's notes."""
+        """Measure the planner's choice against the plans its search could not tell apart from it (predicted within
+        ``ALTERNATIVES_WITHIN``) on this batch and keep the fastest (see memopt.apply.autotune); the choice and every
+        timing go into the plan's notes."""
         # lazy: keeps memopt.apply.autotune out of import memopt
-        from memopt.apply.autotune import autotune, candidate_pins, describe, frontier
+        from memopt.apply.autotune import autotune, describe, frontier
 
         self._autotune_pending = False
         chosen = self.plan
-        candidates = [chosen]
-        for pins in candidate_pins(chosen, self._plan_pins):
-            try:  # unattributed: most candidates are thrown away (the one kept is attributed below)
-                candidates.append(self._replan(pins, attribute=False))
-            except ValueError:
-                continue  # a mode the policy forbids
-        candidates = frontier(chosen, candidates[1:])
+        candidates = frontier(chosen, chosen.alternatives)
         if len(candidates) < 2:
             return
         if self.guard is not None:
             self.guard.close()
             self.guard = None
-        self._prepared.undo()
+        # the model stays on the device between candidates where it can (a round trip through host memory per
+        # candidate was most of the autotune's time on a 0.4B model); its move home goes to the plan kept
+        home = self._prepared.undo(keep_on_device=keeps_placement(chosen.strategy))
         self._prepared = None
         progress.report(f"autotune: timing {len(candidates)} candidate plans on the first batch")
-        best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
+        try:
+            best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
+        except BaseException:
+            if home is not None:
+                home()
+            raise
         if best is not chosen:
             # lazy: keeps memopt.estimate.attribution out of import memopt
             from memopt.estimate.attribution import attach_to_plan
@@ -224,6 +232,7 @@ class Wrapped:
         self.autotune_trials = [t.to_dict() for t in trials]
         self.plan = best
         self._apply(best)
+        self._prepared.adopt_placement(home)
 
     def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
         """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
@@ -290,12 +299,15 @@ class Wrapped:
                 self._profile.batch_factory if self._profile is not None else None))
         self._shape_watch.check(batch)
         if self._sharded is not None:
+            self.startup_s = time.perf_counter() - self._started if self.startup_s is None else self.startup_s
             loss = self._sharded.step(batch)
             self.steps_done += 1
             self.items_seen += count_loss_items(batch, causal=self._sharded._step.causal_lm)
             return loss
         if self._autotune_pending:
             self._run_autotune(batch)
+        if self.startup_s is None:
+            self.startup_s = time.perf_counter() - self._started
         # lazy: keeps memopt.guard.attribution_hooks (and guard.attribution) out of import memopt
         from memopt.guard.attribution_hooks import record_wrapped_step
 

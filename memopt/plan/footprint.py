@@ -9,9 +9,10 @@ from memopt.estimate.allocator_sim import EventStreamError
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec
+from memopt.plan.evaluated import Evaluated
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
-from memopt.plan.search import Evaluated, candidates, evaluate
+from memopt.plan.search import candidates, evaluate
 from memopt.profile.profile import Profile
 from memopt.strategy import Strategy
 from memopt.techniques.optimizers import states_per_item

@@ -8,18 +8,25 @@ from typing import Any
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec
 from memopt.plan.context import search_context
+from memopt.plan.evaluated import (
+    Evaluated,
+    SearchResult,
+    rank,
+    timing_peer,
+    unestimated_notes,
+    unestimated_reasons,
+)
 from memopt.plan.floors import state_floor
 from memopt.plan.footprint import Estimates, min_footprint
 from memopt.plan.policy import ALLOWANCES, Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import Evaluated, SearchResult, unestimated_notes, unestimated_reasons
 from memopt.profile.profile import Profile
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.quantization import extras_label, method_change_note
 from memopt.techniques.registry import TECHNIQUES
 from memopt.units import format_bytes
 
-__all__ = ["build_plan"]
+__all__ = ["alternative_plans", "build_plan"]
 
 
 def _summary(ev: Evaluated) -> dict[str, Any]:
@@ -179,3 +186,37 @@ def _unestimated_message(result: SearchResult) -> str:
     """Why a plan has no estimate at all: not memory, but a technique the model cannot take (a pin that forces it)."""
     reasons = [reason for reason, _ in unestimated_reasons(result)]
     return "no candidate could be estimated" + (f": {'; '.join(reasons)}" if reasons else "")
+
+
+def alternative_plans(chosen: Plan, result: SearchResult, within: float, *, limit: int = 3) -> list[Plan]:
+    """The search's fitting timing peers of the chosen plan (``memopt.plan.search.timing_peer``) predicted within
+    ``within`` of its step time, fastest first, at most ``limit``: each a plan of its own, with the chosen plan's
+    model, policy and notes (what the autotune measures and may keep). One per shape of step (checkpointing mode,
+    micro-batch size, activation offload), the chosen plan standing for its own: what the clock predicts worst is
+    the host's overhead per micro-batch and per checkpointed block, while a block more or less at the same shape is
+    a difference of a few percent, inside the measurement's own noise."""
+    if not chosen.fits or result.best is None or result.best.strategy != chosen.strategy:
+        return []
+    best = result.best
+    top = rank(best) * (1.0 + within)
+    picked: list[Evaluated] = []
+    seen = {_shape(chosen.strategy)}
+    for ev in sorted(result.feasible, key=rank):
+        shape = _shape(ev.strategy)
+        if ev is best or not ev.fits or ev.estimate is None or shape in seen or rank(ev) > top \
+                or not timing_peer(ev.strategy, best.strategy):
+            continue
+        seen.add(shape)
+        picked.append(ev)
+        if len(picked) == limit:
+            break
+    # each one's runners-up are the planner's choice and the other alternatives, should the autotune keep it
+    return [Plan(fits=True, strategy=ev.strategy, budget_bytes=chosen.budget_bytes, margin_bytes=chosen.margin_bytes,
+                 prediction=ev.estimate.to_dict(), model=dict(chosen.model), hardware=chosen.hardware,
+                 policy=chosen.policy, global_batch=chosen.global_batch,
+                 runners_up=[_summary(e) for e in [best, *picked] if e is not ev], search=dict(chosen.search),
+                 notes=list(chosen.notes)) for ev in picked]
+
+
+def _shape(s: Strategy) -> tuple[str, int, bool]:
+    return s.checkpointing.mode, s.micro_batch_size, s.activation_offload

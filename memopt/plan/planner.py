@@ -17,7 +17,7 @@ from memopt.plan.checks import check_pins_honoured, profile_fingerprint
 from memopt.plan.context import refused_optimizer_notes, resolve_policy, search_context
 from memopt.plan.footprint import Estimates, level_fits
 from memopt.plan.model_keys import check_model_keys
-from memopt.plan.plan_build import build_plan
+from memopt.plan.plan_build import alternative_plans, build_plan
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
 from memopt.plan.search import search
@@ -38,7 +38,7 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
               training_step: Any = None, profile: Profile | None = None, use_cache: bool = True,
               use_calibration: bool = True, calibration: str = "use", world_size: int | None = None,
               nodes: int | None = None, host_memory: str | int | None = None, nvme_path: str | None = None,
-              attribute: bool = True) -> Plan:
+              attribute: bool = True, alternatives_within: float | None = None) -> Plan:
     """Plan the fastest strategy for training ``model`` on ``sample`` that fits ``budget`` per GPU.
 
     ``model`` and ``sample`` are what ``memopt.profile`` takes (a module, a shipped model name, ...). The
@@ -61,6 +61,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     directory on a local NVMe drive for ZeRO-Infinity (default: the spec's ``extra["nvme_path"]``; none: no NVMe).
     ``attribute``: put where every byte of the chosen plan goes into ``prediction["attribution"]`` (False for a
     candidate that may be thrown away: the autotune's re-plans attribute only the plan they keep).
+    ``alternatives_within``: also search every fitting plan of the chosen plan's optimizer, allocator mode, precision
+    and method predicted within that fraction of its step time, and give them (at most 4, fastest first) as
+    ``plan.alternatives``, for the autotune to measure (one-GPU plans; the chosen plan is the same either way).
     """
     start = time.perf_counter()
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
@@ -131,7 +134,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         if world > 1:  # every candidate is a sharded one (DDP included)
             plan = _sharded(prof, hw, budget_bytes, pol, notes, world, n_nodes, host, nvme, start, reclaimable)
         else:
-            result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check)
+            result = search(prof, hw, budget_bytes, pol, ctx, level_check=level_check,
+                            keep_within=alternatives_within)
             offload, offload_refused = None, None
             if result.best is None and pol.allows("offload", True) and pol.allows("precision", "bf16_autocast") \
                     and hw.supports_bf16:
@@ -158,6 +162,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         store.save()
     plan.model["fingerprint"] = profile_fingerprint(prof)
     check_pins_honoured(plan, pol.pins)
+    if alternatives_within is not None and world == 1:
+        plan.alternatives = alternative_plans(plan, result, alternatives_within)
     return plan
 
 

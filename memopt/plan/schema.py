@@ -37,6 +37,9 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)  # candidates, evaluated, pruned, seconds
     notes: list[str] = field(default_factory=list)
     schema_version: int = PLAN_SCHEMA_VERSION
+    # the fitting plans the clock cannot tell apart from this one, fastest first (``make_plan(alternatives_within=)``):
+    # what the autotune measures on the GPU; not saved, a plan file is applied unchanged
+    alternatives: list[Plan] = field(default_factory=list, repr=False, compare=False)
 
     # -- the figures every issue names ----------------------------------------------------------
     @property

@@ -23,54 +23,23 @@ it fits.
 from __future__ import annotations
 
 import itertools
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from memopt.estimate.allocator_sim import EventStreamError
-from memopt.estimate.estimator import CappedOOM, Estimate, estimate_strategy
+from memopt.estimate.estimator import CappedOOM, estimate_strategy
 from memopt.hardware import HardwareSpec
+from memopt.plan.evaluated import UNESTIMATED, Evaluated, SearchResult, rank, timing_peer
 from memopt.plan.floors import FLOOR_REASON, state_floor
 from memopt.plan.policy import Policy
 from memopt.plan.search_bounds import no_bigger, optimistic_time, refined_time, twin_time
-from memopt.profile.profile import STEP_FAILS, Profile, VariantFailed
+from memopt.profile.profile import Profile, VariantFailed
 from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.protocol import SearchContext
 from memopt.techniques.registry import TECHNIQUES, extras_ladder
 
-__all__ = ["Evaluated", "SearchResult", "bisect_blocks", "candidates", "evaluate", "extras_levels", "search",
-           "unestimated_notes", "unestimated_reasons"]
-
-
-
-@dataclass
-class Evaluated:
-    strategy: Strategy
-    estimate: Estimate | None
-    fits: bool | None  # None: allocated bytes fit but the allocator was not simulated (not a contender)
-    total_bytes: int
-    reason: str = ""
-    floor_only: bool = False  # total_bytes is only a lower bound (pruned by its state floor, never estimated)
-    time_bound_s: float | None = None  # pruned as slower: a lower bound of its step time (never estimated)
-
-
-@dataclass
-class SearchResult:
-    best: Evaluated | None
-    evaluated: list[Evaluated]
-    num_candidates: int
-    pruned_slower: int
-    pruned_too_big: int
-    seconds: float
-    feasible: list[Evaluated] = field(default_factory=list)
-    floored: list[Evaluated] = field(default_factory=list)  # pruned as too big by their state floor (not estimated)
-    slower: list[Evaluated] = field(default_factory=list)  # pruned as slower by a bound of their time (not estimated)
-    levels_tried: list[tuple[tuple[str, Any], ...]] = field(default_factory=list)  # extras levels, in order
-    # levels skipped because their smallest footprint (bytes, None: not estimable) does not fit
-    level_minimums: dict[tuple[tuple[str, Any], ...], int | None] = field(default_factory=dict)
-
+__all__ = ["bisect_blocks", "candidates", "evaluate", "extras_levels", "search"]
 
 def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, Any], ...]]:
     """The ``Strategy.extras`` levels the policy admits, highest fidelity first: none (full fine-tuning), LoRA,
@@ -113,24 +82,18 @@ def candidates(ctx: SearchContext, policy: Policy,
     return out
 
 
-def complexity(s: Strategy) -> int:
-    """How many techniques a strategy switches on (ties in predicted time go to the simpler plan)."""
-    return sum(t.engaged(s) for t in TECHNIQUES) + len(s.extras)
-
-
-def rank(e: Evaluated) -> float:
-    """Predicted step time, with a 0.2% preference per technique left off."""
-    return e.estimate.step_time_s * (1.0 + 0.002 * complexity(e.strategy))
-
-
 def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy, ctx: SearchContext,
            *, runners_up: int = 3, base_group: str = "amp",
-           level_check: Callable[[tuple[tuple[str, Any], ...]], tuple[bool, int | None]] | None = None
-           ) -> SearchResult:
+           level_check: Callable[[tuple[tuple[str, Any], ...]], tuple[bool, int | None]] | None = None,
+           keep_within: float | None = None) -> SearchResult:
     """The fastest fitting strategy of the first extras level (:func:`extras_levels`) where any fits.
 
     ``level_check(level)`` -> (whether the level's smallest footprint fits, that footprint): a level that cannot
-    fit is skipped without searching it (the last level is always searched, for the infeasibility report)."""
+    fit is skipped without searching it (the last level is always searched, for the infeasibility report).
+    ``keep_within``: also estimate every :func:`timing_peer` of the fastest whose step time may be within that
+    fraction of it, and bisect the block count of each micro-batch size's fastest among them, so that
+    ``result.feasible`` holds all the plans the clock cannot tell apart from the best (what the autotune measures,
+    without a re-plan per candidate). The best and the runners-up are the same with or without it."""
     levels = extras_levels(ctx, policy)
     result = SearchResult(best=None, evaluated=[], num_candidates=0, pruned_slower=0, pruned_too_big=0, seconds=0.0)
     for i, level in enumerate(levels):
@@ -143,7 +106,7 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
                 result.level_minimums[level] = smallest
                 continue
         r = _search_level(profile, hw, budget_bytes, policy, ctx, level, runners_up=runners_up,
-                          base_group=base_group)
+                          base_group=base_group, keep_within=keep_within)
         result.best, result.feasible = r.best, r.feasible
         result.evaluated += r.evaluated
         result.floored += r.floored
@@ -158,7 +121,8 @@ def search(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy
 
 
 def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy: Policy, ctx: SearchContext,
-                  level: tuple[tuple[str, Any], ...], *, runners_up: int, base_group: str) -> SearchResult:
+                  level: tuple[tuple[str, Any], ...], *, runners_up: int, base_group: str,
+                  keep_within: float | None = None) -> SearchResult:
     start = time.perf_counter()
     cands = candidates(ctx, policy, level)
     margin = policy.margin(budget_bytes)
@@ -183,11 +147,25 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
     uncapped: dict[Strategy, float] = {}  # step times estimated without the hard cap's retries
     floors: dict = {}
     pruned_big = 0
+
+    def threshold(s: Strategy) -> float:
+        """The time above which ``s`` cannot matter: slower than the runners-up, and (``keep_within``) than the
+        tolerance around the fastest when ``s`` is its timing peer."""
+        if len(top) <= runners_up:
+            return float("inf")
+        limit = rank(top[runners_up])
+        if keep_within is not None and timing_peer(s, top[0].strategy):
+            limit = max(limit, rank(top[0]) * (1.0 + keep_within))
+        return limit
+
     for n, (bound, i) in enumerate(bounds):
-        if len(top) > runners_up and bound > rank(top[runners_up]):
-            slower += [_slower(cands[j], b) for b, j in bounds[n:]]
-            break
         s = cands[i]
+        if bound > threshold(s):
+            if keep_within is None or bound > threshold(top[0].strategy):  # no later candidate can matter either
+                slower += [_slower(cands[j], b) for b, j in bounds[n:]]
+                break
+            slower.append(_slower(s, bound))
+            continue
         if any(no_bigger(t, s, total_blocks) for t in too_big):
             pruned_big += 1
             continue
@@ -197,16 +175,17 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
             too_big.append(s)
             floored.append(Evaluated(s, None, False, floor, FLOOR_REASON, floor_only=True))
             continue
-        if len(top) > runners_up:
+        limit = threshold(s)
+        if limit < float("inf"):
             # its host time, its optimizer step, or the same plan without a technique that only adds work, is
             # already slower than the runners-up
             bound = twin_time(s, uncapped)
-            if bound <= rank(top[runners_up]):
-                bound = max(bound, refined_time(profile, s, hw, base_group, cache, rank(top[runners_up])))
-            if bound > rank(top[runners_up]):
+            if bound <= limit:
+                bound = max(bound, refined_time(profile, s, hw, base_group, cache, limit))
+            if bound > limit:
                 slower.append(_slower(s, bound))
                 continue
-        ev = _evaluate(profile, s, hw, budget_bytes, margin, top, runners_up)
+        ev = _evaluate(profile, s, hw, budget_bytes, margin, limit)
         evaluated.append(ev)
         if ev.estimate is not None and not ev.estimate.detail.get("capped"):
             uncapped[s] = ev.estimate.step_time_s
@@ -221,6 +200,13 @@ def _search_level(profile: Profile, hw: HardwareSpec, budget_bytes: int, policy:
             if ev.fits:
                 top.append(ev)
         top.sort(key=rank)
+        # the neighbours' refinement widens what the autotune measures, never the plan itself (the dry run's choice)
+        for neighbour in _micro_batch_bests(top, keep_within):
+            for ev in _refine_blocks(profile, hw, budget_bytes, margin, neighbour, cands, total_blocks):
+                evaluated.append(ev)
+                if ev.fits:
+                    top.insert(1, ev)
+        top[1:] = sorted(top[1:], key=rank)
     return SearchResult(best=top[0] if top else None, evaluated=evaluated, num_candidates=len(cands),
                         pruned_slower=len(slower), pruned_too_big=pruned_big, seconds=time.perf_counter() - start,
                         feasible=top, floored=floored, slower=slower)
@@ -231,6 +217,23 @@ SLOWER_REASON = "slower than the runners-up by a lower bound of its step time (n
 
 def _slower(s: Strategy, bound_s: float) -> Evaluated:
     return Evaluated(s, None, None, 0, SLOWER_REASON, time_bound_s=bound_s)
+
+
+def _micro_batch_bests(top: list[Evaluated], keep_within: float | None) -> list[Evaluated]:
+    """With ``keep_within``: the fastest fully checkpointed peer of the best at each other micro-batch size, within
+    the tolerance (their block counts are bisected as the best's are: a neighbour in micro-batch is where a faster
+    plan hides when the clock is off)."""
+    if keep_within is None or not top:
+        return []
+    best = top[0]
+    limit = rank(best) * (1.0 + keep_within)
+    out: dict[int, Evaluated] = {}
+    for ev in sorted(top[1:], key=rank):
+        s = ev.strategy
+        if s.checkpointing.mode == "full" and timing_peer(s, best.strategy) and rank(ev) <= limit \
+                and s.micro_batch_size != best.strategy.micro_batch_size:
+            out.setdefault(s.micro_batch_size, ev)
+    return list(out.values())
 
 
 def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin: int, best: Evaluated,
@@ -252,7 +255,7 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
     def at(k: int) -> Evaluated:
         if k not in done:
             done[k] = _evaluate(profile, best.strategy.replace(checkpointing=Checkpointing(mode="full", num_blocks=k)),
-                                hw, budget_bytes, margin, [], 0)
+                                hw, budget_bytes, margin, float("inf"))
         return done[k]
 
     # twice: the fewest that fit outright, and the fewest that fit under the hard cap (whose allocator retries
@@ -260,43 +263,6 @@ def _refine_blocks(profile: Profile, hw: HardwareSpec, budget_bytes: int, margin
     for ok in (lambda e: bool(e.fits) and not (e.estimate and e.estimate.detail.get("capped")), lambda e: bool(e.fits)):
         bisect_blocks(lo, k_best, lambda k, ok=ok: ok(at(k)))
     return list(done.values())
-
-
-_UNESTIMATED = "cannot be estimated: "
-_STEP_FAILS = re.compile(re.escape(STEP_FAILS) + r"(?P<variant>.+?) \((?P<cause>.*)\)$")
-
-
-def unestimated_notes(result: SearchResult) -> list[str]:
-    """What the plan must say about candidates that could not be estimated (a technique refused for this model):
-    each distinct reason once, with how many candidates it removed (:func:`unestimated_reasons`)."""
-    return [f"{n} candidate(s) not considered, they cannot be estimated: {reason}"
-            for reason, n in unestimated_reasons(result)]
-
-
-def unestimated_reasons(result: SearchResult) -> list[tuple[str, int]]:
-    """(reason, candidates it removed) for the candidates that could not be estimated; a model step that fails the
-    same way under several variants is one reason, naming the variants. Internal errors are not among them: they
-    propagate (``EventStreamError``), so no candidate disappears without a word."""
-    counts: dict[str, int] = {}
-    variants: dict[str, list[str]] = {}
-    for ev in result.evaluated:
-        if ev.reason.startswith(_UNESTIMATED):
-            reason = ev.reason.removeprefix(_UNESTIMATED)
-            failed = _STEP_FAILS.match(reason)
-            if failed:
-                reason = f"the model's step fails ({failed['cause']})"
-                seen = variants.setdefault(reason, [])
-                if failed["variant"] not in seen:
-                    seen.append(failed["variant"])
-            counts[reason] = counts.get(reason, 0) + 1
-    reasons = []
-    for reason, n in counts.items():
-        named = variants.get(reason, [])
-        if named:
-            more = f" and {len(named) - 3} more" if len(named) > 3 else ""
-            reason += f" under {', '.join(named[:3])}{more}"
-        reasons.append((reason, n))
-    return reasons
 
 
 def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:
@@ -312,17 +278,19 @@ def bisect_blocks(lo: int | None, hi: int, fits: Callable[[int], bool]) -> int:
 
 
 def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int, margin: int,
-              top: list[Evaluated], runners_up: int) -> Evaluated:
+              contender_below: float) -> Evaluated:
+    """Memory and time of ``s``: the allocator is simulated only where its allocated bytes fit and its uncapped time
+    is below ``contender_below`` (the time of plans that cannot matter)."""
     try:
         quick = estimate_strategy(profile, s, hardware=hw, exact_reserved=False)
     except EventStreamError:
         raise
     except ValueError as exc:
-        return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
+        return Evaluated(s, None, False, 0, f"{UNESTIMATED}{exc}")
     allocated_total = quick.peak_allocated_bytes + quick.runtime_bytes
     if allocated_total + margin > budget_bytes:
         return Evaluated(s, quick, False, allocated_total, "allocated bytes alone exceed the budget")
-    if len(top) > runners_up and quick.step_time_s >= rank(top[runners_up]):
+    if quick.step_time_s >= contender_below:
         return Evaluated(s, quick, None, allocated_total, "not a contender (slower than the runners-up)")
     ev = evaluate(profile, s, hw, budget_bytes, margin)
     if ev.fits is False and ev.estimate is not None:
@@ -355,6 +323,6 @@ def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int,
     except EventStreamError:
         raise
     except ValueError as exc:
-        return Evaluated(s, None, False, 0, f"{_UNESTIMATED}{exc}")
+        return Evaluated(s, None, False, 0, f"{UNESTIMATED}{exc}")
     fits = exact.total_bytes + margin <= budget_bytes
     return Evaluated(s, exact, fits, exact.total_bytes, "" if fits else "reserved bytes exceed the budget")

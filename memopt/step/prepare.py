@@ -25,6 +25,7 @@ Sharding and parameter offload (the DeepSpeed/FSDP2 engines, ``memopt.distribute
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, uses_grad_scaler
 from memopt.techniques.registry import model_technique
 
-__all__ = ["APPLY_ORDER", "Prepared", "StandIns", "prepare"]
+__all__ = ["APPLY_ORDER", "Prepared", "StandIns", "keeps_placement", "prepare"]
 
 # the techniques that change the model, in the order they are applied (the module docstring says why);
 # "placement" is prepare's own move to the training device
@@ -74,11 +75,35 @@ class Prepared:
     step: TrainStep
     stacks: list[BlockStack]
     undo_stack: list[Callable[[], None]] = field(default_factory=list)
+    placement: int | None = None  # where the undo that moves the model back home is in ``undo_stack``
 
-    def undo(self) -> None:
-        """Remove every technique, newest first (weights keep their trained values)."""
+    def undo(self, *, keep_on_device: bool = False) -> Callable[[], None] | None:
+        """Remove every technique, newest first (weights keep their trained values). ``keep_on_device``: the model
+        stays on the training device, and the undo that would have moved it home is returned instead of run (for
+        the next strategy applied to it: :meth:`adopt_placement`), which saves a round trip through host memory per
+        strategy when several are tried in turn; None when nothing was kept."""
+        home: Callable[[], None] | None = None
         while self.undo_stack:
-            self.undo_stack.pop()()
+            step = self.undo_stack.pop()
+            if keep_on_device and len(self.undo_stack) == self.placement:
+                home = step
+                continue
+            step()
+        return home
+
+    def adopt_placement(self, home: Callable[[], None] | None) -> None:
+        """Take ``home`` (what an earlier strategy's :meth:`undo` kept) as this one's move back: applied to a model
+        already on the device, its own placement moved nothing and would leave the model there (None: keep this
+        one's own)."""
+        if home is not None and self.placement is not None:
+            self.undo_stack[self.placement] = home
+
+
+def keeps_placement(strategy: Strategy) -> bool:
+    """Whether a model can stay on the device between two strategies: ones that change no weight's dtype or layout
+    before placement (a cast precision keeps its full-precision originals, and quantization its unquantized layers,
+    where the model was: moved together, they would take device memory the plan does not count)."""
+    return strategy.precision in ("fp32", "bf16_autocast", "fp16_autocast") and strategy.extra("quantization") is None
 
 
 def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
@@ -124,10 +149,10 @@ def _move(model: nn.Module, device: torch.device) -> Callable[[], None]:
     """Move the model to the training device; the undo moves it back where it was."""
     first = next(model.parameters(), None)
     before = first.device if first is not None else None
-    if before == device:
+    if all(t.device == device for t in itertools.chain(model.parameters(), model.buffers())):
         return lambda: None
     model.to(device)
-    return (lambda: model.to(before)) if before is not None else (lambda: None)
+    return (lambda: model.to(before)) if before is not None and before != device else (lambda: None)
 
 
 def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSpec, kwargs: dict[str, Any],
@@ -171,7 +196,10 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
                              move_to=torch.device(move_to) if move_to is not None else None,
                              fake=stand_ins is not None,
                              quantized_stand_in=stand_ins.quantized_linear if stand_ins is not None else None)
+        placement = None
         for name in APPLY_ORDER:
+            if name == "placement":
+                placement = len(undo)
             undo.append(_place(change) if name == "placement" else model_technique(name).apply(change))
         adapters = strategy.extra("adapters") is not None
         # 7. optimizer (over fp32 masters for bf16_master)
@@ -200,4 +228,4 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
         while undo:
             undo.pop()()
         raise
-    return Prepared(model=model, optimizer=opt, step=step, stacks=change.stacks, undo_stack=undo)
+    return Prepared(model=model, optimizer=opt, step=step, stacks=change.stacks, undo_stack=undo, placement=placement)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memopt
-from memopt.apply.autotune import autotune, candidate_pins, frontier, time_passes
+from memopt.apply.autotune import autotune, frontier, time_passes
 from memopt.models import SampleSpec, build_model, make_batch, with_overrides
 from memopt.plan.planner import make_plan
 
@@ -15,33 +15,67 @@ SPEC = with_overrides("tiny_llama", {"hidden_size": 128, "intermediate_size": 25
 KW = {"device_type": "cpu", "device": "cpu"}
 
 
-def _plans(model):
-    chosen = make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb")
-    others = [make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb", pins=p)
-              for p in candidate_pins(chosen, None)]
-    return chosen, others
+def _plans(model, **kw):
+    chosen = make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb", alternatives_within=10.0, **kw)
+    return chosen, chosen.alternatives
 
 
-def test_candidates_cover_every_checkpointing_mode_with_the_chosen_settings():
+def _shape(plan):
+    s = plan.strategy
+    return s.checkpointing.mode, s.micro_batch_size, s.activation_offload
+
+
+def test_alternatives_leave_the_plan_itself_unchanged():
+    """The dry run (no autotune) and wrap on a GPU choose the same plan: the wider search only adds alternatives."""
+    model = build_model(SPEC, device="cpu")
+    plain = make_plan(model, SAMPLE, budget="16GB", hardware="h100_80gb")
+    chosen, others = _plans(model)
+    assert plain.alternatives == [] and others
+    assert chosen.strategy == plain.strategy and chosen.prediction == plain.prediction
+    assert chosen.runners_up == plain.runners_up
+    assert "alternatives" not in chosen.to_dict()  # a saved plan is applied unchanged: nothing to measure
+
+
+def test_alternatives_are_the_fastest_fitting_peer_of_each_shape_an_exhaustive_search_finds():
+    """Every candidate of the policy estimated one by one (no pruning): the alternatives are the fastest fitting
+    timing peers of the chosen plan, one per shape of step, as many as the limit, and none of them slower than the
+    best of its shape."""
+    from memopt.plan.context import resolve_policy, search_context
+    from memopt.plan.evaluated import timing_peer
+    from memopt.plan.search import candidates, evaluate
+    from memopt.profile.api import profile_model
+
     model = build_model(SPEC, device="cpu")
     chosen, others = _plans(model)
-    modes = [p.strategy.checkpointing.mode for p in others]
-    assert modes[:3] == ["none", "selective", "full"]
-    # then the chosen plan's micro-batch neighbours, in its checkpointing mode
-    micro = chosen.strategy.micro_batch_size
-    neighbours = [p.strategy.micro_batch_size for p in others[3:]]
-    assert set(neighbours) == {m for m in (2 * micro, micro // 2) if 1 <= m <= 8 and m != micro}
-    assert set(modes[3:]) <= {chosen.strategy.checkpointing.mode}
+    hw = memopt.load_hardware("h100_80gb")
+    prof = profile_model(model, SAMPLE, hardware=hw)
+    pol = resolve_policy(None)
+    ctx = search_context(prof, hw, SAMPLE["batch_size"], pol, False)
+    best: dict[tuple, float] = {}
+    for s in candidates(ctx, pol):
+        if not timing_peer(s, chosen.strategy):
+            continue
+        ev = evaluate(prof, s, hw, chosen.budget_bytes, chosen.margin_bytes)
+        if ev.fits:
+            shape = (s.checkpointing.mode, s.micro_batch_size, s.activation_offload)
+            best[shape] = min(best.get(shape, float("inf")), ev.estimate.step_time_s)
+    assert min(best.values()) >= chosen.step_time_s * 0.999  # the chosen plan is the fastest of them all
+    expected = sorted((t, shape) for shape, t in best.items() if shape != _shape(chosen))[:3]
+    assert len(others) == len(expected) == 3
+    assert {_shape(p) for p in others} == {shape for _, shape in expected}
     for p in others:
-        assert p.strategy.optimizer == chosen.strategy.optimizer
-        assert p.strategy.expandable_segments == chosen.strategy.expandable_segments
-        assert p.strategy.activation_offload == chosen.strategy.activation_offload
-    assert candidate_pins(chosen, {"checkpointing": "full"}) == []  # the user's pin is respected
-    # the re-plans keep the chosen plan's activation-offload choice (each offloading re-plan traces once per
-    # micro-batch size), unless the user pinned it
-    assert all(p["activation_offload"] is chosen.strategy.activation_offload for p in candidate_pins(chosen, None))
-    assert all(p["activation_offload"] is True
-               for p in candidate_pins(chosen, {"activation_offload": True}))
+        assert timing_peer(p.strategy, chosen.strategy) and p.fits
+        assert p.step_time_s <= best[_shape(p)] * 1.0001  # a bisected block count can only be faster
+        # should the autotune keep it, its runners-up are the planner's choice and the other alternatives
+        assert [r["label"] for r in p.runners_up] == [q.strategy.label() for q in [chosen, *others] if q is not p]
+
+
+def test_alternatives_keep_the_users_pins():
+    model = build_model(SPEC, device="cpu")
+    chosen, others = _plans(model, pins={"checkpointing": "full"})
+    assert others and all(p.strategy.checkpointing.mode == "full" for p in others)
+    chosen, others = _plans(model, pins={"micro_batch_size": 2})
+    assert all(p.strategy.micro_batch_size == 2 for p in [chosen, *others])
 
 
 def test_autotune_picks_the_fastest_score_and_leaves_the_model_untouched():
@@ -79,10 +113,12 @@ def test_autotune_picks_the_fastest_score_and_leaves_the_model_untouched():
 @pytest.mark.slow
 def test_wrap_with_autotune_trains_the_same_as_its_chosen_plan(monkeypatch):
     import memopt.apply.autotune as at
+    import memopt.apply.wrapped as wrapped
 
     # every candidate measured: on this tiny, host-bound model the clock puts them more than 15% apart, and this test
     # is about training after the autotune, not about which candidates it measures
     real = at.frontier
+    monkeypatch.setattr(wrapped, "ALTERNATIVES_WITHIN", 10.0)
     monkeypatch.setattr(at, "frontier", lambda chosen, others: real(chosen, others, tolerance=10.0))
     import memopt.estimate.attribution as attribution
 
@@ -99,7 +135,7 @@ def test_wrap_with_autotune_trains_the_same_as_its_chosen_plan(monkeypatch):
     losses = [w.step(b) for b in batches]
     assert any(n.startswith("autotune measured") for n in w.plan.notes)
     assert len(w.autotune_trials) >= 2 and w.steps_done == 3
-    # the autotune's re-plans are not attributed (most are thrown away); the plan it keeps is, once
+    # the alternatives are not attributed (most are thrown away); the plan it keeps is, once
     assert "attribution" in w.plan.prediction
     assert len(attributed) <= 2 and attributed[-1] is w.plan
     chosen = w.plan
@@ -196,3 +232,20 @@ def test_time_passes_scales_a_prefix_of_equal_micro_batches():
         assert len(swept) == 2 * 3  # three of the eight micro-batches, twice
     finally:
         prepared.undo()
+
+
+def test_startup_counts_from_wrap_to_the_start_of_the_first_step():
+    import time
+
+    model = build_model(SPEC, device="cpu")
+    batch = make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC))
+    t0 = time.perf_counter()
+    w = memopt.wrap(model, budget="16GB", sample=SAMPLE, hardware="h100_80gb", lr=1e-3, guard=False)
+    wrapped_s = time.perf_counter() - t0
+    assert w.startup_s is None  # nothing trained yet
+    w.step(batch)
+    first_end_s = time.perf_counter() - t0
+    startup = w.startup_s
+    assert wrapped_s <= startup <= first_end_s
+    w.step(batch)
+    assert w.startup_s == startup

@@ -9,7 +9,8 @@ from memopt.hardware import load_hardware
 from memopt.models import with_overrides
 from memopt.plan import Plan, Policy
 from memopt.plan.context import search_context
-from memopt.plan.search import _under_cap, candidates, evaluate, rank, search
+from memopt.plan.evaluated import rank
+from memopt.plan.search import _under_cap, candidates, evaluate, search
 
 SPEC = with_overrides("tiny_llama", {"num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 512,
                                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048})

@@ -63,3 +63,55 @@ def test_checkpointing_a_model_without_repeated_blocks_is_refused_and_nothing_st
     with pytest.raises(ValueError, match="needs repeated blocks"):
         prepare(model, Strategy(precision="bf16_pure", checkpointing=Checkpointing(mode="full")), device_type="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the precision cast before it was undone
+
+
+def _checkpointed(model: nn.Module) -> int:
+    return sum("forward" in b.__dict__ for b in model.blocks)
+
+
+def test_undo_keeping_the_device_hands_the_move_home_to_the_next_strategy():
+    """Between two strategies the model can stay on the device: the first one's undo removes every technique but
+    its placement, whose move home the second takes over, to run once, at its own undo, in the same place."""
+    model = _Blocks()
+    ran = []
+    first = prepare(model, Strategy(checkpointing=Checkpointing(mode="full")), device_type="cpu")
+    assert _checkpointed(model) == 4
+    first.undo_stack[first.placement] = lambda: ran.append("home")  # what a move from the host would undo
+    home = first.undo(keep_on_device=True)
+    assert ran == [] and _checkpointed(model) == 0 and first.undo_stack == []  # every technique but placement
+    second = prepare(model, Strategy(checkpointing=Checkpointing(mode="full", num_blocks=2)), device_type="cpu")
+    second.adopt_placement(home)
+    assert _checkpointed(model) == 2
+    second.undo()
+    assert ran == ["home"] and _checkpointed(model) == 0
+    # a plain undo runs the move home itself and keeps nothing; adopting nothing keeps a strategy's own
+    third = prepare(model, Strategy(), device_type="cpu")
+    third.undo_stack[third.placement] = lambda: ran.append("third")
+    third.adopt_placement(None)
+    assert third.undo() is None and ran == ["home", "third"]
+
+
+def test_keeping_the_device_is_refused_where_the_undo_restores_weights_kept_on_the_host():
+    from memopt.step.prepare import keeps_placement
+    from memopt.techniques.quantization import QuantSetting
+
+    assert keeps_placement(Strategy(precision="bf16_autocast"))
+    assert keeps_placement(Strategy(precision="fp32"))
+    assert not keeps_placement(Strategy(precision="bf16_master"))
+    assert not keeps_placement(Strategy(precision="bf16_pure"))
+    assert not keeps_placement(Strategy(precision="bf16_autocast", extras=(("quantization", QuantSetting(bits=4)),)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_model_kept_on_the_gpu_between_strategies_goes_home_once():
+    model = _Blocks()
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    first = prepare(model, Strategy(), device_type="cuda", device=cuda, move_to=cuda)
+    home = first.undo(keep_on_device=True)
+    assert all(p.device == cuda for p in model.parameters())
+    second = prepare(model, Strategy(checkpointing=Checkpointing(mode="full")), device_type="cuda", device=cuda,
+                     move_to=cuda)
+    second.adopt_placement(home)
+    second.undo()
+    assert all(p.device.type == "cpu" for p in model.parameters())
