@@ -114,7 +114,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
                     hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
                     allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction,
-                    max_grad_norm=max_grad_norm, device=device, run_dir=run_dir)
+                    max_grad_norm=max_grad_norm, device=device, run_dir=run_dir, lr_scheduler=lr_scheduler)
     if loaded is not None:
         refuse_plan_overrides(loaded, {name: value for name, value in (
             ("budget", budget), ("optimizer", None if optimizer == "adamw" or callable(optimizer) else optimizer),

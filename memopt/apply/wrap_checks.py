@@ -28,7 +28,9 @@ def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
     if model.__dict__.get(WRAPPED_BY) is not None:
         raise ValueError("this model is already wrapped by memopt.wrap: train through that wrapper, or call its "
                          "unwrap() first to wrap the model again")
-    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
+    # torch.compile(model) wraps it; model.compile() (of it or of a block) compiles in place
+    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod") or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
         raise ValueError("memopt.wrap does not support torch.compile'd models: compiled graphs allocate memory "
                          "that memopt's plan does not account for. Wrap the uncompiled model")
     if not weights_pending and any(p.device.type == "meta" for p in model.parameters()):

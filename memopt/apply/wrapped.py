@@ -26,7 +26,7 @@ from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
-from memopt.plan.context import resolve_hardware
+from memopt.plan.context import micro_batch_refusal_for, resolve_hardware, resolve_policy
 from memopt.plan.evaluated import ALTERNATIVES_WITHIN
 from memopt.plan.planner import make_plan
 from memopt.plan.schema import Plan
@@ -159,7 +159,7 @@ class Wrapped:
         if cuda:
             set_expandable_segments(strategy.expandable_segments)
         micro_batch_warning(self._user_model, strategy.micro_batch_size, plan.global_batch,
-                          self._profile.micro_batch_refusal if self._profile is not None else None)
+                            self._micro_batch_refusal())
         model = self._user_model
         if cuda:
             torch.cuda.init()
@@ -177,6 +177,13 @@ class Wrapped:
         self._prepared = prepare(model, strategy, **prepare_kwargs)
         if self._guard_enabled:
             self._install_guard(plan, prepare_kwargs)
+
+    def _micro_batch_refusal(self) -> str | None:
+        """Why micro-batches would not be exact for this model under the policy wrap was given (random draws in the
+        forward count under fidelity 'exact'); None without a profile (a saved plan: its notes said so)."""
+        if self._profile is None:
+            return None
+        return micro_batch_refusal_for(self._profile, resolve_policy(**self._policy_args))
 
     def _apply_sharded(self, plan: Plan) -> None:
         """A one-GPU offload plan (DeepSpeed or FSDP2 with the states on the host), applied in this process."""

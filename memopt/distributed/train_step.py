@@ -33,7 +33,13 @@ import torch
 
 from memopt.step import batch as _batch
 from memopt.step.batch_samples import batch_size
-from memopt.step.loss_reduction import classify_reduction, first_labelled, micro_batch_weights, settle
+from memopt.step.loss_reduction import (
+    classify_reduction,
+    first_labelled,
+    micro_batch_weights,
+    reduction_sample,
+    settle,
+)
 from memopt.step.train_step import TrainStep, discard_accumulation, loss_item_counts, micro_batch_to, split_batch
 from memopt.techniques.attention import sdpa_restricted
 
@@ -143,7 +149,7 @@ class DistributedTrainStep(TrainStep):
             # DeepSpeed's engine runs its own mixed precision (its step calls it without autocast, and it warns of one)
             model, precision = (self.engine, "fp32") if self.engine is not None else (self.model,
                                                                                      self.strategy.precision)
-            first = first_labelled(micro, counts, micro[0])
+            first = reduction_sample(micro, counts, causal=self.causal_lm)
             verdict, why = classify_reduction(model, micro_batch_to(first, self.device), self.loss_fn,
                                               precision=precision, device_type=self.device_type,
                                               causal=self.causal_lm)

@@ -50,6 +50,13 @@ from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerSte
 from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
+from memopt.step.loss_reduction import (
+    LossNotSplittable,
+    classify_reduction,
+    own_loss_unknown,
+    reduction_sample,
+    settle,
+)
 from memopt.step.right_padding import PaddingCut, model_loss, padding_invariant
 from memopt.step.side_effects import preserved_random_state
 from memopt.step.train_step import split_batch
@@ -127,6 +134,7 @@ class MicroBatchedTrainingStep:
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
         self._loss_takes_num_items: bool | None = None
+        self._own_mode: str | None = None  # how the model's own loss reduces: measured at the first split batch
         self.padding = PaddingCut()  # trailing padding cut off each micro-batch, decided at the first split batch
 
     # -- installing ------------------------------------------------------------------------------
@@ -199,9 +207,10 @@ class MicroBatchedTrainingStep:
         # means below are exact for either kind; across processes the batch's token count spans all of them, so
         # a model that uses it keeps it (asked once: _model_loss_uses_num_items)
         normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
-            getattr(tr, "model_accepts_loss_kwargs", False) and getattr(tr.args, "world_size", 1) > 1
-            and self._model_loss_uses_num_items(model, micro[0])))
+            getattr(tr, "model_accepts_loss_kwargs", False) and self._model_loss_uses_num_items(model, micro[0])))
         counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, lambda s: self._verdict(model, s))
+        own = self._own_loss_mode(model, micro, counts)  # measured (or refused) however the Trainer normalizes
+        summed = not normalized and own == "sum"
         note = self.padding.note()
         if note:
             self.plan.notes.append(note)
@@ -213,11 +222,35 @@ class MicroBatchedTrainingStep:
                 continue  # a mean over no labelled token is 0/0: NaN gradients the whole batch's pass never has
             # not normalized: each micro-batch's mean loss (num_items_in_batch withheld, so that no part of the
             # Trainer divides by it) weighted by its share of the batch's loss items
-            with contextlib.nullcontext() if normalized else self._weighted(n / total_items):
+            with contextlib.nullcontext() if normalized or summed else self._weighted(n / total_items):
                 loss = self._original(model, mb, num_items_in_batch if normalized else None)
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def _own_loss_mode(self, model: torch.nn.Module, micro: list[Any], counts: list[int]) -> str:
+        """"mean" or "sum": how the model's own loss reduces over the samples, measured once where it is not a task
+        head's cross-entropy (``own_loss_unknown``: a contrastive loss, CTC, a router's load-balancing term). A loss
+        that micro-batches cannot reproduce (one over in-batch negatives) is refused before anything trains."""
+        if self._own_mode is None:
+            reason = None if script_loss(self.trainer) else own_loss_unknown(model)
+            self._own_mode = "mean"
+            if reason is not None:
+                sample = reduction_sample(micro, counts, causal=self.causal_lm)
+                with _full_precision_forward(model):
+                    verdict, why = classify_reduction(model, sample, None, precision="fp32",
+                                                      device_type=_device_type(model), causal=self.causal_lm)
+                if verdict in ("coupled", "masked"):
+                    self._own_mode = None
+                    raise LossNotSplittable(
+                        f"{reason}, and it cannot be split into the plan's micro-batches of "
+                        f"{self.plan.strategy.micro_batch_size}: {why}; give a budget that fits the whole batch per "
+                        "device (memopt then does not split it), or pass compute_loss_func=... to the Trainer with "
+                        "a loss that can be split")
+                self._own_mode = settle(verdict, why)  # "unknown": a mean, with a warning
+                self.plan.notes.append(f"{reason}: measured as a {self._own_mode} over the samples ({verdict}"
+                                       f"{': ' + why if why else ''}); micro-batches are weighted accordingly")
+        return self._own_mode
 
     def _verdict(self, model: torch.nn.Module, sample: Any) -> tuple[bool, str]:
         """Whether trailing padding may be cut off the micro-batches, measured on ``sample`` (a micro-batch with
@@ -243,7 +276,7 @@ class MicroBatchedTrainingStep:
                 return False
             was_training = model.training
             try:
-                with preserved_random_state(), torch.no_grad():
+                with preserved_random_state(), torch.no_grad(), _full_precision_forward(model):
                     model.eval()
                     one, two = (model(**batch, num_items_in_batch=torch.tensor(n)).loss for n in (1, 2))
                 self._loss_takes_num_items = bool(torch.isfinite(one).item() and
@@ -307,3 +340,8 @@ class MicroBatchedTrainingStep:
                                     "from": old.label(), "to": s.label()})
         self.plan = new
         self.trainer.memopt_plan = new
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return first.device.type if first is not None else "cpu"

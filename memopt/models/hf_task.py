@@ -82,7 +82,14 @@ def hf_task(model: nn.Module | type) -> str | None:
         task = table.get(klass.__name__)
         if task is not None and klass.__module__.startswith("transformers."):
             return task
+    # a model whose code ships with its checkpoint (trust_remote_code) is in no mapping; its causal LM head follows
+    # transformers' naming and its convention of shifting the labels inside
+    if not cls.__module__.startswith("transformers.") and cls.__name__.endswith(_REMOTE_CAUSAL_SUFFIXES):
+        return "causal_lm"
     return None
+
+
+_REMOTE_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def is_causal_lm(model: nn.Module) -> bool:

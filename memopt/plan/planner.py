@@ -117,8 +117,13 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                                f"would not be exact for this model ({prof.chunked_ce_refusal}); drop the pin"], "pins")
     notes.extend(refused_optimizer_notes(ctx, pol))
     if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
-        notes.append(f"micro-batching refused under fidelity 'exact': {ctx.micro_batch_refusal}; allow bf16 "
-                     "autocast (fidelity 'default') or pin micro_batch_size to split the batch anyway")
+        pinned = pol.pins.get("micro_batch_size")
+        if pinned is not None and pinned < global_batch:
+            notes.append(f"micro_batch_size={pinned} is pinned, so the batch is split although the split is not exact "
+                         f"under fidelity 'exact': {ctx.micro_batch_refusal}")
+        else:
+            notes.append(f"micro-batching refused under fidelity 'exact': {ctx.micro_batch_refusal}; allow bf16 "
+                         "autocast (fidelity 'default') or pin micro_batch_size to split the batch anyway")
     store = EstimateStore(prof) if use_cache else None
     estimates = Estimates(prof, hw, store=store)
 

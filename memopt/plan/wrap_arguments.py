@@ -22,6 +22,9 @@ from memopt.plan.checks import (
     check_positive,
     closest,
 )
+from memopt.step.batch import EMPTY_BATCH
+from memopt.step.batch_samples import batch_size
+from memopt.step.batch_tree import is_batch, tensors
 from memopt.step.loss_reduction import REDUCTIONS
 
 __all__ = ["check_device", "check_wrap_args"]
@@ -48,7 +51,7 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
                     optimizer_kwargs: Mapping[str, Any], hardware: Any, pins: Any, transaction: Any,
                     calibration: Any = "use", allow_plan_mismatch: bool = False,
                     loss_reduction: Any = "auto", max_grad_norm: Any = None, device: Any = None,
-                    run_dir: Any = None) -> None:
+                    run_dir: Any = None, lr_scheduler: Any = None) -> None:
     """Everything ``memopt.wrap`` can check before it plans or touches the model; one ``InputError`` listing each
     problem (the same checks, and messages, as ``memopt.plan`` and ``python -m memopt.plan``)."""
     problems: list[str] = []
@@ -61,6 +64,12 @@ def check_wrap_args(target: Any, *, budget: Any, sample: Any, plan: Any, optimiz
     check_hyperparameters(optimizer_kwargs, problems, optimizer=optimizer)
     if max_grad_norm is not None:
         check_positive("max_grad_norm", max_grad_norm, problems, example="1.0")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        problems.append(f"lr_scheduler={lr_scheduler!r} is not callable: pass a callable optimizer -> scheduler, e.g. "
+                        "lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)")
+    if sample is not None and not isinstance(sample, Mapping | str) and is_batch(sample) and tensors(sample) \
+            and batch_size(sample) == 0:
+        problems.append(f"sample: {EMPTY_BATCH}")
     if device is not None:
         check_device(device, problems)
     if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):

@@ -27,7 +27,7 @@ from memopt.profile.profile import Profile, VariantFailed
 from memopt.profile.real_rows import MASKS, real_rows, with_real_rows
 from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
-from memopt.profile.trace import BatchFactory
+from memopt.profile.trace import BatchFactory, meta_failures_unlogged
 from memopt.profile.variant_trace import VariantKey
 from memopt.step import batch_like, batch_samples, batch_tree
 from memopt.step.batch import as_loss
@@ -301,6 +301,13 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     A model spec (shipped name, YAML, dict) is keyed on the spec itself: a cached profile is found without
     building the model, which is built (on meta) only when a trace is missing.
     """
+    with meta_failures_unlogged():  # its probes run the model on fake tensors too, before any variant's trace
+        return _profile_model(model, sample, hardware=hardware, loss_fn=loss_fn, optimizer=optimizer,
+                              use_cache=use_cache, variants=variants, training_step=training_step)
+
+
+def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | None, loss_fn: Any, optimizer: Any,
+                   use_cache: bool, variants: list[VariantKey] | None, training_step: Any) -> Profile:
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
         loss_fn = as_loss(loss_fn, training_step)
     hw = load_hardware(hardware)

@@ -45,7 +45,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 15: unique, unique_consecutive, bincount and repeat_interleave are sized from their shadows or bounded
 #     (memopt.profile.data_dependent); a real dict sample's token ids are the traced batch's; a step that runs on
 #     the whole batch only (a sequence-first batch as long as it is large) is traced whole
-TRACE_REVISION = 15
+# 16: checks for NaN and infinity over activations read as finite; a floating value read in the step (loss.item())
+#     reads as a stand-in instead of failing the trace (memopt.profile.scalar_values, memopt.profile.tracker)
+TRACE_REVISION = 16
 
 
 def cache_dir() -> Path:

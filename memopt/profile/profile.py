@@ -33,6 +33,7 @@ from memopt.profile.optimizer_scaling import model_layout, scaled_optimizer_trac
 from memopt.profile.optimizer_trace import OptimizerTrace, trace_optimizer
 from memopt.profile.step_failures import describe_step_failure
 from memopt.profile.trace import BatchFactory, TraceAlignmentError, trace_variant
+from memopt.profile.tracker import FLOAT_READ_STAND_IN
 from memopt.profile.variant_trace import PRECISION_GROUP, VariantKey, VariantTrace
 from memopt.techniques.micro_batching import MicroBatchTooSmall
 from memopt.techniques.optimizers import variant as variant_of
@@ -183,7 +184,7 @@ class Profile:
         except TraceAlignmentError as exc:
             raise ValueError(f"memopt cannot extrapolate this model's memory over micro-batch sizes ({exc}); "
                              "its forward pass takes different code paths at micro-batch 1 and 2") from exc
-        except (RuntimeError, TypeError, MicroBatchTooSmall) as exc:
+        except (RuntimeError, TypeError, AssertionError, ArithmeticError, MicroBatchTooSmall) as exc:
             # the model's own step fails under this variant (an fp32 input meeting bf16 weights, say): the
             # candidates that need it cannot run, which is the planner's to report, not a crash
             self._failed[key] = f"{STEP_FAILS}{key.label()} ({describe_step_failure(exc)})"
@@ -196,6 +197,13 @@ class Profile:
                     "selected, every value distinct), which over-estimates batches that select fewer or repeat "
                     "values")
             if note not in self.notes:
+                self.notes.append(note)
+        reads = max(t.value_reads for t in traces)
+        if reads:
+            note = (f"the training step reads floating values the trace cannot know ({reads} in its micro-batch: a "
+                    f"loss logged with .item(), say); traced with {FLOAT_READ_STAND_IN} for each, so a step whose "
+                    "memory depends on them is estimated for that value")
+            if not any(n.startswith("the training step reads floating values") for n in self.notes):
                 self.notes.append(note)
         took = time.perf_counter() - start
         self.trace_s += took

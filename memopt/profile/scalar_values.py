@@ -14,6 +14,10 @@ Longformer's count of global tokens) are the real batch's. A shadow computed fro
 (a mask made float); random draws get one only when tiny. A read of a tensor without a shadow keeps the tracker's
 default.
 
+Checks for NaN or infinity over activations (a model's ``assert not torch.isnan(h).any()``, ``torch.isfinite``) read
+as they do in a step that trains: finite. Their shadow is a stride-0 view, so it costs nothing however large the
+activation.
+
 A router's choice (``topk``, ``argmax`` or ``max`` over logits the trace has no values of) gets a balanced shadow:
 row ``r`` picks experts ``r*k .. r*k+k-1`` modulo their number, distinct within a row, every expert as often as any
 other. Routing is the one value a memory plan cannot know ahead; balanced is its expectation, and what an eager
@@ -125,7 +129,15 @@ class ScalarShadows:
         if isinstance(out, (tuple, list)):
             self._observe_many(func, args, kwargs, out)
             return
-        if not isinstance(out, torch.Tensor) or out.numel() > MAX_INDEX_ELEMENTS:
+        if not isinstance(out, torch.Tensor):
+            return
+        if func in _FINITE_CHECKS and out.dtype == torch.bool:
+            answer = self._finite_answer(func, args)
+            if answer is not None:  # a stride-0 view: as large as the activation it checks, at no cost
+                with real_values():
+                    self._shadow[out] = torch.tensor(answer).expand(tuple(out.shape))
+                return
+        if out.numel() > MAX_INDEX_ELEMENTS:
             return
         if func in _CHOICES and self.value(args[0]) is None:
             with real_values():
@@ -151,6 +163,22 @@ class ScalarShadows:
             result = _run_real(func, args, kwargs, tensors, shadows)
             if isinstance(result, torch.Tensor):
                 self._shadow[out] = _unaliased(result, shadows)
+
+    def _finite_answer(self, func: Any, args: tuple[Any, ...]) -> bool | None:
+        """What a check for NaN or infinity over a floating tensor without values answers in a training step whose
+        activations are finite (a model's NaN guard, ``torch.isfinite``'s ``x == x`` and ``|x| != inf``): the
+        trace is of the step that trains, not of the one that raises or repairs; None where this is no such check."""
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor) or not first.dtype.is_floating_point or self.value(first) is not None:
+            return None
+        if func in (aten.eq.Tensor, aten.ne.Tensor):
+            return (func is aten.eq.Tensor) if len(args) > 1 and args[1] is first else None
+        if func in (aten.eq.Scalar, aten.ne.Scalar):
+            other = args[1] if len(args) > 1 else None
+            if not isinstance(other, (int, float)) or math.isfinite(other):
+                return None
+            return func is aten.ne.Scalar  # no value equals infinity or NaN
+        return _FINITE_CHECKS[func]
 
     def _observe_many(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outs: Any) -> None:
         """Shadows for an op with several outputs: ``unbind`` and ``split`` of a shadowed tensor (iterating over
@@ -192,6 +220,11 @@ def _run_real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors:
     except Exception:
         return None
 
+
+# checks for NaN and infinity, and their answer over finite values (None: it depends on the arguments)
+_FINITE_CHECKS = {aten.isnan.default: False, aten.isinf.default: False, aten.isposinf.default: False,
+                  aten.isneginf.default: False, aten.eq.Tensor: None, aten.ne.Tensor: None, aten.eq.Scalar: None,
+                  aten.ne.Scalar: None}
 
 # a router's choice over logits: the indices output is balanced (module docstring)
 _CHOICES = {aten.topk.default, aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim}

@@ -9,6 +9,10 @@ __all__ = ["describe_step_failure"]
 
 # (a fragment of torch's message, what it means here)
 _KNOWN: tuple[tuple[str, str], ...] = (
+    ("aten._local_scalar_dense",
+     "the step reads the value of an integer tensor computed from the model's activations (`.item()`, `int()` of "
+     "a tensor) to make a size or an index, which a trace on fake tensors cannot know; compute it from the batch's "
+     "own integer tensors (their values are traced), or outside the training step"),
     ("Tensor cached during selective activation checkpoint has been mutated",
      "selective checkpointing keeps every matmul's output for backward, and this model changes one in place after "
      "it is made (an nn.ReLU(inplace=True) or an `x += ...` on a Linear's output), so its recomputation would not "

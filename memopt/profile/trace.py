@@ -19,7 +19,9 @@ The optimizer step is traced on its own, over fake parameters and gradients of t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,7 @@ class _RawTrace:
     model_state: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
     bounded_ops: list[str] = field(default_factory=list)
+    value_reads: int = 0  # floating values read without being known (memopt.profile.tracker.FLOAT_READ_STAND_IN)
 
 
 BatchFactory = Callable[[int, str], Any]  # (micro_batch_size, device) -> batch (memopt.step.batch)
@@ -176,7 +179,7 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
                      traced_blocks=[len(s) for s in find_block_stacks(clone)], offload=offload_by_phase,
                      micro_batch=micro_batch, model_state=model_state,
                      attribution=attribution_with_ops(record, tracker, op_of),
-                     bounded_ops=sorted(tracker.run.bounded_ops))
+                     bounded_ops=sorted(tracker.run.bounded_ops), value_reads=tracker.run.value_reads)
 
 
 def _shadow_batch_values(tracker: MemoryTracker, batch_factory: BatchFactory, micro_batch: int, batch: Any) -> None:
@@ -266,6 +269,27 @@ def _exact_segments(raw: _RawTrace) -> list[Segment]:
 
 def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey, policy: KernelPolicy, *,
                   keep_blocks: int = TRACED_BLOCKS, loss_fn: Any = None) -> list[VariantTrace]:
+    """Trace one variant (:func:`_trace_variant`), the fake mode's log of failing ops silenced
+    (:func:`meta_failures_unlogged`)."""
+    with meta_failures_unlogged():
+        return _trace_variant(model, batch_factory, key, policy, keep_blocks=keep_blocks, loss_fn=loss_fn)
+
+
+@contextlib.contextmanager
+def meta_failures_unlogged() -> Iterator[None]:
+    """The fake mode logs the traceback of every op whose meta kernel fails, before it raises (thousands of lines for
+    a model step that fails under one variant); memopt reports such a failure itself, in one line."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+
+
+def _trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey, policy: KernelPolicy, *,
+                   keep_blocks: int, loss_fn: Any) -> list[VariantTrace]:
     """Trace one variant. ``key.micro_batch`` set: that size only. Otherwise micro-batches 1 and 2, aligned
     into one linear trace; when a size-1 batch dimension changed the ops (a reshape skipped a copy), the
     linear trace holds from micro-batch 2 on and an exact micro-batch-1 trace is returned as well."""
@@ -282,7 +306,8 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                             lo=lo, hi=hi, min_b=min_b, model_state=raw1.model_state,
                             attribution=merge_record(raw1.attribution, raw2.attribution if raw2 is not raw1 else None,
                                                      {e[1] for seg in segments for e in seg.events}, _UNMATCHED),
-                            bounded_ops=sorted(set(raw1.bounded_ops) | set(raw2.bounded_ops)))
+                            bounded_ops=sorted(set(raw1.bounded_ops) | set(raw2.bounded_ops)),
+                            value_reads=max(raw1.value_reads, raw2.value_reads))
 
     if key.micro_batch is not None:
         raw = _one_pass(model, batch_factory, key.micro_batch, strategy, policy, keep_blocks, loss_fn, whole)

@@ -71,6 +71,13 @@ def _is_fake_bool(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.bool and type(t).__name__ == "FakeTensor"
 
 
+def _is_fake_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype.is_floating_point and type(t).__name__ == "FakeTensor"
+
+
+FLOAT_READ_STAND_IN = 1.0  # what ``.item()`` of a floating tensor without known values reads as in a trace
+
+
 # Event kinds in the log. An event is a tuple (kind, key, requested_bytes, phase_index, label_index);
 # requested bytes are the storage's own size (the allocator rounds them: ``allocator_size``).
 ALLOC, FREE = 1, -1
@@ -89,6 +96,7 @@ class TrackedRun:
     alloc_module: dict[int, str] = field(default_factory=dict)
     # ops whose output size depends on values, traced at their largest (``memopt.profile.data_dependent``)
     bounded_ops: set[str] = field(default_factory=set)
+    value_reads: int = 0  # reads of floating values the trace could not know (FLOAT_READ_STAND_IN instead)
 
     def peak(self, start_bytes: int = 0) -> tuple[int, int]:
         """(peak bytes, index of the event at which it is reached) replaying the log from ``start_bytes``."""
@@ -264,6 +272,11 @@ class MemoryTracker(TorchDispatchMode):
                 # mask all ones?", "are these sequences packed?"): the trace assumes unpadded, unpacked
                 # batches, where every such check holds.
                 return True
+            if _is_fake_float(args[0]):
+                # a loss or a norm read to be logged or printed (``loss.item()`` in a training step): its value
+                # changes no memory, and the trace cannot know it; a stand-in, said in the profile's notes
+                self.run.value_reads += 1
+                return True if func is torch.ops.aten.is_nonzero.default else FLOAT_READ_STAND_IN
         # an op whose output size depends on values it cannot see is given its largest output before the fake
         # mode raises (or, under a symbolic shape environment, returns sizes no byte count can use)
         out = NotImplemented

@@ -140,6 +140,8 @@ class VariantTrace:
     attribution: dict[str, Any] | None = None
     # ops whose output size depends on values, traced at their largest (memopt.profile.data_dependent)
     bounded_ops: list[str] = field(default_factory=list)
+    # floating values the step read (``loss.item()``) that the trace could not know, read as a stand-in
+    value_reads: int = 0
 
     def size(self, lo_bytes: int, hi_bytes: int, b: int) -> int:
         """Requested bytes at micro-batch ``b`` (linear between/beyond the traced sizes)."""
@@ -156,7 +158,7 @@ class VariantTrace:
                 "input_bytes": list(self.input_bytes), "input_sizes": [list(x) for x in self.input_sizes],
                 "attention_backends": self.attention_backends, "traced_blocks": self.traced_blocks,
                 "lo": self.lo, "hi": self.hi, "min_b": self.min_b, "model_state": self.model_state,
-                "attribution": self.attribution, "bounded_ops": self.bounded_ops}
+                "attribution": self.attribution, "bounded_ops": self.bounded_ops, "value_reads": self.value_reads}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VariantTrace:
@@ -165,5 +167,6 @@ class VariantTrace:
                    input_bytes=tuple(d["input_bytes"]), input_sizes=[tuple(x) for x in d["input_sizes"]],
                    attention_backends=list(d["attention_backends"]), traced_blocks=list(d["traced_blocks"]),
                    lo=d.get("lo", 1), hi=d.get("hi", 2), min_b=d.get("min_b", 1), model_state=d.get("model_state"),
-                   attribution=d.get("attribution"), bounded_ops=list(d.get("bounded_ops", [])))
+                   attribution=d.get("attribution"), bounded_ops=list(d.get("bounded_ops", [])),
+                   value_reads=int(d.get("value_reads", 0)))
 

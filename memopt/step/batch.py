@@ -280,7 +280,14 @@ def check_batch(batch: Any) -> int:
     """The batch's sample count, or a one-line ValueError saying what a batch may be."""
     if not is_batch(batch):
         raise _not_a_batch(batch)
-    return batch_size(batch)
+    n = batch_size(batch)
+    if n == 0:
+        raise ValueError(EMPTY_BATCH)
+    return n
+
+
+EMPTY_BATCH = ("the batch holds no samples (its tensors have 0 rows along dim 0): pass at least one sample, "
+               "samples along dim 0")
 
 
 def _not_a_batch(batch: Any) -> ValueError:

@@ -32,16 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.models.hf_task import is_hf_model
+from memopt.models.hf_task import hf_task, is_hf_model, peft_unwrapped
 from memopt.step import batch as _batch
 from memopt.step.batch_samples import batch_size
-from memopt.step.batch_tree import tree_map
+from memopt.step.batch_tree import leaves, tree_map
 from memopt.step.random_draws import DrawLog
 from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
 __all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
-           "measure_reduction", "micro_batch_weights", "settle", "starting_mode"]
+           "measure_reduction", "micro_batch_weights", "own_loss_unknown", "reduction_sample", "settle",
+           "starting_mode"]
 
 REDUCTIONS = ("auto", "mean", "sum")
 # |ratio - 1| (mean) or |ratio - 2| / 2 (sum) within this: bf16 autocast at another batch size may pick other
@@ -66,10 +67,25 @@ class LossReduction:
 
 
 def starting_mode(model: nn.Module, loss_fn: Any, requested: str) -> str:
-    """The mode a wrapped model starts under: a Hugging Face model's own loss is a mean over its tokens, so "auto"
-    needs no check there; any other loss is the user's."""
+    """The mode a wrapped model starts under: the own loss of a Hugging Face model with a task head is a mean over
+    its tokens or samples, so "auto" needs no check there; any other loss (the user's, a contrastive model's, one
+    with a router's load-balancing term) is measured at the first split batch."""
     check_reduction(requested)
-    return "mean" if requested == "auto" and loss_fn is None and is_hf_model(model) else requested
+    known = loss_fn is None and is_hf_model(model) and own_loss_unknown(model) is None
+    return "mean" if requested == "auto" and known else requested
+
+
+def own_loss_unknown(model: nn.Module) -> str | None:
+    """Why a Hugging Face model's own loss is not known to be a mean over its loss items (None: it is, as every task
+    head's cross-entropy is): a model without a task head memopt knows (CLIP's contrastive loss over in-batch
+    negatives, a CTC loss), or a router's load-balancing loss added over the whole batch's tokens."""
+    inner = peft_unwrapped(model)
+    config = getattr(inner, "config", None)
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
+        return "its loss adds the router's load-balancing loss over every token of the batch (output_router_logits)"
+    if hf_task(inner) is None:
+        return f"{type(inner).__name__}'s own loss is not one memopt knows to be a mean over samples or tokens"
+    return None
 
 
 def check_reduction(mode: Any) -> None:
@@ -83,6 +99,40 @@ def first_labelled(micro: list[Any], counts: list[int], default: Any = None) -> 
     """The first micro-batch that carries loss items (``counts``: each one's), else ``default``: a loss over none
     is 0/0, so checks and stand-ins use this one."""
     return next((mb for mb, n in zip(micro, counts) if n > 0), default)
+
+
+def reduction_sample(micro: list[Any], counts: list[int], *, causal: bool = False) -> Any:
+    """The micro-batch the reduction check runs on: as many samples as the first micro-batch (two at least), from
+    the whole global batch, so that its two halves carry loss items as unequally as the batch allows (the samples
+    with the most in one half, with the fewest, none if some have none, in the other). With equal counts a mean over
+    items and a loss weighted otherwise (a term over every sample beside a mean over labelled ones) give the same
+    number, and the check could not tell them apart. The first micro-batch with loss items where every sample
+    carries as many, or where the micro-batches do not stack (cut to other lengths)."""
+    default = first_labelled(micro, counts, micro[0])
+    # two samples at least, so that it has halves to weigh: at micro-batch 1 the check's forward (without gradients)
+    # takes less memory than the step's own forward of one sample, which keeps its activations for backward
+    m = max(2, batch_size(micro[0]))
+    if sum(batch_size(mb) for mb in micro) < m:
+        return default
+    columns = [[t for _, t in leaves(mb)] for mb in micro]
+    if any(len(c) != len(columns[0]) or any(a.dim() != b.dim() or (a.dim() and a.shape[1:] != b.shape[1:])
+                                            for a, b in zip(c, columns[0])) for c in columns):
+        return default
+    stacked = [torch.cat([c[i] for c in columns]) if columns[0][i].dim() else columns[0][i]
+               for i in range(len(columns[0]))]
+    whole = iter(stacked)
+    glued = tree_map(lambda t: next(whole), micro[0])
+    items = [_batch.count_loss_items(s, causal=causal) for s in _batch.split(glued, 1)]
+    if len(set(items)) < 2:
+        if batch_size(micro[0]) >= m:
+            return default
+        items = [0] * len(items)  # every sample alike: the first m, in order
+    order = sorted(range(len(items)), key=lambda i: -items[i])
+    half = m // 2
+    chosen = torch.tensor(order[:half] + order[len(order) - (m - half):])
+    picked = iter(stacked)
+    return tree_map(lambda t: (lambda g: g.index_select(0, chosen.to(g.device)) if g.dim() else g)(next(picked)),
+                    micro[0])
 
 
 def micro_batch_weights(counts: list[int], mode: str, world_size: int = 1, total: float | None = None) -> list[float]:
@@ -157,11 +207,14 @@ def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: 
     run here (the first half's loss is ``first``); None when the weights hold (``why`` otherwise). fp32 agrees to
     rounding; bf16 autocast may pick other kernels at another batch size."""
     counts = [_batch.count_loss_items(h, causal=causal) for h in halves]
-    if min(counts) <= 0:
+    if max(counts) <= 0:
         return None
     second = float(_loss_of_copy(model, halves[1], loss_fn))
     whole_loss = float(_loss_of_copy(model, whole, loss_fn))
-    weighted = (counts[0] * first + counts[1] * second) / sum(counts)
+    # a part without items is skipped by the accumulation (its weight is 0): exact only if the whole's loss leaves
+    # its samples out too (a mean over labelled items), not if a term over every sample sees them
+    counted = [(n, loss) for n, loss in zip(counts, (first, second)) if n > 0]
+    weighted = sum(n * loss for n, loss in counted) / sum(n for n, _ in counted)
     if not math.isfinite(whole_loss):
         return None
     if not math.isfinite(weighted):  # a half with nothing to average over (every item masked): 0/0
@@ -171,6 +224,9 @@ def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: 
     if abs(whole_loss - weighted) <= tol:
         return None
     unit = "samples" if _batch.token_labels(whole, causal) is None else "labels other than -100"
+    if len(counted) < 2:
+        return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but {weighted:.6g} without those with "
+                f"no {unit}, which a split leaves out (a term over every sample beside a mean over labelled ones?)")
     return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but its two halves' losses "
             f"({first:.6g}, {second:.6g}) weighted by their {unit} ({counts[0]}, {counts[1]}) give {weighted:.6g}")
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from memopt.step import batch as _batch
-from memopt.step.loss_reduction import LossReduction, first_labelled, measure_reduction, micro_batch_weights
+from memopt.step.loss_reduction import LossReduction, measure_reduction, micro_batch_weights, reduction_sample
 from memopt.step.right_padding import PaddingCut, padding_invariant
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
@@ -167,9 +167,9 @@ class TrainStep:
         if self.reduction is None:
             return "mean"
         if self.reduction.mode == "auto" and len(micro) > 1:
-            self.reduction.mode = measure_reduction(self.model, first_labelled(micro, counts, micro[0]), self.loss_fn,
-                                                    precision=self.strategy.precision, device_type=self.device_type,
-                                                    causal=self.causal_lm)
+            sample = reduction_sample(micro, counts, causal=self.causal_lm)
+            self.reduction.mode = measure_reduction(self.model, sample, self.loss_fn, precision=self.strategy.precision,
+                                                    device_type=self.device_type, causal=self.causal_lm)
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
     def _padding_verdict(self, sample: Any) -> tuple[bool, str]:

@@ -43,6 +43,15 @@ def test_tasks_come_from_the_class_not_its_name():
 
     assert hf_task(MyLM(_gpt2().config)) == "causal_lm"
 
+    # a model whose code ships with its checkpoint (trust_remote_code) is in no mapping: its head's name says it
+    class RemoteForCausalLM(transformers.GPT2PreTrainedModel):
+        pass
+
+    class RemoteModel(transformers.GPT2PreTrainedModel):
+        pass
+
+    assert hf_task(RemoteForCausalLM) == "causal_lm" and hf_task(RemoteModel) is None
+
 
 def test_gpt2_micro_batches_are_weighted_by_shifted_loss_tokens():
     """Rows with many -100 labels in one micro-batch: exact only if each micro-batch counts its labels after the

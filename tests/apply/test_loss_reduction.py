@@ -245,3 +245,55 @@ def test_the_check_leaves_a_batch_that_the_forward_writes_into_as_the_step_gets_
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _semi_supervised(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the labelled samples beside a term over every sample (a penalty on the logits' size)."""
+    return F.cross_entropy(out, y) + 0.5 * out.pow(2).sum(-1).mean()
+
+
+def _first_pair_labelled() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = _data()
+    for _, y in batches:
+        y[[2, 3, 6]] = -100  # the first micro-batch of 2 has one label in each half: equal counts
+    return batches
+
+
+def test_a_mean_over_labels_beside_a_term_over_every_sample_is_refused_even_where_the_first_micro_batch_is_even():
+    """The check runs on samples of the whole batch chosen so that its halves carry unequal labels: the first
+    micro-batch alone (one label in each half) cannot tell this loss from a mean over labels, and it trained wrong."""
+    batches = _first_pair_labelled()
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    w = _wrap(model, batches[0], micro=2, loss_fn=lambda out, b: _semi_supervised(out, b[1]))
+    with pytest.raises(LossNotSplittable, match=r"without those with no labels other than -100, which a split leaves"):
+        w.step(batches[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_mean_over_labels_alone_on_the_same_batches_still_trains_exactly():
+    batches = _first_pair_labelled()
+    ref = _mlp()
+    want = _unwrapped(ref, batches, F.cross_entropy)
+    model = _mlp()
+    w = _wrap(model, batches[0], micro=2, loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+    assert [w.step(b) for b in batches] == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_check_sample_puts_the_most_labelled_samples_in_one_half_and_the_fewest_in_the_other():
+    from memopt.step.batch import split
+    from memopt.step.loss_reduction import reduction_sample
+
+    x = torch.arange(8).float().unsqueeze(1)
+    labels = torch.tensor([[1, 1, -100], [-100] * 3, [1, 1, 1], [1, -100, -100],
+                           [-100] * 3, [1, 1, 1], [1, -100, 1], [1, -100, -100]])
+    micro = split({"x": x, "labels": labels}, 4)
+    counts = [int((mb["labels"] != -100).sum()) for mb in micro]
+    sample = reduction_sample(micro, counts)
+    assert sample["x"].flatten().tolist() == [2.0, 5.0, 1.0, 4.0]  # three labels each, then none
+    # every sample labelled alike: the first micro-batch with labels, as before
+    even = split({"x": x, "labels": torch.ones(8, 3, dtype=torch.long)}, 4)
+    assert reduction_sample(even, [12, 12]) is even[0]

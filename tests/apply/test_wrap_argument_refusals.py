@@ -153,3 +153,25 @@ def test_a_run_dir_that_is_a_file_and_a_state_that_is_no_checkpoint_are_refused(
     with pytest.raises(ValueError, match=r"this is not a memopt checkpoint \(it has no 'model' or 'optimizer'\)"):
         wrapped.load_state_dict({})
     assert all(torch.equal(v, before[k]) for k, v in wrapped.model.state_dict().items())
+
+
+def test_a_scheduler_that_is_not_callable_and_an_empty_sample_are_refused_in_one_line():
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    kw = {"budget": "16GB", "hardware": "h100_80gb",
+          "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out, b[1])}
+    with pytest.raises(ValueError, match=r"lr_scheduler=5 is not callable: pass a callable optimizer -> scheduler"):
+        memopt.wrap(torch.nn.Linear(16, 4), sample=(x, y), lr_scheduler=5, **kw)
+    with pytest.raises(ValueError, match=r"sample: the batch holds no samples \(its tensors have 0 rows"):
+        memopt.wrap(torch.nn.Linear(16, 4), sample=(x[:0], y[:0]), **kw)
+    w = memopt.wrap(torch.nn.Linear(16, 4), sample=(x, y), guard=False, **kw)
+    with pytest.raises(ValueError, match=r"the batch holds no samples"):
+        w.step((x[:0], y[:0]))
+    assert w.steps_done == 0
+
+
+def test_a_model_compiled_in_place_is_refused_as_torch_compile_is():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    model[0].compile()  # nn.Module.compile(): the block's calls run compiled, in place
+    with pytest.raises(ValueError, match=r"does not support torch.compile'd models"):
+        memopt.wrap(model, budget="16GB", hardware="h100_80gb", sample=torch.randn(8, 16),
+                    loss_fn=lambda out, b: out.pow(2).mean())

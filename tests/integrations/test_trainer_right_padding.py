@@ -282,7 +282,7 @@ def test_under_mixed_precision_the_padding_check_runs_the_forward_in_fp32(tmp_pa
     wrapped.model.model.layers[0].register_forward_pre_hook(
         lambda m, args: autocast_in_eval.append(torch.is_autocast_enabled("cpu")) if not m.training else None)
     wrapped.train()
-    assert autocast_in_eval == [False, False]  # the check's two passes, in fp32
+    assert autocast_in_eval and not any(autocast_in_eval)  # the checks' passes, in fp32
     assert isinstance(wrapped.model_wrapped, torch.nn.parallel.DistributedDataParallel) == process_group
     assert wrapped.accelerator.mixed_precision == "bf16"
     assert "_original_forward" in wrapped.model.__dict__  # the autocast wrapper the check steps around

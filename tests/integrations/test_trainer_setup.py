@@ -50,8 +50,9 @@ PINS = {"precision": "fp32", "micro_batch_size": 2, "optimizer": "adamw"}
 
 def _calls(module) -> list[int]:
     count = [0]
-    # a pre-hook: recomputation stops early once the saved tensors are back, before the module returns
-    module.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    # a pre-hook: recomputation stops early once the saved tensors are back, before the module returns; training
+    # passes only (memopt's checks of the loss run in eval mode, through every block alike)
+    module.register_forward_pre_hook(lambda m, _: count.__setitem__(0, count[0] + 1) if m.training else None)
     return count
 
 
@@ -85,8 +86,10 @@ def test_the_plans_bf16_reaches_the_accelerator_and_autocast_runs_in_training_st
     wrapped = memopt.wrap(trainer, budget="4GB", hardware="h200", pins={**PINS, "precision": "bf16_autocast"})
     assert wrapped.args.bf16 and wrapped.accelerator.mixed_precision == "bf16"
     seen = []
+    # training passes (memopt's checks of the loss run in eval mode, in fp32)
     wrapped.model.model.layers[0].register_forward_pre_hook(
-        lambda *_: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+        lambda m, _: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        if m.training else None)
     wrapped.train()
     assert seen and all(s == (True, torch.bfloat16) for s in seen)
 

@@ -199,6 +199,19 @@ def test_a_pinned_split_of_sequence_first_batches_warns_where_it_runs() -> None:
                     pins={"micro_batch_size": 4})
 
 
+def test_a_pinned_split_under_exact_fidelity_of_a_model_that_draws_says_so_and_warns() -> None:
+    """The note said "refused" while the pin split the batch, and nothing warned where it ran."""
+    model = DropoutMLP(0.1)
+    x, y = torch.randn(8, 128, 512), torch.randint(0, 10, (8,))
+    with pytest.warns(UserWarning, match=r"micro-batches of 2, but its training forward draws random numbers"):
+        w = memopt.wrap(model, budget="16GB", hardware="h100_80gb", sample=(x, y), loss_fn=_cls_loss,
+                        fidelity="exact", pins={"micro_batch_size": 2}, guard=False)
+    assert w.plan.strategy.micro_batch_size == 2
+    assert any(n.startswith("micro_batch_size=2 is pinned, so the batch is split although the split is not exact")
+               for n in w.plan.notes)
+    assert not any("micro-batching refused" in n for n in w.plan.notes)
+
+
 class LongGRU(nn.Module):
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()

@@ -66,10 +66,10 @@ class LabelledRows(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(self.body(x))
-        if self.select in ("nonzero", "finite"):
-            # the labelled rows (values of the batch, which the trace has), or the rows whose logits are finite
+        if self.select in ("nonzero", "positive"):
+            # the labelled rows (values of the batch, which the trace has), or the rows whose first logit is positive
             # (values it cannot know)
-            rows = (labels >= 0).nonzero() if self.select == "nonzero" else logits.detach()[:, 0].isfinite().nonzero()
+            rows = (labels >= 0).nonzero() if self.select == "nonzero" else (logits.detach()[:, 0] > 0).nonzero()
             logits = logits.gather(0, rows.expand(rows.size(0), logits.size(1)))
             labels = labels.gather(0, rows.view(-1))
         elif self.select == "mask":
@@ -97,7 +97,7 @@ def test_selections_by_value_are_traced_at_their_largest() -> None:
 
 def test_the_profile_says_which_ops_it_bounded() -> None:
     torch.manual_seed(0)
-    plan = memopt.plan(LabelledRows("finite"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
+    plan = memopt.plan(LabelledRows("positive"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
     assert any("nonzero" in note and "largest" in note for note in plan.notes), plan.notes
     # selected by the batch's labels, whose values the trace has: sized exactly, nothing to say
     plan = memopt.plan(LabelledRows("nonzero"), sample=_vectors(), budget="4GB", hardware="h200", use_cache=False)
