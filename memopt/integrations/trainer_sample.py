@@ -58,6 +58,12 @@ def sample_from_trainer(trainer: Any, sample: Any, *, own_loss: bool = False) ->
         if batch is not None:
             return batch
     extra = dict(sample or {})
+    if "seq_len" not in extra and not sized and dataset is not None:
+        spec = spec_from_module(trainer.model)
+        if spec is not None and spec.family in ("causal_lm", "masked_lm", "seq2seq_lm"):
+            raise ValueError(f"the Trainer's train_dataset ({type(dataset).__name__}) has no length (its rows stream), "
+                             "so memopt cannot find its longest row to plan for: pass sample={'seq_len': <tokens in "
+                             "the longest row>} (or one global batch) to memopt.wrap")
     if "seq_len" not in extra and sized:
         longest = {key: high for key, (_, high) in ranges.items()}
         if longest.get("input_ids"):

@@ -51,3 +51,20 @@ def test_a_wrapped_trainer_is_not_wrapped_again(tmp_path):
     trainer = memopt.wrap(_trainer(tmp_path), budget="4GB", hardware="h100_80gb")
     with pytest.raises(ValueError, match=r"^this Trainer is already wrapped by memopt.wrap"):
         memopt.wrap(trainer, budget="4GB", hardware="h100_80gb")
+
+
+def test_a_streamed_dataset_without_a_length_asks_for_the_longest_row(tmp_path):
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            for _ in range(16):
+                ids = torch.randint(3, 256, (16,))
+                yield {"input_ids": ids, "labels": ids.clone()}
+
+    trainer = _trainer(tmp_path)
+    trainer.train_dataset = Stream()
+    with pytest.raises(ValueError, match=r"train_dataset \(Stream\) has no length .* pass sample=\{'seq_len'"):
+        memopt.wrap(trainer, budget="4GB", hardware="h100_80gb")
+    planned = memopt.wrap(trainer, budget="4GB", hardware="h100_80gb", sample={"seq_len": 16})
+    assert planned.memopt_plan.model["sample"]["seq_len"] == 16
