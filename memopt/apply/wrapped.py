@@ -306,15 +306,14 @@ class Wrapped:
                 self._profile.batch_factory if self._profile is not None else None))
         self._shape_watch.check(batch)
         if self._sharded is not None:
-            self.startup_s = time.perf_counter() - self._started if self.startup_s is None else self.startup_s
+            self._started_training()
             loss = self._sharded.step(batch)
             self.steps_done += 1
             self.items_seen += count_loss_items(batch, causal=self._sharded._step.causal_lm)
             return loss
         if self._autotune_pending:
             self._run_autotune(batch)
-        if self.startup_s is None:
-            self.startup_s = time.perf_counter() - self._started
+        self._started_training()
         # lazy: keeps memopt.guard.attribution_hooks (and guard.attribution) out of import memopt
         from memopt.guard.attribution_hooks import record_wrapped_step
 
@@ -334,6 +333,11 @@ class Wrapped:
         self.steps_done += 1
         self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
         return loss
+
+    def _started_training(self) -> None:
+        """The first training step starts now (after the plan and the autotune): ``startup_s`` is set once."""
+        if self.startup_s is None:
+            self.startup_s = time.perf_counter() - self._started
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -239,7 +239,8 @@ class MicroBatchedTrainingStep:
                 sample = reduction_sample(micro, counts, causal=self.causal_lm)
                 with _full_precision_forward(model):
                     verdict, why = classify_reduction(model, sample, None, precision="fp32",
-                                                      device_type=_device_type(model), causal=self.causal_lm)
+                                                      device_type=self.trainer.args.device.type,
+                                                      causal=self.causal_lm)
                 if verdict in ("coupled", "masked"):
                     self._own_mode = None
                     raise LossNotSplittable(
@@ -340,8 +341,3 @@ class MicroBatchedTrainingStep:
                                     "from": old.label(), "to": s.label()})
         self.plan = new
         self.trainer.memopt_plan = new
-
-
-def _device_type(model: torch.nn.Module) -> str:
-    first = next(model.parameters(), None)
-    return first.device.type if first is not None else "cpu"
