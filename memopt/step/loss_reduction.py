@@ -14,12 +14,17 @@ not a Hugging Face model returning its own loss): the loss of ``k`` samples is c
 ``k`` samples given twice. A mean gives the same number, a sum twice it, and anything else couples the samples. A
 mean is then checked against its weights: the micro-batch's loss must equal its two halves' losses weighted by their
 loss items, or the mean is over items the batch's values select otherwise (a mask of the user's own), which no
-weighting of micro-batches reproduces. The forwards (at most four) run without gradients, in eval mode (dropout off,
+weighting of micro-batches reproduces. The forwards (at most five) run without gradients, in eval mode (dropout off,
 so duplicated samples give the same values), each on a copy of at most the micro-batch's own number of samples (two
 for a micro-batch of one); the modules' training flags, the buffers and the random generators are put back as they
-were, so training is unchanged by the check (the model's forward hooks do see its forwards). A loss that draws random
-numbers even in eval mode (noise or timesteps a diffusion training step samples) gives the same samples another loss
-each time, so no comparison can tell: it is accumulated as a mean, with a warning that names the draws.
+were, so training is unchanged by the check (the model's forward hooks do see its forwards).
+
+A part whose loss is 0 (every item masked, a margin already met) tells nothing, so the next part is taken. Where the
+halves' losses are too close to tell the labels' weights from those of a mask that leaves labelled positions out (a
+fresh model's, every token's loss about the same), the split is refused rather than guessed; so is a Hugging Face
+pre-training head's own loss (terms over different items), without measuring. A loss that draws random numbers even
+in eval mode (noise or timesteps a diffusion training step samples) gives the same samples another loss each time,
+so no comparison can tell: it is accumulated as a mean, with a warning that names the draws.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
 __all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
-           "measure_reduction", "micro_batch_weights", "own_loss_unknown", "reduction_sample", "settle",
-           "starting_mode"]
+           "measure_reduction", "micro_batch_weights", "own_loss_terms", "own_loss_unknown", "reduction_sample",
+           "settle", "starting_mode"]
 
 REDUCTIONS = ("auto", "mean", "sum")
 # |ratio - 1| (mean) or |ratio - 2| / 2 (sum) within this: bf16 autocast at another batch size may pick other
@@ -85,6 +90,20 @@ def own_loss_unknown(model: nn.Module) -> str | None:
         return "its loss adds the router's load-balancing loss over every token of the batch (output_router_logits)"
     if hf_task(inner) is None:
         return f"{type(inner).__name__}'s own loss is not one memopt knows to be a mean over samples or tokens"
+    return None
+
+
+def own_loss_terms(model: nn.Module) -> str | None:
+    """Why a Hugging Face model's own loss cannot be split into micro-batches by any weighting (None: nothing known
+    against it). A pre-training head's loss adds terms averaged over different items (BERT's masked-LM mean over
+    masked tokens plus its next-sentence mean over samples) or averages over the attention mask's tokens rather
+    than the labelled ones (ELECTRA's replaced-token detection): at initialisation every sample's loss is about the
+    same, so the measurement could not see it while the gradients already differ."""
+    inner = peft_unwrapped(model)
+    name = type(inner).__name__
+    if is_hf_model(inner) and name.endswith("ForPreTraining"):
+        return (f"{name}'s own pre-training loss adds terms averaged over different items (masked tokens, samples) "
+                "or averages over the attention mask rather than the labels")
     return None
 
 
@@ -150,24 +169,35 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
                        device_type: str, causal: bool = False) -> tuple[str, str]:
     """(verdict, why): how the loss of ``micro_batch`` (on the device) reduces over its samples. The verdict is
     "mean", "sum", "coupled" (neither: ``why`` says what was measured), "masked" (a mean, but not over the items
-    memopt weights micro-batches by: :func:`_weighting_mismatch`) or "unknown" (the check cannot tell: the loss is 0
-    or not finite, or the forward fails in eval mode). ``causal``: the labels are shifted inside the model."""
+    memopt weights micro-batches by: :func:`_weighting_mismatch`), "terms" (a model's own loss known to add terms
+    no weighting reproduces: :func:`own_loss_terms`; nothing is measured) or "unknown" (the check cannot tell: the
+    loss is 0 on every part it tried or not finite, or the forward fails in eval mode). ``causal``: the labels are
+    shifted inside the model."""
+    terms = own_loss_terms(model) if loss_fn is None else None
+    if terms is not None:
+        return "terms", terms
     m = batch_size(micro_batch)
     parts = _batch.split(micro_batch, max(1, m // 2))
-    head = parts[0]
-    twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
     draws = DrawLog()
     try:
         with side_effects_undone(model), forward_context(precision, device_type):
             with draws:
-                once = float(_loss_of_copy(model, head, loss_fn))
+                known: dict[int, float] = {}
+                # the first part whose loss is not 0 (a sample with every item masked, a hinge already met): a
+                # loss of 0 is 0 given once or twice, mean and sum alike
+                for i, part in enumerate(parts[:2]):
+                    known[i] = once = float(_loss_of_copy(model, part, loss_fn))
+                    if abs(once) >= 1e-12 or not math.isfinite(once):
+                        break
+                head = parts[i]
+                twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
                 doubled = float(_loss_of_copy(model, twice, loss_fn))
             if draws.seen:
                 # the same samples meet other numbers in each forward: no comparison of losses can tell
                 return "unknown", (f"its loss draws random numbers even in eval mode ({', '.join(sorted(draws.seen))}: "
                                    "noise or timesteps sampled in the training step?), so the same samples give "
                                    "another loss each time")
-            mismatch = (_weighting_mismatch(model, micro_batch, parts, once, loss_fn, precision, causal)
+            mismatch = (_weighting_mismatch(model, micro_batch, parts, known, loss_fn, precision, causal)
                         if len(parts) == 2 and abs(doubled - once) <= _TOLERANCE * max(abs(once), abs(doubled))
                         else None)
     except torch.cuda.OutOfMemoryError:
@@ -199,17 +229,22 @@ def _loss_of_copy(model: nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
     return _batch.compute_loss(model, tree_map(lambda t: t.clone(), batch), loss_fn)
 
 
-def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: float, loss_fn: Any,
+def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], known: dict[int, float], loss_fn: Any,
                         precision: str, causal: bool) -> str | None:
     """A mean loss is split exactly only if the whole's loss is its parts' losses weighted by their loss items
     (samples, or labels != -100): what the accumulation does. A mean over items the batch's values choose (a mask,
-    padding left out under another ``ignore_index``) is weighted otherwise, silently. The whole and its second half
-    run here (the first half's loss is ``first``); None when the weights hold (``why`` otherwise). fp32 agrees to
-    rounding; bf16 autocast may pick other kernels at another batch size."""
+    padding left out under another ``ignore_index``) is weighted otherwise, silently. The whole and the halves not in
+    ``known`` (losses already measured, by index) run here; None when the weights hold (``why`` otherwise). fp32
+    agrees to rounding; bf16 autocast may pick other kernels at another batch size.
+
+    Where the halves' losses are too close for the whole's loss to tell the accumulation's weights from those of a
+    mask in the batch that leaves labelled items out (``attention_mask`` zeros where the labels carry loss: a loss
+    averaged over the mask's ones), the check cannot vouch for the weights, and says so: at initialisation every
+    sample's loss is about the same, while the gradients of the two weightings differ."""
     counts = [_batch.count_loss_items(h, causal=causal) for h in halves]
     if max(counts) <= 0:
         return None
-    second = float(_loss_of_copy(model, halves[1], loss_fn))
+    first, second = (known[i] if i in known else float(_loss_of_copy(model, halves[i], loss_fn)) for i in (0, 1))
     whole_loss = float(_loss_of_copy(model, whole, loss_fn))
     # a part without items is skipped by the accumulation (its weight is 0): exact only if the whole's loss leaves
     # its samples out too (a mean over labelled items), not if a term over every sample sees them
@@ -221,14 +256,48 @@ def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], first: 
         return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but the loss of a part of them "
                 f"is {first if not math.isfinite(first) else second:g}")
     tol = (_TOLERANCE / 5 if precision != "fp32" else 1e-4) * max(abs(whole_loss), abs(weighted), 1e-12)
-    if abs(whole_loss - weighted) <= tol:
-        return None
     unit = "samples" if _batch.token_labels(whole, causal) is None else "labels other than -100"
+    if abs(whole_loss - weighted) <= tol:
+        for path, masked in _label_masks(halves, causal):
+            if masked[0] * counts[1] == masked[1] * counts[0]:
+                continue  # the mask weighs the halves as the labels do: either way the same gradient
+            by_mask = (masked[0] * first + masked[1] * second) / max(sum(masked), 1)
+            if abs(whole_loss - by_mask) <= tol:
+                return (f"the loss of {batch_size(whole)} samples ({whole_loss:.6g}) matches its halves weighted by "
+                        f"their {unit} ({counts[0]}, {counts[1]}) and weighted by the ones of {path} "
+                        f"({masked[0]}, {masked[1]}) alike, and {path} leaves out positions whose labels carry loss: "
+                        "memopt cannot tell which the loss averages over, and the two weigh micro-batches "
+                        "differently")
+        return None
     if len(counted) < 2:
         return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but {weighted:.6g} without those with "
                 f"no {unit}, which a split leaves out (a term over every sample beside a mean over labelled ones?)")
     return (f"the loss of {batch_size(whole)} samples is {whole_loss:.6g}, but its two halves' losses "
             f"({first:.6g}, {second:.6g}) weighted by their {unit} ({counts[0]}, {counts[1]}) give {weighted:.6g}")
+
+
+def _label_masks(halves: list[Any], causal: bool) -> list[tuple[str, list[int]]]:
+    """(path, the labelled positions it keeps in each half) for each 0/1 tensor of the labels' shape that is 0 at
+    some position whose label carries loss: a mask the loss may average over instead of the labels."""
+    kept: dict[str, list[int]] = {}
+    drops: set[str] = set()
+    other: set[str] = set()  # not a 0/1 tensor in some half
+    for h, half in enumerate(halves):
+        labels, full = _batch.token_labels(half, causal), _batch.labels_of(half)
+        if labels is None or labels.dim() < 2:
+            return []
+        carries = labels != _batch.IGNORE_INDEX
+        for path, t in leaves(half):
+            if t is full or t.shape != full.shape or t.is_floating_point() or t.is_complex():
+                continue
+            mask = t[..., 1:] if causal else t
+            if bool(((mask != 0) & (mask != 1)).any()):
+                other.add(path)
+                continue
+            kept.setdefault(path, [0] * len(halves))[h] = int(((mask != 0) & carries).sum())
+            if bool(((mask == 0) & carries).any()):
+                drops.add(path)
+    return [(path, n) for path, n in kept.items() if path in drops and path not in other]
 
 
 def measure_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, precision: str, device_type: str,
@@ -254,6 +323,10 @@ def settle(verdict: str, why: str) -> str:
             "-100?), so micro-batches weighted by their share of the batch would not reproduce its gradient; give a "
             "budget that fits the whole batch, mark the items left out with label -100, or pass "
             "loss_reduction='mean' to split it anyway")
+    if verdict == "terms":
+        raise LossNotSplittable(
+            f"{why}, so no weighting of micro-batches reproduces the whole batch's gradient; give a budget that fits "
+            "the whole batch, or pass loss_reduction='mean' to split it anyway")
     if verdict == "unknown":
         return _unknown(why)
     return verdict

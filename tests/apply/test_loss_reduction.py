@@ -297,3 +297,116 @@ def test_the_check_sample_puts_the_most_labelled_samples_in_one_half_and_the_few
     # every sample labelled alike: the first micro-batch with labels, as before
     even = split({"x": x, "labels": torch.ones(8, 3, dtype=torch.long)}, 4)
     assert reduction_sample(even, [12, 12]) is even[0]
+
+
+def _masked_sum(out: torch.Tensor, b) -> torch.Tensor:
+    """A squared error summed over the valid entries; the batch's first sample has none (a fully padded row)."""
+    return (((out - b[2]) ** 2) * b[1]).sum()
+
+
+def test_a_summed_loss_whose_first_sample_is_all_masked_is_measured_on_the_next_and_trains_exactly():
+    """A loss of 0 is 0 given once or twice: the check takes the next part, where it told the sum from a mean. It
+    gave up before ("could not tell") and accumulated the sum as a mean: gradients a quarter of the loop's."""
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(3):
+        mask = (torch.rand(8, 5, generator=g) > 0.3).float()
+        mask[0] = 0
+        batches.append((torch.randn(8, 12, generator=g), mask, torch.randn(8, 5, generator=g)))
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    want = []
+    for b in batches:
+        loss = _masked_sum(ref(b[0]), b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    model = _mlp()
+    w = _wrap(model, batches[0], micro=2, training_step=lambda m, b: _masked_sum(m(b[0]), b))
+    assert [w.step(b) for b in batches] == pytest.approx(want, rel=1e-5)
+    assert w._reduction.mode == "sum"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class _TokenTagger(nn.Module):
+    """Per-token classes; its loss a mean over the attention mask's tokens (labels are never -100), as ELECTRA's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 16)
+        self.out = nn.Linear(16, 2)
+        with torch.no_grad():  # near-zero logits: every token's loss about log 2, as a fresh model's
+            self.out.weight.mul_(1e-3)
+            self.out.bias.zero_()
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        per = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        m = attention_mask.flatten().float()
+        return (per * m).sum() / m.sum()
+
+
+def _tagged(pad: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(8, 10, dtype=torch.long)
+    if pad:
+        for i in range(8):
+            mask[i, 10 - i:] = 0  # right padding whose labels still carry a class
+    return {"input_ids": torch.randint(0, 50, (8, 10), generator=g), "attention_mask": mask,
+            "labels": torch.randint(0, 2, (8, 10), generator=g)}
+
+
+def test_a_mean_over_the_attention_mask_that_the_losses_cannot_tell_from_one_over_labels_is_refused():
+    """At initialisation every sample's loss is about log 2, so the whole batch's loss matches its halves weighted
+    by labels and by the mask alike, while their gradients differ: it trained wrong (5e-3 in the parameters)."""
+    model = _TokenTagger()
+    before = copy.deepcopy(model.state_dict())
+    w = _wrap(model, _tagged(pad=True), micro=2, training_step=lambda m, b: m(**b))
+    with pytest.raises(LossNotSplittable, match=r"attention_mask leaves out positions whose labels carry loss"):
+        w.step(_tagged(pad=True))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_same_loss_without_padding_and_a_mask_that_drops_only_minus_100_labels_still_split():
+    """The mask keeps every labelled position (no padding; or padding labelled -100): a mean over the mask is the
+    mean over the labels, and the split is exact."""
+    batch = _tagged(pad=False)
+    ref = _TokenTagger()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    loss = ref(**batch)
+    loss.backward()
+    opt.step()
+    model = _TokenTagger()
+    w = _wrap(model, batch, micro=2, training_step=lambda m, b: m(**b))
+    assert w.step(batch) == pytest.approx(loss.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    padded = _tagged(pad=True)
+    padded["labels"] = padded["labels"].masked_fill(padded["attention_mask"] == 0, -100)
+    w2 = _wrap(_TokenTagger(), padded, micro=2, training_step=lambda m, b: m(**b))
+    w2.step(padded)
+    assert w2._reduction.mode == "mean"
+
+
+def test_a_hugging_face_pre_training_head_is_refused_without_measuring():
+    """BERT's pre-training loss adds a masked-LM mean over masked tokens and a next-sentence mean over samples: no
+    weighting of micro-batches reproduces it, and at initialisation no measurement can see that."""
+    transformers = pytest.importorskip("transformers")
+    from memopt.step.loss_reduction import classify_reduction
+
+    cfg = transformers.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(cfg)
+    ids = torch.randint(0, 60, (4, 8))
+    batch = {"input_ids": ids, "labels": ids.masked_fill(torch.rand(4, 8) < 0.5, -100),
+             "next_sentence_label": torch.randint(0, 2, (4,))}
+    verdict, why = classify_reduction(model, batch, None, precision="fp32", device_type="cpu")
+    assert verdict == "terms" and "BertForPreTraining" in why
+    # a loss of the user's own is measured, whatever the model (a mean over samples, where labels weigh the split)
+    assert classify_reduction(model, batch, lambda out, b: out.prediction_logits.mean(), precision="fp32",
+                              device_type="cpu")[0] == "masked"
