@@ -76,8 +76,9 @@ def _package_version(name: str) -> str:
 
 
 def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
-    """A hash of what decides the traces: module classes and their code, modules' plain settings, parameter
-    shapes and dtypes, the sample, the kernel policy, torch's version and memopt's profile schema."""
+    """A hash of what decides the traces: module classes and their code, modules' plain settings and hooks,
+    parameter and buffer shapes and dtypes, the sample, the kernel policy, torch's version and memopt's profile
+    schema."""
     h = hashlib.sha256()
     h.update(type(model).__qualname__.encode())
     config = getattr(model, "config", None)
@@ -85,7 +86,10 @@ def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
         h.update(config.to_json_string(use_diff=False).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
-    h.update(module_code_key(model).encode())  # names, classes' code and modules' plain settings
+    for name, b in model.named_buffers():  # a table sized by a constructor argument the module does not keep
+        h.update(f"{name}:{tuple(b.shape)}:{b.dtype};".encode())
+    # names, classes' code, modules' plain settings, a forward replaced on an instance, hooks
+    h.update(module_code_key(model).encode())
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
     return h.hexdigest()[:24]

@@ -5,7 +5,8 @@ plans of one model and sample with different losses must not share traces.
 A callable is identified by its code, not by its identity, so that the same loss defined again in another process
 finds the cache: the function's module, name and bytecode with its constants (nested functions and lambdas
 included), the names it reads, and the values its closure and defaults hold where they are plain (numbers, strings,
-and callables identified the same way). A callable that cannot be read so (a builtin, an object of a C type) is
+and callables identified the same way); a module it closes over (a distillation teacher) by its classes' code and
+its parameters' and buffers' shapes. A callable that cannot be read so (a builtin, an object of a C type) is
 identified by ``id``: it is cached for the process that defined it only, which is safe.
 """
 
@@ -16,6 +17,9 @@ import hashlib
 import types
 from typing import Any
 
+from torch import nn
+
+from memopt.profile.module_code import module_code_key
 from memopt.step.batch import TrainingStep
 
 __all__ = ["loss_key"]
@@ -69,6 +73,12 @@ def _feed(h: Any, obj: Any, depth: int) -> None:
         _feed(h, obj.fn, depth + 1)
     elif isinstance(obj, type):
         h.update(f"{obj.__module__}.{obj.__qualname__}".encode())
+    elif isinstance(obj, nn.Module):
+        # a module the loss runs (a distillation teacher, a perceptual network): its activations are the step's
+        h.update(f"module:{type(obj).__module__}.{type(obj).__qualname__}".encode())
+        for name, t in [*obj.named_parameters(), *obj.named_buffers()]:
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad};".encode())
+        h.update(module_code_key(obj).encode())
     elif callable(obj) and hasattr(obj, "__dict__"):
         # an object with __call__ (an nn.Module loss): its class, and its plain settings (label_smoothing, ...)
         cls = type(obj)

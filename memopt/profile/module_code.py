@@ -45,11 +45,36 @@ def module_code_key(model: nn.Module) -> str:
             if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(
                     isinstance(v, _PLAIN) for v in value)):
                 h.update(f"{attr}={value!r};".encode())
-            elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
-                # an activation kept as an attribute (self.act = F.gelu): its identity, by name and code
+            elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+                # an activation kept as an attribute (self.act = F.gelu), or a forward replaced on the instance
+                # (m.forward = MethodType(f, m)): its identity, by name and code
                 h.update(f"{attr}:".encode())
-                _feed_function(h, value, 0, set())
+                _feed_function(h, getattr(value, "__func__", value), 0, set())
+        for hooks in _HOOKS:
+            # a user's hook may keep or make tensors (features collected, a gradient rescaled): its code counts
+            for hook in getattr(module, hooks, {}).values():
+                h.update(f"{hooks}:".encode())
+                _feed_function(h, _hook_function(hook), 0, set())
     return h.hexdigest()[:16]
+
+
+# the hooks a training step runs; torch's global hooks are rare and left out
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _hook_function(hook: Any) -> Any:
+    """The function behind a hook: a bound method's, a partial's, a callable object's ``__call__`` (torch wraps some
+    hooks this way); else the hook itself (a builtin: named by its qualified name)."""
+    if isinstance(hook, types.MethodType):
+        return hook.__func__
+    func = getattr(hook, "func", None)  # functools.partial
+    if isinstance(func, types.FunctionType):
+        return func
+    if not isinstance(hook, types.FunctionType) and callable(hook):
+        call = next((vars(k)["__call__"] for k in type(hook).__mro__ if "__call__" in vars(k)), None)
+        if isinstance(call, types.FunctionType):
+            return call
+    return hook
 
 
 def _config_key(config: Any) -> str:

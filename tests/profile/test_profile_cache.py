@@ -223,3 +223,65 @@ def test_a_transformers_model_with_another_attention_implementation_is_traced_ag
     a = memopt.profile(sdpa, sample, hardware="h200")
     b = memopt.profile(eager, sample, hardware="h200")
     assert a.key != b.key
+
+
+class _Tabled(__import__("torch").nn.Module):
+    """A lookup table sized by a constructor argument the module does not keep (the positional-encoding pattern)."""
+
+    def __init__(self, rows: int) -> None:
+        import torch
+
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+        self.register_buffer("table", torch.zeros(rows, 64))
+
+    def forward(self, x):
+        return self.proj(x) + self.table[: x.shape[1]]
+
+
+def _keep_three(module, args, output):
+    """A user's forward hook that makes and keeps three more activations."""
+    return output + output.exp() + output.sin() + output.cos()
+
+
+@pytest.mark.parametrize("change", ["buffer", "instance_forward", "hook", "teacher"])
+def test_what_the_model_holds_beside_its_parameters_keys_the_profile(change, monkeypatch, tmp_path):
+    """A bigger buffer, a forward replaced on the instance, a forward hook, a bigger module the training step runs:
+    the same classes and parameters, a step that holds more. A cached profile of the plain model was served for each
+    (planned totals 240, 140, 140 and 500 MiB short): it is keyed on them now."""
+    import types
+
+    import torch
+
+    monkeypatch.setenv("MEMOPT_CACHE_DIR", str(tmp_path))
+    sample = (torch.randn(8, 128, 64),)
+    small_teacher = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+    def step_with(teacher):
+        def step(model, batch):
+            with torch.no_grad():
+                target = teacher(batch[0])[..., :64]
+            return (model(batch[0]) - target).pow(2).mean()
+        return step
+
+    def profile(model, teacher=small_teacher):
+        return memopt.profile(model, sample=sample, hardware=HW, training_step=step_with(teacher))
+
+    base = profile(_Tabled(128))
+    assert profile(_Tabled(128)).key == base.key
+    if change == "buffer":
+        again = profile(_Tabled(1 << 16))
+    elif change == "instance_forward":
+        model = _Tabled(128)
+        model.forward = types.MethodType(lambda self, x: _keep_three(self, (x,), self.proj(x)), model)
+        again = profile(model)
+    elif change == "hook":
+        model = _Tabled(128)
+        model.proj.register_forward_hook(_keep_three)
+        again = profile(model)
+    else:
+        big = torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.Linear(8192, 64))
+        again = profile(_Tabled(128), teacher=big)
+    assert again.key != base.key
+    strategy = memopt.Strategy(micro_batch_size=8, precision="fp32")
+    assert memopt.estimate(again, strategy).peak_allocated_bytes > memopt.estimate(base, strategy).peak_allocated_bytes
