@@ -11,11 +11,11 @@ batch's containers (``memopt.step.batch_tree``), counting its samples and tellin
 batches made like it for the profile's traces at other sizes (``memopt.step.batch_like``).
 
 **A batch** is a tensor, or a tuple, list, dict or dataclass of batches (nested to any depth; a namedtuple, a
-``BatchEncoding`` and a dataclass keep their types).
-Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
-and non-tensor leaves (ints, strings, ``None``) are passed unchanged to every micro-batch. A batch whose tensors
-disagree on dim 0 (a graph: node features beside a ``(2, edges)`` edge index) is ``indivisible``: one sample,
-trained whole.
+``BatchEncoding`` and a dataclass keep their types). Every tensor with at least one dimension holds the samples
+along dim 0, all the same number of them; 0-d tensors and non-tensor leaves (ints, strings, ``None``) are passed
+unchanged to every micro-batch; a list of dicts inside the batch as long as its samples (a detection batch's
+targets) is one record per sample, split by records. A batch whose tensors disagree on dim 0 (a graph: node features
+beside a ``(2, edges)`` edge index) is ``indivisible``: one sample, trained whole.
 
 **The loss of one micro-batch** (``compute_loss``), first rule that applies:
 
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memopt.step.batch_samples import batch_size, indivisible
+from memopt.step.batch_samples import batch_size, indivisible, record_ids
 from memopt.step.batch_tree import is_batch, is_dataclass_batch, is_fake, is_namedtuple, tree_map
 from memopt.step.forward_signature import check_takes, forward_kwargs, takes_the_whole_dict
 
@@ -101,7 +101,9 @@ def _first_parameter(fn: Any) -> str | None:
 
 
 def _slice(batch: Any, lo: int, hi: int) -> Any:
-    return tree_map(lambda t: t[lo:hi] if t.dim() > 0 else t, batch)
+    """Samples ``lo`` to ``hi``: those rows of every tensor, those records of a list of per-sample records."""
+    return tree_map(lambda t: t[lo:hi] if t.dim() > 0 else t, batch, records=lambda r: r[lo:hi],
+                    record_ids=record_ids(batch))
 
 
 def split(batch: Any, micro_batch_size: int) -> list[Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from memopt.step.batch_samples import record_ids
 from memopt.step.batch_tree import is_fake, tensors, tree_map
 
 __all__ = ["integer_maxima", "like"]
@@ -39,13 +40,24 @@ def like(batch: Any, size: int | None, device: str | torch.device, fill: list[in
     length), or zeros without one; booleans false."""
     fills = iter(fill or [])
 
-    def make(t: torch.Tensor) -> torch.Tensor:
-        shape = tuple(t.shape) if size is None else (size, *t.shape[1:]) if t.dim() > 0 else ()
-        value = next(fills, None)
+    def made(t: torch.Tensor, shape: tuple[int, ...], value: int | None) -> torch.Tensor:
         if t.is_floating_point():
             return torch.randn(shape, device=device).to(t.dtype)
         if value is not None:
             return torch.full(shape, value, dtype=t.dtype, device=device)
         return torch.zeros(shape, dtype=t.dtype, device=device)
 
-    return tree_map(make, batch)
+    def make(t: torch.Tensor) -> torch.Tensor:
+        shape = tuple(t.shape) if size is None else (size, *t.shape[1:]) if t.dim() > 0 else ()
+        return made(t, shape, next(fills, None))
+
+    def records(given: list) -> list:
+        # one record per sample, each as the given ones (in turn), its tensors at their own shapes
+        values = [[next(fills, None) for _ in tensors(r)] for r in given]
+        out = []
+        for i in range(len(given) if size is None else size):
+            at = iter(values[i % len(given)])
+            out.append(tree_map(lambda t: made(t, tuple(t.shape), next(at, None)), given[i % len(given)]))
+        return out
+
+    return tree_map(make, batch, records=records, record_ids=record_ids(batch))

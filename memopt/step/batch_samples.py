@@ -1,32 +1,80 @@
 """A batch's samples: how many it holds along dim 0, or why it holds none to split (an indivisible batch).
 
-Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors
-and non-tensor leaves go with every sample. A batch whose tensors disagree on dim 0 (a graph: node features beside
-a ``(2, edges)`` edge index) is ``indivisible``: one sample, trained whole. Splitting into micro-batches, sharding
-over ranks (``memopt.step.batch``), the plan's global batch and the Trainer's batch size all count samples here, so
-they agree on what a sample is; the checks that only dense, padded batches are planned sit here for the same reason.
+Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors and
+non-tensor leaves go with every sample. A list of dicts inside the batch as long as those samples (a detection
+batch's targets, one dict per image) holds one record per sample, each with tensors of its own sizes. A batch whose
+tensors disagree on dim 0 (a graph: node features beside a ``(2, edges)`` edge index) is ``indivisible``: one
+sample, trained whole. Splitting into micro-batches, sharding over ranks (``memopt.step.batch``), the plan's global
+batch and the Trainer's batch size all count samples here, so they agree on what a sample is; the checks that only
+dense, padded batches are planned sit here for the same reason.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from memopt.step.batch_tree import leaves
+from memopt.step.batch_tree import fields, is_dataclass_batch, leaves
 
-__all__ = ["TRAINED_WHOLE", "batch_size", "indivisible"]
+__all__ = ["TRAINED_WHOLE", "batch_size", "indivisible", "record_ids", "record_lists"]
+
+
+def _record_candidates(batch: Any, path: str = "", top: bool = True) -> tuple[list[tuple[str, list]],
+                                                                              list[tuple[str, torch.Tensor]]]:
+    """(lists of dicts below the batch's top, the tensors outside them): a detection batch's targets, one dict per
+    image, each holding its own number of boxes along its dim 0."""
+    if not top and type(batch) is list and batch and all(isinstance(r, Mapping) for r in batch):
+        return [(path, batch)], []
+    if isinstance(batch, torch.Tensor):
+        return [], [(path or "batch", batch)]
+    if isinstance(batch, Mapping):
+        items = [(f"{path}.{k}" if path else str(k), v) for k, v in batch.items()]
+    elif isinstance(batch, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(batch)]
+    elif is_dataclass_batch(batch):
+        items = [(f"{path}.{k}" if path else k, getattr(batch, k)) for k in fields(batch)]
+    else:
+        return [], []
+    lists: list[tuple[str, list]] = []
+    outside: list[tuple[str, torch.Tensor]] = []
+    for sub, v in items:
+        more, ts = _record_candidates(v, sub, False)
+        lists += more
+        outside += ts
+    return lists, outside
+
+
+def record_lists(batch: Any) -> list[tuple[str, list]]:
+    """(path, list) of the batch's lists of per-sample records: a list of dicts (below the top) as long as the
+    samples every tensor outside such lists holds along dim 0. Each record is one sample's, whatever its tensors'
+    own dim 0: a micro-batch takes its samples' records, never rows of every record's tensors."""
+    lists, outside = _record_candidates(batch)
+    if not lists:
+        return []
+    sizes = {int(t.shape[0]) for _, t in outside if t.dim() > 0}
+    return [(path, lst) for path, lst in lists if sizes == {len(lst)}]
+
+
+def record_ids(batch: Any) -> frozenset[int]:
+    return frozenset(id(lst) for _, lst in record_lists(batch))
 
 
 def _sizes(batch: Any) -> dict[int, list[str]]:
-    """Dim 0 of every tensor with a dimension -> the tensors' paths (dense tensors only)."""
+    """Dim 0 of every tensor with a dimension -> the tensors' paths (dense tensors only); a list of per-sample
+    records counts by its length, its records' tensors not at all."""
     sizes: dict[int, list[str]] = {}
+    records = record_lists(batch)
+    inside = {id(t) for _, lst in records for _, t in leaves(lst)}
     for path, t in leaves(batch):
         if t.layout != torch.strided:  # it cannot be cut into micro-batches by rows, nor traced as bytes
             raise ValueError(f"the batch's {path} is a {str(t.layout).removeprefix('torch.')} tensor: memopt plans "
                              "and splits dense (strided) tensors only; pass it dense (.to_dense())")
-        if t.dim() > 0:
+        if t.dim() > 0 and id(t) not in inside:
             sizes.setdefault(int(t.shape[0]), []).append(path)
+    for path, lst in records:
+        sizes.setdefault(len(lst), []).append(path)
     if not sizes:
         kinds = type(batch).__name__
         raise ValueError(f"the batch ({kinds}) holds no tensor with a batch dimension: pass a tensor, or a tuple, "

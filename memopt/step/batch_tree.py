@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_batch", "is_dataclass_batch", "is_fake", "is_namedtuple", "leaves", "rebuilt", "structure", "tensors",
-           "tree_map"]
+__all__ = ["fields", "is_batch", "is_dataclass_batch", "is_fake", "is_namedtuple", "leaves", "rebuilt", "structure",
+           "tensors", "tree_map"]
 
 
 def is_namedtuple(x: Any) -> bool:
@@ -33,7 +33,7 @@ def is_fake(t: Any) -> bool:
     return type(t).__name__ == "FakeTensor"
 
 
-def _fields(batch: Any) -> list[str]:
+def fields(batch: Any) -> list[str]:
     """A dataclass batch's fields that its constructor takes (the others are derived from them)."""
     return [f.name for f in dataclasses.fields(batch) if f.init]
 
@@ -52,19 +52,27 @@ def rebuilt(batch: Mapping, items: dict[Any, Any]) -> Mapping:
         return items
 
 
-def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return rebuilt(batch, {k: tree_map(fn, v) for k, v in batch.items()})
-    if is_namedtuple(batch):
-        return type(batch)(*(tree_map(fn, v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(tree_map(fn, v) for v in batch)
-    if is_dataclass_batch(batch):
-        return dataclasses.replace(batch, **{k: tree_map(fn, getattr(batch, k)) for k in _fields(batch)})
-    return batch
+def tree_map(fn: Callable[[torch.Tensor], Any], batch: Any, *, records: Callable[[list], Any] | None = None,
+             record_ids: frozenset[int] = frozenset()) -> Any:
+    """``batch`` with every tensor leaf replaced by ``fn(leaf)``; containers keep their types. A list whose ``id`` is
+    in ``record_ids`` (per-sample records: ``memopt.step.batch_samples.record_lists``) is replaced by
+    ``records(list)`` as a whole, where ``records`` is given."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return fn(node)
+        if isinstance(node, Mapping):
+            return rebuilt(node, {k: walk(v) for k, v in node.items()})
+        if is_namedtuple(node):
+            return type(node)(*(walk(v) for v in node))
+        if records is not None and id(node) in record_ids:
+            return records(node)
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        if is_dataclass_batch(node):
+            return dataclasses.replace(node, **{k: walk(getattr(node, k)) for k in fields(node)})
+        return node
+
+    return walk(batch)
 
 
 def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -76,7 +84,7 @@ def leaves(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     if isinstance(batch, (list, tuple)):
         return [leaf for i, v in enumerate(batch) for leaf in leaves(v, f"{path}[{i}]")]
     if is_dataclass_batch(batch):
-        return [leaf for k in _fields(batch) for leaf in leaves(getattr(batch, k), f"{path}.{k}" if path else k)]
+        return [leaf for k in fields(batch) for leaf in leaves(getattr(batch, k), f"{path}.{k}" if path else k)]
     return []
 
 
@@ -96,5 +104,5 @@ def structure(batch: Any) -> Any:
         return {"list" if isinstance(batch, list) else "tuple": [structure(v) for v in batch]}
     if is_dataclass_batch(batch):
         return {"dataclass": f"{type(batch).__module__}.{type(batch).__qualname__}",
-                "fields": {k: structure(getattr(batch, k)) for k in _fields(batch)}}
+                "fields": {k: structure(getattr(batch, k)) for k in fields(batch)}}
     return {"value": repr(batch)}

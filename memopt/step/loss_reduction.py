@@ -39,7 +39,7 @@ from torch import nn
 
 from memopt.models.hf_task import hf_task, is_hf_model, peft_unwrapped
 from memopt.step import batch as _batch
-from memopt.step.batch_samples import batch_size
+from memopt.step.batch_samples import batch_size, record_ids, record_lists
 from memopt.step.batch_tree import leaves, tree_map
 from memopt.step.random_draws import DrawLog
 from memopt.step.side_effects import side_effects_undone
@@ -133,6 +133,8 @@ def reduction_sample(micro: list[Any], counts: list[int], *, causal: bool = Fals
     m = max(2, batch_size(micro[0]))
     if sum(batch_size(mb) for mb in micro) < m:
         return default
+    if record_lists(micro[0]):  # per-sample records do not stack row by row
+        return default
     columns = [[t for _, t in leaves(mb)] for mb in micro]
     if any(len(c) != len(columns[0]) or any(a.dim() != b.dim() or (a.dim() and a.shape[1:] != b.shape[1:])
                                             for a, b in zip(c, columns[0])) for c in columns):
@@ -190,7 +192,8 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
                     if abs(once) >= 1e-12 or not math.isfinite(once):
                         break
                 head = parts[i]
-                twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head)
+                twice = tree_map(lambda t: torch.cat([t, t]) if t.dim() > 0 else t, head,
+                                 records=lambda r: r + r, record_ids=record_ids(head))
                 doubled = float(_loss_of_copy(model, twice, loss_fn))
             if draws.seen:
                 # the same samples meet other numbers in each forward: no comparison of losses can tell

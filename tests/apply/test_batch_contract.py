@@ -589,3 +589,44 @@ def test_a_graph_batch_is_estimated_as_its_simulation():
     sim = simulate_step(model, lambda d: B.to_device(sample, d), strategy, loss_fn=B.TrainingStep(_node_loss),
                         policy=kernel_policy_for(memopt.load_hardware("h100_80gb")), num_steps=2)
     assert est.peak_allocated_bytes == pytest.approx(sim.peak_allocated_bytes, rel=0.01)
+
+
+class Detector(nn.Module):
+    """forward(images, targets) -> the loss: one box per image regressed onto each of that image's boxes, the
+    torchvision detection interface (a list of per-image target dicts, each with its own number of boxes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=4, padding=1)
+        self.box = nn.Linear(8, 4)
+
+    def forward(self, images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        pred = self.box(self.conv(images).mean((2, 3)))
+        return torch.stack([F.smooth_l1_loss(p.expand_as(t["boxes"]), t["boxes"]) for p, t in zip(pred, targets)
+                            ]).mean()
+
+
+def _detection(boxes: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(len(boxes), 3, 16, 16, generator=g),
+            [{"boxes": torch.rand(n, 4, generator=g) * (i + 1), "labels": torch.randint(0, 3, (n,), generator=g)}
+             for i, n in enumerate(boxes)])
+
+
+@pytest.mark.parametrize("boxes", [[3, 1, 5, 2], [4, 4, 4, 4]], ids=["uneven", "as_many_as_images"])
+def test_a_list_of_per_image_target_dicts_is_split_by_image(boxes):
+    """Each image's dict goes with its image. With as many boxes per image as images, every tensor agreed on dim 0
+    and a micro-batch took images 2-3 with the first two dicts cut to boxes 2-3: trained wrong, silently."""
+    batches = [_detection(boxes, seed) for seed in range(3)]
+    assert batch_size(batches[0]) == 4 and not indivisible(batches[0])
+    halves = B.split(batches[0], 2)
+    assert [len(h[1]) for h in halves] == [2, 2]
+    assert torch.equal(halves[1][1][0]["boxes"], batches[0][1][2]["boxes"])
+    torch.manual_seed(0)
+    model = Detector()
+    ref = copy.deepcopy(model)
+    step = lambda m, b: m(b[0], b[1])  # noqa: E731
+    wrapped = _wrap(model, batches[0], micro=2, training_step=step)
+    got = [wrapped.step(b) for b in batches]
+    _assert_same(wrapped, ref, got, _reference(ref, batches, step))
+    assert wrapped.plan.strategy.micro_batch_size == 2
