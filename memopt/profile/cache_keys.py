@@ -47,7 +47,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #     the whole batch only (a sequence-first batch as long as it is large) is traced whole
 # 16: checks for NaN and infinity over activations read as finite; a floating value read in the step (loss.item())
 #     reads as a stand-in instead of failing the trace (memopt.profile.scalar_values, memopt.profile.tracker)
-TRACE_REVISION = 16
+# 17: a training forward that moves a module's number attribute at every call (a counter) refuses micro-batching
+#     like one that writes a buffer; a list of per-sample dicts is traced as one record per sample
+TRACE_REVISION = 17
 
 
 def cache_dir() -> Path:

@@ -46,7 +46,7 @@ from memopt.step.batch import compute_loss
 from memopt.step.random_draws import DrawLog
 
 __all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only",
-           "state_buffers", "state_refusal"]
+           "state_buffers", "state_counters", "state_refusal"]
 
 _AXIS_LAYERS = (nn.RNNBase, nn.MultiheadAttention)
 
@@ -110,12 +110,20 @@ def state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def state_refusal(written: list[str]) -> str | None:
-    """Why micro-batches would not be exact for a training forward that writes the persistent buffers ``written``."""
+    """Why micro-batches would not be exact for a training forward that writes ``written``: persistent buffers, or
+    number attributes of its modules that move at every forward (a call counter driving an annealed temperature)."""
     if not written:
         return None
-    shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
-    return (f"its training forward updates the buffer(s) {shown} (running statistics, a moving average or a counter), "
+    buffers = [w for w in written if not w.startswith(ATTRIBUTE)]
+    attributes = [w.removeprefix(ATTRIBUTE) for w in written if w.startswith(ATTRIBUTE)]
+    what = " and ".join(f"the {kind}(s) " + ", ".join(names[:3]) + (f" and {len(names) - 3} more"
+                                                                     if len(names) > 3 else "")
+                        for kind, names in (("buffer", buffers), ("attribute", attributes)) if names)
+    return (f"its training forward updates {what} (running statistics, a moving average or a counter), "
             "so micro-batches would update them once per micro-batch, each time from part of the batch")
+
+
+ATTRIBUTE = "attribute:"  # marks a module's number attribute among the buffers a forward writes
 
 
 def axis_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -170,6 +178,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
     before = state_buffers(clone)
     draws = _ForwardLog({id(b): name for name, b in before.items()})
     error: Exception | None = None
+    written_attrs: list[str] = []
     try:
         with contextlib.ExitStack() as stack:
             if any(isinstance(m, nn.RNNBase) for m in clone.modules()):
@@ -186,8 +195,14 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
                         MemoryTracker("cpu", record=False)):
                 stack.enter_context(ctx)
             batch = batch_factory(samples, "cpu")  # outside the op log: a factory may draw random inputs
+            plain = state_counters(clone)
             with draws:
                 compute_loss(clone, batch, loss_fn)
+            moved = _moved(plain, state_counters(clone))
+            if moved:  # a counter moves again at the next forward; a cache filled once (a rotary length) does not
+                plain = state_counters(clone)
+                compute_loss(clone, batch, loss_fn)
+                written_attrs = [f"{ATTRIBUTE}{k}" for k in _moved(plain, state_counters(clone)) if k in moved]
     except Exception as exc:  # the model's own step failing is a finding here, reported by the caller
         error = exc
     finally:
@@ -201,7 +216,19 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
             draws.seen.add(f"{type(layer).__name__.lower()}(dropout={layer.dropout:g})")
     after = state_buffers(clone)
     rebound = [name for name, b in before.items() if after.get(name) is not b and name not in draws.written]
-    return _Forward(seen, draws.seen, draws.written + rebound, error)
+    return _Forward(seen, draws.seen, draws.written + rebound + written_attrs, error)
+
+
+def state_counters(model: nn.Module) -> dict[str, float]:
+    """Every module's public number attributes (``self.calls``, ``self.temperature``), by qualified name: state a
+    forward may keep outside its buffers."""
+    return {f"{name}.{attr}" if name else attr: value for name, m in model.named_modules()
+            for attr, value in vars(m).items()
+            if not attr.startswith("_") and attr != "training" and type(value) in (int, float)}
+
+
+def _moved(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    return [k for k, v in after.items() if k in before and before[k] != v]
 
 
 def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) -> str | None:

@@ -40,10 +40,13 @@ def preserved_random_state() -> Iterator[None]:
 
 @contextlib.contextmanager
 def side_effects_undone(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no gradients; every module's training flag, every buffer and the random generators restored."""
+    """Eval mode, no gradients; every module's training flag, every buffer, every public number attribute (a call
+    counter) and the random generators restored."""
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
+    numbers = [(m, attr, value) for m in model.modules() for attr, value in vars(m).items()
+               if not attr.startswith("_") and attr != "training" and type(value) in (int, float)]
     try:
         with preserved_random_state(), torch.no_grad():
             model.eval()
@@ -51,6 +54,8 @@ def side_effects_undone(model: nn.Module) -> Iterator[None]:
     finally:
         for m, training in flags:
             m.training = training
+        for m, attr, value in numbers:
+            setattr(m, attr, value)
         for m, name, b, saved in buffers:
             m._buffers[name] = b  # a forward may rebind a buffer rather than write into it
             b.copy_(saved)

@@ -75,3 +75,35 @@ def test_the_plan_keeps_the_whole_batch_and_says_why() -> None:
     pinned = memopt.plan(pat.build(), pat.sample(8), budget="10GB", hardware="h200", loss_fn=pat.loss_fn,
                          pins={"micro_batch_size": 2})
     assert pinned.strategy.micro_batch_size == 2
+
+
+class _Counted(nn.Module):
+    """State kept in plain attributes: a call counter that anneals a temperature, or a length cache filled once."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.calls = 0
+        self.longest = 0
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "counter" and self.training:
+            self.calls += 1
+        elif self.how == "cache":
+            self.longest = max(self.longest, x.shape[1])  # settles at the first call: not state that moves
+        return self.body(x) / max(0.1, 1.0 - 0.1 * self.calls)
+
+
+def test_a_counter_kept_in_a_plain_attribute_refuses_micro_batching_and_a_settled_cache_does_not() -> None:
+    """Split 8 into 2s, the counter reached 16 after 4 steps where the loop's reached 4: the temperature ran ahead
+    and the parameters differed by 4e-3, with no word."""
+    counter = probe_batch(_Counted("counter"), _factory, _loss)
+    assert counter is not None and "attribute(s) calls " in (counter.state_refusal or "")
+    cache = probe_batch(_Counted("cache"), _factory, _loss)
+    assert cache is not None and cache.state_refusal is None
+    model = _Counted("counter")
+    plan = memopt.plan(model, _factory(8, "cpu"), budget="10GB", hardware="h200", loss_fn=_loss, use_cache=False)
+    assert plan.strategy.micro_batch_size == 8
+    assert any("updates the attribute(s) calls" in n for n in plan.notes)
+    assert model.calls == 0  # planning ran the forward on a fake copy only
