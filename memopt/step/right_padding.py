@@ -10,7 +10,8 @@ Exactness is measured, not assumed (:func:`padding_invariant`): most models mask
 never read a padded position into a real one, but a convolution over the sequence (ConvBERT), a mean over all
 positions, or a classifier that reads the last column does. The check appends right padding to a real
 micro-batch and compares the losses: adding padding and removing it are the same question, and appending needs no
-knowledge of where the batch's padding is.
+knowledge of where the batch's padding is. It appends several counts of columns, and as many as the batch is wide:
+a strided convolution sees some counts and not others, and long-context rotary factors switch past a length.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch import nn
 
 from memopt.step.batch import IGNORE_INDEX, count_pending, read_back
 from memopt.step.batch_tree import is_fake, rebuilt
-from memopt.step.loss_reduction import first_labelled
 from memopt.step.side_effects import side_effects_undone
 
 __all__ = ["LABEL_KEYS", "PaddingCut", "drop_trailing", "model_loss", "padding_invariant", "pending_trailing_padding",
@@ -126,16 +126,20 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 
 
 def padding_invariant(model: nn.Module, batch: Any, loss_of: LossOf = model_loss, *,
-                      extra: int = 3) -> tuple[bool, str]:
+                      extras: tuple[int, ...] = (1, 2, 3)) -> tuple[bool, str]:
     """(ok, reason): whether the loss of ``batch`` (a real micro-batch with a 2-D ``attention_mask``, on the model's
-    device) is unchanged by ``extra`` more right-padding columns: both losses finite and equal within rtol 1e-4 (atol
-    1e-6). Measured in eval mode without gradients; train mode and random state are restored. The caller runs it
-    in fp32 (a mixed-precision forward differs by more than that between sequence lengths); half-precision weights
-    are refused. ``reason`` says why trimming padding is off, or that it is exact."""
-    if _mask(batch) is None:
+    device) is unchanged by more right-padding columns: by each of ``extras`` (a strided convolution over the
+    sequence sees some counts and not others), by as many again as the batch is wide, and by cutting its own trailing
+    padding (a model that switches on length, such as long-context rotary factors past a threshold), all losses
+    finite and equal within rtol 2e-6
+    (atol 1e-7). Measured in eval mode without gradients; train mode and random state are restored. The caller runs
+    it in fp32 (a mixed-precision forward differs by more than that between sequence lengths); half-precision
+    weights are refused. ``reason`` says why trimming padding is off, or that it is exact."""
+    mask = _mask(batch)
+    if mask is None:
         return False, "the batch has no 2-D attention_mask"
     half = next((p.dtype for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
-    if half is not None:  # at 8 or 11 bits of mantissa, kernels chosen by sequence length differ by more than 1e-4
+    if half is not None:  # at 8 or 11 bits of mantissa, kernels chosen by sequence length differ by more than 2e-6
         return False, f"the model's weights are {str(half).removeprefix('torch.')}: padding invariance cannot be " \
                       "measured to fp32 precision"
     norms = [type(m).__name__ for m in model.modules() if isinstance(m, _BATCH_NORMS) and m.training]
@@ -143,22 +147,32 @@ def padding_invariant(model: nn.Module, batch: Any, loss_of: LossOf = model_loss
         return False, f"the model has BatchNorm ({norms[0]}), whose training statistics see padded positions"
     config = getattr(getattr(model, "module", model), "config", None)
     pad_token_id = getattr(config, "pad_token_id", None)
-    padded = _padded(batch, extra, pad_token_id if isinstance(pad_token_id, int) else 0)
+    fill = pad_token_id if isinstance(pad_token_id, int) else 0
+    width = int(mask.shape[1])
+    own = width - read_back([pending_trailing_padding(batch)])[0]
+    variants = [(f"{extra} more column(s) of right padding", _padded(batch, extra, fill))
+                for extra in sorted({*extras, width})]
+    if own < width:  # the cut itself: long-context rotary factors switch back below a length
+        variants.append((f"its {width - own} trailing padding column(s) cut", trim_right(batch, own)))
     try:
         with side_effects_undone(model):
-            plain, longer = loss_of(model, batch), loss_of(model, padded)
+            plain = loss_of(model, batch)
+            longer = [(what, loss_of(model, changed)) for what, changed in variants]
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # a forward that refuses the longer batch is no evidence of invariance
         return False, f"the model fails on a right-padded batch ({type(exc).__name__}: {str(exc)[:120]})"
-    if not isinstance(plain, torch.Tensor) or not isinstance(longer, torch.Tensor):
+    if not isinstance(plain, torch.Tensor) or not all(isinstance(v, torch.Tensor) for _, v in longer):
         return False, "the model's output has no loss to compare (no labels in the batch?)"
-    plain, longer = plain.detach().float(), longer.detach().float()
-    if not (torch.isfinite(plain).all() and torch.isfinite(longer).all()):
-        return False, "the loss of the sample micro-batch is not finite, so no comparison can tell"
-    if not torch.allclose(plain, longer, rtol=1e-4, atol=1e-6):
-        return False, (f"the loss changes with right padding ({float(plain.sum()):.6g} -> {float(longer.sum()):.6g}): "
-                       "padded positions reach the loss (ConvBERT-style convolutions, a mean over all positions)")
+    plain = plain.detach().float()
+    for what, value in longer:
+        value = value.detach().float()
+        if not (torch.isfinite(plain).all() and torch.isfinite(value).all()):
+            return False, "the loss of the sample micro-batch is not finite, so no comparison can tell"
+        if value.shape != plain.shape or not torch.allclose(plain, value, rtol=2e-6, atol=1e-7):
+            return False, (f"the loss changes with {what} ({float(plain.sum()):.7g} -> {float(value.sum()):.7g}): "
+                           "padded positions reach the loss (a convolution over the sequence, a mean over all "
+                           "positions, a length-dependent position encoding)")
     return True, "the loss is unchanged by right padding"
 
 
@@ -187,9 +201,12 @@ class PaddingCut:
             if _mask(micro[0]) is None:  # no padding to speak of: nothing measured, nothing noted
                 self.on, self.reason, self.noted = False, "the batch has no 2-D attention_mask", True
             else:
-                self.on, self.reason = verdict(first_labelled(micro, counts, micro[0]))
-            if self.on:
-                return counts, drop_trailing(micro, trailing_padding(micro))
+                # measured on the micro-batch with loss items that loses the most columns: the cut itself is checked
+                trailing = trailing_padding(micro)
+                labelled = [i for i, n in enumerate(counts) if n > 0] or [0]
+                self.on, self.reason = verdict(micro[max(labelled, key=lambda i: trailing[i])])
+                if self.on:
+                    return counts, drop_trailing(micro, trailing)
         return counts, micro
 
     def note(self) -> str | None:

@@ -107,7 +107,7 @@ def test_a_loss_fn_that_reads_padded_positions_keeps_every_column_and_trains_the
     assert widths == [b["input_ids"].shape[1] for b in batches for _ in range(3)]
     _assert_same(plain_model, wrapped.model, plain, losses)
     note = next(n for n in wrapped.plan.notes if n.startswith("each micro-batch keeps the whole batch's padding"))
-    assert "changes with right padding" in note
+    assert "column(s) of right padding" in note
 
 
 def test_a_batch_without_an_attention_mask_is_neither_measured_nor_noted():
@@ -115,3 +115,53 @@ def test_a_batch_without_an_attention_mask_is_neither_measured_nor_noted():
     wrapped, widths, _ = _wrapped(_llama(), batches)
     assert widths == [b["input_ids"].shape[1] for b in batches for _ in range(3)]
     assert not any("padding" in n for n in wrapped.plan.notes)
+
+
+def _phi3_longrope() -> nn.Module:
+    """Rotary factors that switch from short to long past 16 positions: a micro-batch of short rows cut below 16
+    runs with other frequencies than the whole batch, padded to 24, ran with."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16, pad_token_id=0,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4},
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+
+
+def test_a_cut_that_crosses_a_length_the_model_switches_at_keeps_every_column_and_trains_the_same():
+    """The check cuts the micro-batch that loses the most columns: appending padding to one already past 16 told
+    nothing, and the cut micro-batches trained with the short factors (parameters 5.6e-3 apart)."""
+    batches = [_padded([24, 22, 20, 18, 16, 14, 12, 10], 24, seed) for seed in range(STEPS)]
+    plain_model = _phi3_longrope()
+    plain = _plain(plain_model, batches)
+    wrapped, widths, losses = _wrapped(_phi3_longrope(), batches)
+    assert widths == [24] * 4 * STEPS
+    _assert_same(plain_model, wrapped.model, plain, losses)
+    note = next(n for n in wrapped.plan.notes if n.startswith("each micro-batch keeps the whole batch's padding"))
+    assert "trailing padding column(s) cut" in note
+
+
+class _ConvFrontEnd(nn.Module):
+    """Two convolutions over the frames (a speech encoder's front end), then a per-frame head: the second one reads
+    the first one's bias at padded frames, so cutting padding moves the last real frames' outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 8)
+        self.conv1 = nn.Conv1d(8, 16, 5, padding=2)
+        self.conv2 = nn.Conv1d(16, 16, 5, padding=2)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.conv2(torch.relu(self.conv1(self.emb(input_ids).transpose(1, 2)))).transpose(1, 2)
+        return type("Out", (), {"loss": nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())})()
+
+
+def test_a_convolution_over_padded_frames_keeps_every_column():
+    batches = [_padded([40, 38, 30, 28, 20, 18, 12, 10], 40, seed) for seed in range(STEPS)]
+    wrapped, widths, _ = _wrapped(_ConvFrontEnd(), batches)
+    assert widths == [40] * 4 * STEPS
+    assert any(n.startswith("each micro-batch keeps the whole batch's padding") for n in wrapped.plan.notes)

@@ -144,7 +144,7 @@ def test_padding_invariant_fails_where_padded_positions_reach_the_loss():
     torch.manual_seed(0)
     ok, why = padding_invariant(_MeanPooled(), _classified([6, 3, 4], 6))
     assert not ok, "a mean over all positions, mask ignored, changes with every padding column"
-    assert "changes with right padding" in why
+    assert "column(s) of right padding" in why
     assert padding_invariant(_llama(), {"input_ids": torch.ones(2, 4, dtype=torch.long)}) == (
         False, "the batch has no 2-D attention_mask")
 
@@ -251,7 +251,7 @@ def test_a_model_whose_loss_sees_padding_trains_untrimmed_and_the_same(tmp_path)
     _assert_same_training(plain, wrapped)
     assert wrapped.memopt_recovery.padding.on is False
     note = next(n for n in wrapped.memopt_plan.notes if n.startswith("each micro-batch keeps the whole batch's"))
-    assert "changes with right padding" in note
+    assert "column(s) of right padding" in note
 
 
 @pytest.fixture(params=[False, True], ids=["one_process", "process_group"])
