@@ -78,13 +78,13 @@ def run(cfg: Any) -> int:
     try:
         request = resolve(cfg)
     except ConfigError as exc:
-        render_errors(exc.problems, console=err, title=title)
+        render_errors([in_cli_terms(p) for p in exc.problems], console=err, title=title)
         return EXIT_BAD_INPUT
     try:
         plan = request.plan()
     except ValueError as exc:
         problems = getattr(exc, "problems", None) or [str(exc)]
-        render_errors(problems, console=err, title=title)
+        render_errors([in_cli_terms(p) for p in problems], console=err, title=title)
         return EXIT_BAD_INPUT
     except Exception as exc:  # never a traceback: one line, and how to report it
         if os.environ.get("MEMOPT_DEBUG"):
@@ -113,6 +113,15 @@ def run(cfg: Any) -> int:
         if path is not None:
             out.print(f"plan saved to {path}", soft_wrap=True)
     return EXIT_OK if plan.fits else EXIT_INFEASIBLE
+
+
+def in_cli_terms(message: str) -> str:
+    """A planner message as the command line reads it: the keys that stand for the Python arguments it names."""
+    message = message.replace("margin=", "policy.margin=")
+    if "loss_fn=" in message and "+model.loss_fn" not in message:
+        message += ("; on the command line, name it as +model.loss_fn=<module>.<function> (a function "
+                    "(output, batch) -> loss that Python can import)")
+    return message
 
 
 @hydra.main(config_path=str(configs_dir()), config_name="plan", version_base=None)

@@ -96,3 +96,26 @@ def test_a_save_plan_path_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert code == EXIT_BAD_INPUT and "Traceback" not in out, out
     assert len(problems) == 1 and problems[0].startswith(f"save_plan={str(tmp_path)!r}: cannot write the plan"), out
     assert "Is a directory" in problems[0] and "unexpected error" not in problems[0]
+
+
+def _mean_square(output, batch):
+    """(output, batch) -> loss, for a model that returns its logits."""
+    return output.float().pow(2).mean()
+
+
+OWN_MODULE = ["~model", "+model._target_=torch.nn.Linear", "+model.kwargs.in_features=16",
+              "+model.kwargs.out_features=4", "+model.inputs={input: {shape: [16]}}", "hardware=h100_80gb",
+              "budget=8GB", "training.batch_size=8"]
+
+
+def test_messages_name_the_command_lines_keys_and_the_named_key_works(capsys, monkeypatch):
+    """A model that returns logits was told to "pass loss_fn=... to memopt.wrap" and a small budget to set
+    "margin=3%": both Python arguments; the command line's keys are +model.loss_fn and policy.margin."""
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    code, problems, out = cli([], capsys, base=OWN_MODULE)
+    assert code == EXIT_BAD_INPUT and len(problems) == 1, out
+    assert "+model.loss_fn=<module>.<function>" in problems[0]
+    code, problems, out = cli(["+model.loss_fn=test_cli_plus_keys._mean_square"], capsys, base=OWN_MODULE)
+    assert code == 0 and not problems, out
+    code, problems, out = cli(["budget=40MB"], capsys)
+    assert code == EXIT_BAD_INPUT and any("policy.margin=3%" in p for p in problems), out
