@@ -20,6 +20,7 @@ from memopt.guard.oom import MemoptLeakError, MemoptOOMError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.plan import Plan, Policy, make_plan
 from memopt.profile import Profile
+from memopt.profile.tracing_flag import is_tracing
 from memopt.strategy import Checkpointing, Strategy
 from memopt.units import format_bytes, parse_budget, parse_bytes
 
@@ -40,6 +41,7 @@ __all__ = [
     "Wrapped",
     "estimate",
     "format_bytes",
+    "is_tracing",
     "load_hardware",
     "make_plan",
     "parse_budget",

@@ -28,6 +28,7 @@ from memopt.profile.real_rows import MASKS, real_rows, with_real_rows
 from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory, meta_failures_unlogged
+from memopt.profile.tracing_flag import tracing
 from memopt.profile.variant_trace import VariantKey
 from memopt.step import batch_like, batch_samples, batch_tree
 from memopt.step.batch import as_loss
@@ -266,6 +267,17 @@ def _loss_part(loss_fn: Any) -> dict[str, str]:
     return {} if loss_fn is None else {"loss": loss_key(loss_fn)}
 
 
+def _note_user_hooks(prof: Profile, module: nn.Module) -> None:
+    """A note when the model carries forward hooks: they run in the trace too, on fake tensors (their memory counts),
+    so a hook that keeps what it sees would keep tensors without values."""
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+    if hooks:
+        note = (f"the model's {hooks} forward hook(s) ran on fake tensors (no values) while memopt traced the step; "
+                "a hook that keeps what it sees (features, logged values) can skip while memopt.is_tracing()")
+        if note not in prof.notes:
+            prof.notes.append(note)
+
+
 def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_fn: Any) -> None:
     """What splitting the batch does to the model (``memopt.profile.sample_axis_probe``), for a batch that can be
     split."""
@@ -301,7 +313,7 @@ def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpe
     A model spec (shipped name, YAML, dict) is keyed on the spec itself: a cached profile is found without
     building the model, which is built (on meta) only when a trace is missing.
     """
-    with meta_failures_unlogged():  # its probes run the model on fake tensors too, before any variant's trace
+    with meta_failures_unlogged(), tracing():  # its probes run the model on fake tensors too, before any trace
         return _profile_model(model, sample, hardware=hardware, loss_fn=loss_fn, optimizer=optimizer,
                               use_cache=use_cache, variants=variants, training_step=training_step)
 
@@ -338,6 +350,8 @@ def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | No
             _record_micro_batch_refusal(prof, source, prof.micro_batch_refusal)
         if prof.forward_random_ops is None:  # cached before the batch probe was recorded
             _probe_batch(prof, source if isinstance(source, nn.Module) else source(), factory, loss_fn)
+    if isinstance(source, nn.Module):
+        _note_user_hooks(prof, source)
     batch = int(sample_dict.get("batch_size", 1))
     if prof.whole_batch:
         factory = _whole_batch_factory(factory, batch)

@@ -44,6 +44,7 @@ from memopt.profile.scalar_values import ShadowFormatting
 from memopt.profile.simulate import trace_device
 from memopt.profile.stand_ins import TRACE_STAND_INS
 from memopt.profile.trace_alignment import alignment_opcodes
+from memopt.profile.tracing_flag import tracing
 from memopt.profile.tracker import ALLOC, MemoryTracker, dense_only
 from memopt.profile.variant_trace import Segment, VariantKey, VariantTrace
 from memopt.step.batch_tree import tensors as batch_tensors
@@ -271,7 +272,7 @@ def trace_variant(model: nn.Module, batch_factory: BatchFactory, key: VariantKey
                   keep_blocks: int = TRACED_BLOCKS, loss_fn: Any = None) -> list[VariantTrace]:
     """Trace one variant (:func:`_trace_variant`), the fake mode's log of failing ops silenced
     (:func:`meta_failures_unlogged`)."""
-    with meta_failures_unlogged():
+    with meta_failures_unlogged(), tracing():
         return _trace_variant(model, batch_factory, key, policy, keep_blocks=keep_blocks, loss_fn=loss_fn)
 
 
