@@ -116,6 +116,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         checks.raise_problems([f"pin chunked_ce={pol.pins['chunked_ce']} cannot be honoured: chunked cross-entropy "
                                f"would not be exact for this model ({prof.chunked_ce_refusal}); drop the pin"], "pins")
     notes.extend(refused_optimizer_notes(ctx, pol))
+    if ctx.adapters_refusal is not None and pol.allow & {"adapters", "quantized_weights"}:
+        notes.append(f"adapters refused: {ctx.adapters_refusal}")
     if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
         pinned = pol.pins.get("micro_batch_size")
         if pinned is not None and pinned < global_batch:

@@ -302,6 +302,9 @@ def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *
     (the adapters are created as fake tensors; LoRA layers answer autocast queries for the traced device).
     """
     setting = AdapterSetting.parse(setting)
+    if type(model).__module__.startswith("peft."):
+        raise ValueError(f"the model is a peft model already ({type(model).__name__}): memopt puts no adapters of "
+                         "its own on it; train it as it is (a fidelity without 'adapters', or pin adapter_rank=0)")
     peft = _peft()
     targets = list(setting.targets) if setting.targets is not None else find_target_linears(model, include_conv1d=True)
     if not targets:
