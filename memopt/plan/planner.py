@@ -25,6 +25,7 @@ from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
+from memopt.techniques.adapter_merge import task_heads
 from memopt.techniques.optimizer_instance import is_optimizer, optimizer_factory
 from memopt.techniques.optimizers import VARIANTS, optimizer_choice
 from memopt.units import format_bytes, parse_bytes
@@ -167,6 +168,11 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                 attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
     if store is not None:
         store.save()
+    heads = task_heads(model) if isinstance(model, nn.Module) and plan.strategy.extra("adapters") is not None else []
+    if heads:
+        plan.notes.append(f"the task head ({', '.join(heads)}) trains beside the adapters, made fresh for the task "
+                          "as it is (peft's task types keep it trainable too: modules_to_save); its states are "
+                          "counted in the plan")
     plan.model["fingerprint"] = profile_fingerprint(prof)
     check_pins_honoured(plan, pol.pins)
     if alternatives_within is not None and world == 1:

@@ -47,7 +47,8 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 #     the whole batch only (a sequence-first batch as long as it is large) is traced whole
 # 16: checks for NaN and infinity over activations read as finite; a floating value read in the step (loss.item())
 #     reads as a stand-in instead of failing the trace (memopt.profile.scalar_values, memopt.profile.tracker)
-TRACE_REVISION = 16
+# 17: under adapters a classifier's task head trains (memopt.techniques.adapter_merge.task_heads)
+TRACE_REVISION = 17
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,6 @@
 """What the adapters leave in the model when they are taken off (:func:`memopt.techniques.adapters.apply_adapters`'s
 undo, which ``wrapped.unwrap()`` runs): the trained adapters folded into the weights they sit on, so the model given
-back computes what the wrapped model learned.
+back computes what the wrapped model learned; and the task heads that train beside the adapters.
 
 On a full-precision base each LoRA or DoRA layer is merged by peft itself (``merge``: ``W + s B A``, DoRA's magnitude
 included), exactly as the wrapped model computes it, up to float rounding. On a base memopt quantized, the layer it
@@ -9,6 +9,10 @@ which is how QLoRA adapters are merged, but the wrapped model computed over the 
 differ by the quantization error (a warning says so, and how to keep the adapters as trained). A quantized layer
 with no original (the model came quantized) or a DoRA layer on a quantized base cannot be merged: its adapter is
 dropped with a warning naming ``adapter_state_dict``, which saves the adapters before the unwrap.
+
+Task heads: a Hugging Face classifier's head (``classifier``, ``score``, ``qa_outputs``) is made fresh for the task
+when the model is loaded, so peft's task types keep it trainable (``modules_to_save``); memopt keeps it trainable in
+place, where the unwrapped model has it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,24 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["merge_adapters"]
+from memopt.models.hf_task import hf_task, is_hf_model, peft_unwrapped
+
+__all__ = ["TASK_HEAD_NAMES", "merge_adapters", "task_heads"]
+
+#: the names transformers gives a task head made for the task (sequence, token and image classification, multiple
+#: choice, extractive QA), which peft's task types put in ``modules_to_save``
+TASK_HEAD_NAMES = ("classifier", "score", "qa_outputs")
+# the language-model heads are pretrained with the model: they stay frozen under adapters
+_LM_TASKS = ("causal_lm", "masked_lm", "seq2seq_lm")
+
+
+def task_heads(model: nn.Module) -> list[str]:
+    """The names of ``model``'s task heads (direct children named in :data:`TASK_HEAD_NAMES`) that train beside the
+    adapters: a Hugging Face model's that is not a language model's."""
+    inner = peft_unwrapped(model)
+    if not is_hf_model(inner) or hf_task(inner) in _LM_TASKS:
+        return []
+    return [name for name, _ in inner.named_children() if name in TASK_HEAD_NAMES]
 
 
 def _quantized(module: nn.Module) -> bool:

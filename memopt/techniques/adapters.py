@@ -5,9 +5,10 @@ so the planner chooses it only under the policy allowance ``"adapters"``.
 
 Targets are found automatically: every ``nn.Linear`` inside the model's repeated blocks (attention and MLP
 projections; bitsandbytes' quantized linears are ``nn.Linear`` subclasses and count too), never the
-embeddings or the LM head. ``apply_adapters`` wraps the model with ``peft.get_peft_model``; the module tree is
-changed in place (each target becomes a peft LoRA layer around the original module), so the original model object
-runs with the adapters too.
+embeddings or the LM head. A classifier's task head (``classifier``, ``score``, ``qa_outputs``: made fresh for
+the task) trains beside the adapters, as peft's task types keep it (``modules_to_save``), in place.
+``apply_adapters`` wraps the model with ``peft.get_peft_model``; the module tree is changed in place (each target
+becomes a peft LoRA layer around the original module), so the original model object runs with the adapters too.
 Its undo merges the trained adapters into the weights they sit on (:mod:`memopt.techniques.adapter_merge`) and
 unloads them: the original modules come back, holding what was trained, with every ``requires_grad`` flag as it was.
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
-from memopt.techniques.adapter_merge import merge_adapters
+from memopt.techniques.adapter_merge import merge_adapters, task_heads
 from memopt.techniques.model_change import ModelChange, Undo, no_change
 
 __all__ = [
@@ -297,9 +298,9 @@ def change_model(change: ModelChange) -> Undo:
 
 def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *, fake: bool = False,
                    originals: Mapping[str, nn.Module] | None = None) -> tuple[nn.Module, Callable[[], None]]:
-    """Freeze ``model`` and add trainable adapters to its target linears; returns (the peft model, undo). The undo
-    merges the trained adapters into the weights (``originals``: the full-precision modules of a base quantized
-    before, by name) and takes them off.
+    """Freeze ``model`` but its task heads (:func:`memopt.techniques.adapter_merge.task_heads`) and add trainable
+    adapters to its target linears; returns (the peft model, undo). The undo merges the trained adapters into the
+    weights (``originals``: the full-precision modules of a base quantized before, by name) and takes them off.
 
     The peft model wraps ``model``, whose modules are changed in place, so ``model`` itself also runs with the
     adapters (memopt's train step keeps calling it). ``fake``: the model is a fake-tensor copy being traced
@@ -329,6 +330,8 @@ def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *
                 peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
         else:
             peft_model = peft.get_peft_model(model, config)
+    for head in task_heads(model):
+        model.get_submodule(head).requires_grad_(True)
     wrapped: list[nn.Module] = []
     if fake:
         _materialize_fake(model)
