@@ -122,6 +122,13 @@ class MemoptCallback:
         raise AttributeError(name)
 
 
+# why the Trainer path plans neither adapters nor a quantized base: the Trainer built its model, and its optimizer
+# from that model's parameters, before memopt sees it
+_NO_EXTRAS = ("under a Trainer memopt adds no adapters and quantizes nothing (the Trainer trains the model it was "
+              "given); build the peft model first (peft.get_peft_model, on a model loaded quantized for QLoRA), give "
+              "it to the Trainer and wrap that Trainer")
+
+
 def _script_precision(args: Any) -> str | None:
     """The autocast precision the Trainer's arguments ask for (``bf16=True`` / ``fp16=True``; TRL's ``SFTConfig``
     asks for bf16 by default), or None (fp32: the plan may still choose bf16 under the default fidelity)."""
@@ -150,7 +157,12 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
         for key, values in (forbid or {}).items():
             restricted.setdefault(key, [])
             restricted[key] = list(restricted[key]) + list(values if isinstance(values, (list, tuple)) else [values])
-        trainer_pins = {"chunked_ce": 0, "attention": "auto", **(pins or {})}
+        asked_extras = {k: v for k, v in (pins or {}).items() if k in ("adapter_rank", "quant_bits") and v}
+        if asked_extras:
+            raise ValueError(f"pins {', '.join(f'{k}={v!r}' for k, v in asked_extras.items())} cannot run under a "
+                             f"Trainer: {_NO_EXTRAS}")
+        # a pin of 0 keeps the ladder at full fine-tuning: the Trainer trains the model it was given
+        trainer_pins = {"chunked_ce": 0, "attention": "auto", "adapter_rank": 0, "quant_bits": 0, **(pins or {})}
         in_force = allocator_mode_in_force()
         if in_force is not None and "expandable_segments" not in trainer_pins:
             trainer_pins["expandable_segments"] = in_force  # CUDA holds memory already: plan for the mode it has
@@ -186,6 +198,8 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
         plan = make_plan(trainer.model, sample, budget=budget, hardware=hardware, policy=policy, fidelity=fidelity,
                          pins=trainer_pins, forbid=restricted, use_cache=use_cache, profile=profile,
                          training_step=step, optimizer=user_opt)
+        if resolved.allow & {"adapters", "quantized_weights"}:
+            plan.notes.append(f"adapters and quantized weights refused: {_NO_EXTRAS}")
         if user_opt is not None:
             plan.notes.append(f"the script's optimizer ({kept_optimizer(trainer)}) is kept: the plan counts the states "
                               "it traced, and the Trainer builds it as the script asked")
@@ -215,6 +229,9 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
         plan, profile = _plan_for_trainer(trainer, budget=budget, sample=sample, plan=plan, hardware=hardware,
                                           policy=policy, fidelity=fidelity, pins=pins, forbid=forbid,
                                           use_cache=use_cache, recover=recover)
+    extras = [k for k in ("adapters", "quantization") if plan.strategy.extra(k) is not None]
+    if extras:
+        raise ValueError(f"the plan [{plan.strategy.label()}] uses {' and '.join(extras)}: {_NO_EXTRAS}")
     if not plan.fits:
         progress.done("no Trainer configuration fits the budget")
         raise ValueError(f"no Trainer configuration fits the budget: "

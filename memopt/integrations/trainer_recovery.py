@@ -13,7 +13,10 @@ no sample is skipped or counted twice, and the step count is unchanged.
 Exactness: when the Trainer normalizes the loss by the number of loss tokens of the whole batch
 (``num_items_in_batch``, the default for Hugging Face models), every micro-batch's loss is already a share of the
 batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean loss is weighted by its
-share of the batch's loss tokens (samples, for per-sample labels) before backward.
+share of the batch's loss tokens (samples, for per-sample labels) before backward. A loss of the script's own (a
+``compute_loss`` override) or one memopt does not know for a task head's is measured at the first split batch
+(``memopt.step.loss_reduction.classify_reduction``): a sum is accumulated unweighted, and a loss that no weighting of
+micro-batches reproduces (in-batch negatives, a mean weighted by a column of the batch) is refused.
 
 Padding: the collator padded the whole batch to its longest row, so a micro-batch carries columns that are padding
 in all of its rows, which a script accumulating by hand (its collator pads each micro-batch to its own longest
@@ -50,6 +53,7 @@ from memopt.integrations.trainer_optimizer_step import TransactionalOptimizerSte
 from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
+from memopt.step.batch import as_loss
 from memopt.step.loss_reduction import (
     LossNotSplittable,
     classify_reduction,
@@ -209,7 +213,7 @@ class MicroBatchedTrainingStep:
         normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
             getattr(tr, "model_accepts_loss_kwargs", False) and self._model_loss_uses_num_items(model, micro[0])))
         counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, lambda s: self._verdict(model, s))
-        own = self._own_loss_mode(model, micro, counts)  # measured (or refused) however the Trainer normalizes
+        own = self._own_loss_mode(model, micro, counts, normalized)
         summed = not normalized and own == "sum"
         note = self.padding.note()
         if note:
@@ -228,17 +232,26 @@ class MicroBatchedTrainingStep:
         assert total is not None
         return total
 
-    def _own_loss_mode(self, model: torch.nn.Module, micro: list[Any], counts: list[int]) -> str:
-        """"mean" or "sum": how the model's own loss reduces over the samples, measured once where it is not a task
-        head's cross-entropy (``own_loss_unknown``: a contrastive loss, CTC, a router's load-balancing term). A loss
-        that micro-batches cannot reproduce (one over in-batch negatives) is refused before anything trains."""
+    def _own_loss_mode(self, model: torch.nn.Module, micro: list[Any], counts: list[int], normalized: bool) -> str:
+        """"mean" or "sum": how the loss reduces over the samples, measured once where it is not a task head's
+        cross-entropy: the script's own (a ``compute_loss`` override, a ``compute_loss_func`` not handed the batch's
+        item count: ``normalized``), or a model's loss memopt does not know (``own_loss_unknown``: a contrastive
+        loss, CTC, a router's load-balancing term). A loss that micro-batches cannot reproduce (one over in-batch
+        negatives, a mean weighted by a column of the batch) is refused before anything trains."""
         if self._own_mode is None:
-            reason = None if script_loss(self.trainer) else own_loss_unknown(model)
+            script = script_loss(self.trainer)
+            loss_fn = as_loss(None, TrainerLoss(self.trainer)) if script else None
+            if script:
+                reason = None if normalized else "the Trainer's loss is the script's (compute_loss, compute_loss_func)"
+                instead = "or make the script's loss a mean over samples or labelled tokens, or a sum over them"
+            else:
+                reason = own_loss_unknown(model)
+                instead = "or pass compute_loss_func=... to the Trainer with a loss that can be split"
             self._own_mode = "mean"
             if reason is not None:
                 sample = reduction_sample(micro, counts, causal=self.causal_lm)
                 with _full_precision_forward(model):
-                    verdict, why = classify_reduction(model, sample, None, precision="fp32",
+                    verdict, why = classify_reduction(model, sample, loss_fn, precision="fp32",
                                                       device_type=self.trainer.args.device.type,
                                                       causal=self.causal_lm)
                 if verdict in ("coupled", "masked"):
@@ -246,8 +259,7 @@ class MicroBatchedTrainingStep:
                     raise LossNotSplittable(
                         f"{reason}, and it cannot be split into the plan's micro-batches of "
                         f"{self.plan.strategy.micro_batch_size}: {why}; give a budget that fits the whole batch per "
-                        "device (memopt then does not split it), or pass compute_loss_func=... to the Trainer with "
-                        "a loss that can be split")
+                        f"device (memopt then does not split it), {instead}")
                 self._own_mode = settle(verdict, why)  # "unknown": a mean, with a warning
                 self.plan.notes.append(f"{reason}: measured as a {self._own_mode} over the samples ({verdict}"
                                        f"{': ' + why if why else ''}); micro-batches are weighted accordingly")

@@ -43,7 +43,13 @@ def _task_of_class_name() -> dict[str, str]:
 
 
 def _peft_inner(model: Any) -> Any:
-    """The transformers model inside a peft wrapper (PeftModel -> LoraModel -> model), else ``model``."""
+    """The transformers model inside a peft wrapper, else ``model``. A ``PeftModel`` says which itself
+    (``get_base_model``): under LoRA and the other tuners it is ``base_model.model``, under prompt learning (prefix or
+    prompt tuning) ``base_model`` is the transformers model itself and ``base_model.model`` only its trunk, which has
+    no task head."""
+    unwrapped = peft_unwrapped(model)
+    if unwrapped is not model:
+        return unwrapped
     inner = getattr(getattr(model, "base_model", None), "model", None)
     return inner if inner is not None and inner is not model else model
 
@@ -93,8 +99,24 @@ _REMOTE_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face causal LM: it shifts its labels inside, so the first label of each row carries no loss."""
-    return hf_task(model) == "causal_lm"
+    """A Hugging Face causal LM: it shifts its labels inside, so the first label of each row carries no loss. Under
+    peft's prompt or p-tuning the virtual tokens are put before each row (their labels -100), so the first label is
+    predicted from the last of them and carries a loss like the others: the labels count unshifted there."""
+    return hf_task(model) == "causal_lm" and not _virtual_tokens_first(model)
+
+
+#: the prompt-learning methods whose virtual tokens reach the model as keys and values (``past_key_values``), not as
+#: positions of the input: the labels stay as the user gave them
+_PREFIX_METHODS = ("PREFIX_TUNING", "CARTRIDGE")
+
+
+def _virtual_tokens_first(model: Any) -> bool:
+    """A peft prompt-learning model that prepends its virtual tokens to every row (prompt tuning, p-tuning)."""
+    if not type(model).__module__.startswith("peft."):
+        return False
+    config = getattr(model, "active_peft_config", None)
+    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
+    return bool(getattr(config, "is_prompt_learning", False)) and kind not in _PREFIX_METHODS
 
 
 @functools.cache

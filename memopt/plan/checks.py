@@ -26,6 +26,7 @@ from memopt.errors import InputError, raise_problems
 from memopt.estimate.timing import timing_for
 from memopt.hardware import HardwareSpec, hardware_names
 from memopt.plan.context import resolve_hardware
+from memopt.techniques.checkpointing import checkpointing_refusal
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
 
@@ -270,6 +271,9 @@ def check_checkpoint_pins(pins: Mapping[str, Any] | None, profile: Any, problems
                         "checkpoints the blocks of a stack: an nn.ModuleList, nn.Sequential or nn.ModuleDict of two or "
                         "more distinct modules of one class; one module listed n times shares its weights and is not "
                         "one); drop the pin")
+    elif mode not in (None, "none") and profile.model_class.startswith("PeftModel") and (
+            why := checkpointing_refusal(profile.model())) is not None:
+        problems.append(f"pin checkpointing={mode!r} cannot be honoured: {why}; drop the pin")
     elif _is_int(blocks) and blocks > total:
         problems.append(f"pin checkpoint_blocks={blocks} is more than the {total} blocks of {profile.model_class}'s "
                         f"largest stack; use 1 to {total}")

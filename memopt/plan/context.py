@@ -11,6 +11,7 @@ from memopt.profile.profile import Profile
 from memopt.profile.sample_axis_probe import random_draws_refusal
 from memopt.techniques.adapters import peft_installed
 from memopt.techniques.attention import flash_attn_available
+from memopt.techniques.extras import adapters_refusal
 from memopt.techniques.liger_ce import liger_installed
 from memopt.techniques.optimizers import VARIANTS, bnb_installed
 from memopt.techniques.protocol import SearchContext
@@ -95,7 +96,7 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
                          supports_bf16=hw.supports_bf16, vocab_size=vocab,
                          causal_lm=profile.family == "causal_lm" and not profile.chunked_ce_refusal,
                          bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
-                         peft_available=peft_installed(),
+                         peft_available=peft_installed(), adapters_refusal=adapters_refusal(profile.model_class),
                          liger_ce=liger is None,
                          user_optimizer=user_optimizer, attention_backends=backends,
                          max_micro_batch=policy.max_micro_batch,

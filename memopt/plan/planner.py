@@ -25,6 +25,7 @@ from memopt.plan.sharded import plan_sharded, world_of
 from memopt.profile.api import profile_model
 from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
+from memopt.techniques.adapter_merge import task_heads
 from memopt.techniques.optimizer_instance import is_optimizer, optimizer_factory
 from memopt.techniques.optimizers import VARIANTS, optimizer_choice
 from memopt.units import format_bytes, parse_bytes
@@ -116,6 +117,8 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         checks.raise_problems([f"pin chunked_ce={pol.pins['chunked_ce']} cannot be honoured: chunked cross-entropy "
                                f"would not be exact for this model ({prof.chunked_ce_refusal}); drop the pin"], "pins")
     notes.extend(refused_optimizer_notes(ctx, pol))
+    if ctx.adapters_refusal is not None and pol.allow & {"adapters", "quantized_weights"}:
+        notes.append(f"adapters refused: {ctx.adapters_refusal}")
     if ctx.micro_batch_refusal != prof.micro_batch_refusal and global_batch > 1:
         pinned = pol.pins.get("micro_batch_size")
         if pinned is not None and pinned < global_batch:
@@ -165,6 +168,11 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
                 attach_to_plan(plan, prof, hw)  # where every byte of the chosen plan goes (report, output=json)
     if store is not None:
         store.save()
+    heads = task_heads(model) if isinstance(model, nn.Module) and plan.strategy.extra("adapters") is not None else []
+    if heads:
+        plan.notes.append(f"the task head ({', '.join(heads)}) trains beside the adapters, made fresh for the task "
+                          "as it is (peft's task types keep it trainable too: modules_to_save); its states are "
+                          "counted in the plan")
     plan.model["fingerprint"] = profile_fingerprint(prof)
     check_pins_honoured(plan, pol.pins)
     if alternatives_within is not None and world == 1:

@@ -48,7 +48,8 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 16: checks for NaN and infinity over activations read as finite; a floating value read in the step (loss.item())
 #     reads as a stand-in instead of failing the trace (memopt.profile.scalar_values, memopt.profile.tracker)
 # 17: a training forward that moves a module's number attribute at every call (a counter) refuses micro-batching
-#     like one that writes a buffer; a list of per-sample dicts is traced as one record per sample
+#     like one that writes a buffer; a list of per-sample dicts is traced as one record per sample; under adapters
+#     a classifier's task head trains (memopt.techniques.adapter_merge.task_heads)
 TRACE_REVISION = 17
 
 

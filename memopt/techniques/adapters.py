@@ -5,10 +5,12 @@ so the planner chooses it only under the policy allowance ``"adapters"``.
 
 Targets are found automatically: every ``nn.Linear`` inside the model's repeated blocks (attention and MLP
 projections; bitsandbytes' quantized linears are ``nn.Linear`` subclasses and count too), never the
-embeddings or the LM head. ``apply_adapters`` wraps the model with ``peft.get_peft_model``; the module tree
-is changed in place (each target becomes a peft LoRA layer around the original module), so the original
-model object runs with the adapters too. Its undo unloads them without merging: the original modules come
-back, their weights bitwise unchanged, and every ``requires_grad`` flag as it was.
+embeddings or the LM head. A classifier's task head (``classifier``, ``score``, ``qa_outputs``: made fresh for
+the task) trains beside the adapters, as peft's task types keep it (``modules_to_save``), in place.
+``apply_adapters`` wraps the model with ``peft.get_peft_model``; the module tree is changed in place (each target
+becomes a peft LoRA layer around the original module), so the original model object runs with the adapters too.
+Its undo merges the trained adapters into the weights they sit on (:mod:`memopt.techniques.adapter_merge`) and
+unloads them: the original modules come back, holding what was trained, with every ``requires_grad`` flag as it was.
 
 What the adapters cost in bytes, from the targets' shapes alone, is in :mod:`memopt.techniques.adapter_bytes`.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from memopt.blocks import find_block_stacks
+from memopt.techniques.adapter_merge import merge_adapters, task_heads
 from memopt.techniques.model_change import ModelChange, Undo, no_change
 
 __all__ = [
@@ -290,18 +293,23 @@ def change_model(change: ModelChange) -> Undo:
     setting = change.strategy.extra("adapters")
     if setting is None:
         return no_change
-    return apply_adapters(change.model, setting, fake=change.fake)[1]
+    return apply_adapters(change.model, setting, fake=change.fake, originals=change.quantized_originals)[1]
 
 
-def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *, fake: bool = False
-                   ) -> tuple[nn.Module, Callable[[], None]]:
-    """Freeze ``model`` and add trainable adapters to its target linears; returns (the peft model, undo).
+def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *, fake: bool = False,
+                   originals: Mapping[str, nn.Module] | None = None) -> tuple[nn.Module, Callable[[], None]]:
+    """Freeze ``model`` but its task heads (:func:`memopt.techniques.adapter_merge.task_heads`) and add trainable
+    adapters to its target linears; returns (the peft model, undo). The undo merges the trained adapters into the
+    weights (``originals``: the full-precision modules of a base quantized before, by name) and takes them off.
 
     The peft model wraps ``model``, whose modules are changed in place, so ``model`` itself also runs with the
     adapters (memopt's train step keeps calling it). ``fake``: the model is a fake-tensor copy being traced
     (the adapters are created as fake tensors; LoRA layers answer autocast queries for the traced device).
     """
     setting = AdapterSetting.parse(setting)
+    if type(model).__module__.startswith("peft."):
+        raise ValueError(f"the model is a peft model already ({type(model).__name__}): memopt puts no adapters of "
+                         "its own on it; train it as it is (a fidelity without 'adapters', or pin adapter_rank=0)")
     peft = _peft()
     targets = list(setting.targets) if setting.targets is not None else find_target_linears(model, include_conv1d=True)
     if not targets:
@@ -322,6 +330,8 @@ def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *
                 peft_model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
         else:
             peft_model = peft.get_peft_model(model, config)
+    for head in task_heads(model):
+        model.get_submodule(head).requires_grad_(True)
     wrapped: list[nn.Module] = []
     if fake:
         _materialize_fake(model)
@@ -335,7 +345,9 @@ def apply_adapters(model: nn.Module, setting: AdapterSetting | dict[str, Any], *
     def undo() -> None:
         for module in wrapped:
             del module.forward
-        peft_model.unload()  # peft: replace each LoRA layer by its base layer, without merging
+        if not fake:
+            merge_adapters(model, originals or {})
+        peft_model.unload()  # peft: replace each LoRA layer by its base layer (merged above)
         for p, flag in flags:
             p.requires_grad_(flag)
         for name in set(vars(model)) - attrs_before:

@@ -24,8 +24,8 @@ from memopt.blocks import BlockStack, persistent_buffers
 from memopt.strategy import Checkpointing
 from memopt.techniques.model_change import ModelChange, Undo
 
-__all__ = ["COARSE_FRACTIONS", "SELECTIVE_SAVE_OPS", "apply_checkpointing", "change_model", "coarse_options",
-           "selective_policy"]
+__all__ = ["COARSE_FRACTIONS", "SELECTIVE_SAVE_OPS", "apply_checkpointing", "change_model", "checkpointing_refusal",
+           "coarse_options", "selective_policy"]
 
 # attention kernels by op name: CUDA's own, and the profile's emulations of them
 # (memopt.profile.attention_kernels registers its ops under these names so the same policy applies when tracing)
@@ -128,9 +128,26 @@ def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], tuple[An
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
+def checkpointing_refusal(model: nn.Module) -> str | None:
+    """Why recomputing this model's blocks would not be exact (None: it would): peft's prefix tuning hands every
+    attention layer its virtual tokens as a key/value cache that the layer appends its own keys and values to, so a
+    recomputed block would append them a second time and attend over other keys than its first pass did."""
+    if not type(model).__module__.startswith("peft."):
+        return None
+    config = getattr(model, "active_peft_config", None)
+    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
+    if kind in ("PREFIX_TUNING", "CARTRIDGE"):
+        return (f"peft {str(kind).lower()} gives each attention layer its virtual tokens as a key/value cache the "
+                "layer appends to, so a recomputed block would append its keys and values twice")
+    return None
+
+
 def change_model(change: ModelChange) -> Undo:
     """Checkpointing's change: the planned blocks of every stack recompute their forward in backward."""
     setting = change.strategy.checkpointing
+    why = checkpointing_refusal(change.model) if setting.mode != "none" else None
+    if why is not None:
+        raise ValueError(f"activation checkpointing refused: {why}; use checkpointing mode 'none'")
     if setting.mode != "none" and not change.stacks:
         raise ValueError("activation checkpointing needs repeated blocks (an nn.ModuleList, nn.Sequential or "
                          "nn.ModuleDict of two or more distinct layers of one class), and this model has none; use "

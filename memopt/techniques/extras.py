@@ -35,7 +35,17 @@ class Policy(Protocol):
 
     def allows(self, field_name: str, value: Any) -> bool: ...
 
-__all__ = ["EXTRAS", "LEVELED", "SHARDING", "Level", "extras_ladder"]
+__all__ = ["EXTRAS", "LEVELED", "SHARDING", "Level", "adapters_refusal", "extras_ladder"]
+
+
+def adapters_refusal(model_class: str) -> str | None:
+    """Why memopt's own adapters (and the quantized base under them) cannot go on a model of class ``model_class``
+    (the profile's ``model_class``), None where they can: a peft model the user made trains what its peft
+    config says, and a second set of adapters (or peft's unload of them) would change its layers under it."""
+    if model_class.startswith(("PeftModel", "PeftMixedModel")):
+        return (f"the model is a peft model already ({model_class}): memopt adds no adapters or quantization of "
+                "its own to it, and trains what its peft config makes trainable")
+    return None
 
 # one rung of the ladder: the (extras key, setting) pairs of Strategy.extras, sorted by key
 Level = tuple[tuple[str, Any], ...]
@@ -78,7 +88,7 @@ class _Adapters(_SettingExtra):
 
     def levels(self, ctx: SearchContext, allow: frozenset[str], pinned: Any) -> list[Any]:
         # the pinned rank, else the default one: the planner does not choose among ranks
-        if self.needs not in allow or not self.installed(ctx):
+        if self.needs not in allow or not self.installed(ctx) or ctx.adapters_refusal is not None:
             return []
         r = pinned or DEFAULT_ADAPTER_RANK
         return [AdapterSetting(kind="lora", r=r, alpha=2 * r).as_extra()]
@@ -179,7 +189,10 @@ def extras_ladder(ctx: SearchContext, policy: Policy) -> list[Level]:
     levels = [lv for lv in levels if admitted(lv)]
     if not levels:
         missing = [t.package for t in LEVELED if not t.installed(ctx)]
-        raise ValueError(f"the pins {', '.join(f'{t.pin}={pins[t.name]!r}' for t in LEVELED)} leave nothing to plan"
+        pinned = ', '.join(f'{t.pin}={pins[t.name]!r}' for t in LEVELED)
+        if ctx.adapters_refusal is not None and any(pins.values()):
+            raise ValueError(f"the pins {pinned} cannot be honoured: {ctx.adapters_refusal}; drop them")
+        raise ValueError(f"the pins {pinned} leave nothing to plan"
                          + (f": {' and '.join(missing)} not installed (pip install 'memopt[bnb]' peft)"
                             if missing else ""))
     return levels

@@ -39,6 +39,8 @@ class ModelChange:
     quantized_stand_in: Callable[[nn.Linear, Any], nn.Module] | None = None
     # the trainable weights as the user gave them, kept by the precision cast for bf16_master's fp32 masters
     originals: list[nn.Parameter] = field(default_factory=list)
+    # the full-precision linears quantization replaced, by name: the adapters' undo merges into them
+    quantized_originals: dict[str, nn.Module] = field(default_factory=dict)
 
 
 def no_change() -> None:

@@ -38,6 +38,7 @@ class SearchContext:
     attention_backends: tuple[str, ...] = ("auto",)
     max_micro_batch: int | None = None
     peft_available: bool = False  # adapters (memopt.techniques.adapters) can be planned
+    adapters_refusal: str | None = None  # why memopt's adapters cannot go on this model (None: they can)
     liger_ce: bool = False  # Liger's fused linear cross-entropy is installed, runs on the GPU and is exact here
     micro_batch_refusal: str | None = None  # why micro-batches would not be exact (the global batch only)
     # (optimizer, why it cannot step this model's trainable parameters): refused ones are never candidates

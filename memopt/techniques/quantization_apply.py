@@ -116,7 +116,10 @@ def change_model(change: ModelChange) -> Undo:
     if setting is None or is_quantized(change.model):
         return no_change
     device = change.move_to if not change.fake else None
-    return apply_quantization(change.model, setting, stand_in=change.quantized_stand_in, device=device)
+    names = quantization_targets(change.model)
+    change.quantized_originals.update((name, change.model.get_submodule(name)) for name in names)
+    return apply_quantization(change.model, setting, stand_in=change.quantized_stand_in, targets=names,
+                              device=device)
 
 
 def apply_quantization(model: nn.Module, setting: QuantSetting | dict[str, Any], *,

@@ -57,6 +57,20 @@ def test_composed_matches_simulation_with_extras(config):
     assert any("/adapters=" in label for label in est.detail["variants"])
 
 
+def test_a_classifiers_head_trained_beside_the_adapters_is_in_the_estimate():
+    """Under LoRA a classifier's fresh head trains (memopt.techniques.adapter_merge.task_heads): the trace counts its
+    gradients and optimizer states, and the estimate still equals the simulation of the whole model."""
+    strategy = LORA.replace(precision="fp32")
+    sample = {"batch_size": 4, "image_size": 32}
+    prof = shared_profile("tiny_vit", (("num_hidden_layers", 6),), tuple(sorted(sample.items())), "h200")
+    est = memopt.estimate(prof, strategy, exact_reserved=True, num_steps=3)
+    sim_alloc, _ = simulate_whole_step(with_overrides("tiny_vit", {"num_hidden_layers": 6}), sample, strategy)
+    assert abs(est.peak_allocated_bytes - sim_alloc) <= 0.01 * sim_alloc, (est.peak_allocated_bytes, sim_alloc)
+    params, _ = prof.model_state(prof.variant(variant_key(strategy), 2))
+    trainable = [shape for shape, _, grad in params if grad]
+    assert (10, 64) in trainable and (10,) in trainable  # the head's weight and bias, beside lora_A and lora_B
+
+
 def test_extras_variant_key_round_trips_and_changes_the_trace():
     key = variant_key(CONFIGS["qlora4"])
     assert key.quantization and key.adapters and key.has_extras
