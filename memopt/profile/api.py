@@ -111,11 +111,7 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             return with_real_rows(batch, rows, b)
 
         factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
-        padding = {k: m for k, m in rows.items() if k in MASKS}
-        if padding:  # a padded row takes other attention paths than a full one: which rows are padded keys the
-            # profile (not the mask itself: another batch padded in the same rows finds the same traces)
-            factory.key_part = {k: "".join("p" if bool((m[i] == 0).any()) else "f"  # type: ignore[attr-defined]
-                                           for i in range(m.shape[0])) for k, m in padding.items()}
+        _key_padded_rows(factory, rows)
         tokens = parsed.seq_len if spec.is_token_model else None
         return factory, parsed.to_dict(), tokens
     if isinstance(sample, dict) and sample and _is_shapes(sample):
@@ -125,6 +121,15 @@ def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[Batch
             "a real batch instead, e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
         )
     return _structure_factory(sample)
+
+
+def _key_padded_rows(factory: Any, rows: dict[str, torch.Tensor]) -> None:
+    """A padded row takes other attention paths than a full one: which rows are padded keys the profile (not the
+    mask itself: another batch padded in the same rows finds the same traces)."""
+    padding = {k: m for k, m in rows.items() if k in MASKS}
+    if padding:
+        factory.key_part = {k: "".join("p" if bool((m[i] == 0).any()) else "f" for i in range(m.shape[0]))
+                            for k, m in padding.items()}
 
 
 def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
@@ -147,9 +152,16 @@ def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int |
     fill = batch_like.integer_maxima(sample)
     whole = batch_samples.indivisible(sample)
 
+    rows = real_rows(sample)
+
     def factory(b: int, device: str) -> Any:
         # an indivisible batch is one sample: every batch made is the whole one, whatever b
-        return batch_like.like(template, None if whole else b, device, fill)
+        made = batch_like.like(template, None if whole else b, device, fill)
+        # the real token ids and masks, rows in turn: a model may read their values (a vision-language model
+        # finds its image placeholder tokens among the ids)
+        return with_real_rows(made, rows, b) if rows and not whole and isinstance(made, dict) else made
+
+    _key_padded_rows(factory, rows)
 
     tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_tree.leaves(sample)}  # for reports
     facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_tree.structure(sample)}
