@@ -84,11 +84,20 @@ def scheduler_factory(scheduler: Any, opt: torch.optim.Optimizer) -> Callable[[t
                          "build it on that optimizer, or pass a callable optimizer -> scheduler")
 
     def bind(new: torch.optim.Optimizer) -> Any:
-        scheduler.optimizer = new
+        _repoint(scheduler, new)
         _track_steps(new)
         return scheduler
 
     return bind
+
+
+def _repoint(scheduler: Any, new: torch.optim.Optimizer) -> None:
+    """``scheduler`` and every scheduler it drives (``SequentialLR``'s and ``ChainedScheduler``'s ``_schedulers``,
+    nested to any depth) set the learning rate of ``new``: the inner ones write the rate, so an outer one re-pointed
+    alone would leave them driving the user's optimizer. Their step counts are the objects' own, kept."""
+    scheduler.optimizer = new
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        _repoint(inner, new)
 
 
 def _track_steps(opt: torch.optim.Optimizer) -> None:

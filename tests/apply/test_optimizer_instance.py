@@ -107,3 +107,40 @@ def test_a_fresh_scheduler_steps_without_torch_taking_it_for_a_misordered_step()
         w.step(batch)
     assert not [str(c.message) for c in caught if "lr_scheduler" in str(c.message) or "overridden" in str(c.message)]
     assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+
+
+_S = torch.optim.lr_scheduler
+_COMPOSED = {
+    "sequential": lambda o: _S.SequentialLR(o, [_S.LinearLR(o, 0.1, 1.0, total_iters=2), _S.ExponentialLR(o, 0.5)],
+                                            milestones=[2]),
+    "chained": lambda o: _S.ChainedScheduler([_S.ConstantLR(o, 0.1, total_iters=2), _S.ExponentialLR(o, 0.5)]),
+    # a sequence inside a chain: the innermost schedulers write the rate too
+    "nested": lambda o: _S.ChainedScheduler([_S.SequentialLR(o, [_S.ConstantLR(o, 0.5, total_iters=1),
+                                                                  _S.StepLR(o, 1, gamma=0.5)], milestones=[1]),
+                                             _S.ExponentialLR(o, 0.9)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_COMPOSED))
+def test_a_composed_scheduler_drives_the_optimizer_memopt_builds(kind):
+    """SequentialLR and ChainedScheduler instances step schedulers of their own: every one of them follows memopt's
+    optimizer, so the rates and the weights are the hand loop's, step by step."""
+    batches = _batches(5)
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    ref_sched = _COMPOSED[kind](ref_opt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = _COMPOSED[kind](opt)
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=opt, lr_scheduler=sched, loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
+                    pins={"precision": "fp32"})
+    want, got = [], []
+    for b in batches:
+        _hand_step(ref, ref_opt, ref_sched, b)
+        want.append(ref_opt.param_groups[0]["lr"])
+        w.step(b)
+        got.append(w.optimizer.param_groups[0]["lr"])
+    assert got == pytest.approx(want, rel=1e-12)
+    assert len(set(want)) > 2  # the schedule moved the rate
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
