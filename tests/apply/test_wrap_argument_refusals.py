@@ -133,12 +133,18 @@ def test_a_step_inside_no_grad_still_trains():
 
 
 def test_an_optimizer_or_schedule_callable_that_builds_something_else_is_refused():
+    """The user's callable is wrong for every plan: one input error naming it, from wrap and from plan (the planner
+    does not take it for candidates that cannot run and report that nothing fits)."""
     other = torch.nn.Linear(2, 2)
-    for optimizer, message in ((lambda params: "adamw", r"optimizer= returned a str, not an optimizer"),
+    for optimizer, message in ((lambda params: "adamw", r"^optimizer= returned a str, not an optimizer"),
                                (lambda params: torch.optim.SGD(other.parameters(), lr=0.1),
-                                r"holds 2 tensor\(s\) other than the parameters it was given")):
-        with pytest.raises(TypeError, match=message):
+                                r"^the optimizer optimizer= built holds 2 tensor\(s\) other than the parameters it "
+                                r"was given")):
+        with pytest.raises(memopt.InputError, match=message) as caught:
             memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", optimizer=optimizer)
+        assert caught.value.__cause__ is None and caught.value.__context__ is None
+        with pytest.raises(memopt.InputError, match=message):
+            memopt.plan(_model(), SAMPLE, budget="4GB", hardware="h100_80gb", optimizer=optimizer)
     with pytest.raises(ValueError, match=r"lr_scheduler= returned a float, not a learning-rate scheduler"):
         memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr_scheduler=lambda opt: 0.5)
 
