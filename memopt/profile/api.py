@@ -80,8 +80,9 @@ _SAMPLE_FIELD = "defaults" if "defaults" in {f for f in __import__("memopt.model
 
 
 def _is_shapes(sample: Any) -> bool:
-    return sample is None or (isinstance(sample, dict)
-                              and all(not isinstance(v, torch.Tensor) for v in sample.values()))
+    """Sample shapes (``{"batch_size": 8, "seq_len": 512}``): no tensor anywhere in the dict. A tensor at any depth
+    makes it a batch (``{"inputs": {"x": x}, "targets": {"y": y}}`` holds none at its top level)."""
+    return sample is None or (isinstance(sample, dict) and not batch_tree.tensors(sample))
 
 
 def _is_model_batch(sample: Any) -> bool:
