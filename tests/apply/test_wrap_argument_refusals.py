@@ -5,6 +5,7 @@ do not leak into the first step."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -181,3 +182,35 @@ def test_a_model_compiled_in_place_is_refused_as_torch_compile_is():
     with pytest.raises(ValueError, match=r"does not support torch.compile'd models"):
         memopt.wrap(model, budget="16GB", hardware="h100_80gb", sample=torch.randn(8, 16),
                     loss_fn=lambda out, b: out.pow(2).mean())
+
+
+def test_a_model_with_uninitialised_lazy_modules_is_refused_until_one_forward_initialises_them():
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = torch.nn.LazyLinear(32), torch.nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.l2(torch.relu(self.l1(x)))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    kw = {"budget": "4GB", "hardware": "h100_80gb",
+          "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out, b[1])}
+    message = (r"^the model has lazy modules a forward has not initialised yet \(l1 \(LazyLinear\)\).* run one forward "
+               r"on a real batch first \(model\(batch\)\)")
+    torch.manual_seed(0)
+    model = Lazy()
+    for call in (lambda: memopt.wrap(model, sample=(x, y), **kw), lambda: memopt.wrap(model, **kw),
+                 lambda: memopt.plan(model, (x, y), **kw), lambda: memopt.profile(model, (x, y), hardware="h100_80gb")):
+        with pytest.raises(memopt.InputError, match=message):
+            call()
+    model(x)  # the fix the message names; the model then trains as the unwrapped loop
+    ref = copy.deepcopy(model)
+    w = memopt.wrap(model, sample=(x, y), guard=False, device="cpu", pins={"precision": "fp32"},
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **kw)
+    w.step((x, y))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
