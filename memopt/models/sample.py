@@ -40,7 +40,10 @@ class SampleSpec:
 
     Token models have ``seq_len`` (and seq2seq models ``decoder_seq_len``, the label length; ``None`` means
     ``seq_len``); image models have ``image_size`` (square images). ``variable_length`` records that the real
-    batches vary in length; plans are made for the longest (``seq_len`` is that maximum).
+    batches vary in length; plans are made for the longest (``seq_len`` is that maximum). ``label_kind``: what a
+    classifier's labels hold where they are not class ids, read from a real batch (``LABEL_KINDS``: float 0/1 per
+    class, or float regression targets), so the batches made for it hold the same; None: class ids, or what the
+    model's config says (its ``problem_type``).
     """
 
     batch_size: int
@@ -48,6 +51,7 @@ class SampleSpec:
     image_size: int | None = None
     decoder_seq_len: int | None = None
     variable_length: bool = False
+    label_kind: str | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems(self.to_dict(), None)
@@ -65,8 +69,12 @@ class SampleSpec:
         return self.decoder_seq_len if self.decoder_seq_len is not None else self.seq_len
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (a valid input of :meth:`parse`)."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict (a valid input of :meth:`parse`); ``label_kind`` only where labels are not
+        class ids, so the samples of every other batch (and the profile keys made of them) are as they were."""
+        fields = dataclasses.asdict(self)
+        if fields["label_kind"] is None:
+            del fields["label_kind"]
+        return fields
 
     @classmethod
     def parse(cls, sample: Any = None, spec: ModelSpec | str | dict[str, Any] | None = None) -> SampleSpec:
@@ -196,19 +204,17 @@ def make_batch(
         size = int(sample.image_size)  # type: ignore[arg-type]
         if _pixels_as_tokens(cfg):
             ids = torch.randint(0, int(cfg.vocab_size), (b, size * size), generator=generator, device=device)
-            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-            return {"input_ids": ids, "labels": labels}
+            return {"input_ids": ids, "labels": _class_labels(cfg, sample, generator, device)}
         patches = _patch_sequence(cfg, size)
         if patches is not None:
             grid, width = patches
             pixels = torch.randn(b, grid * grid, width, generator=generator, device=device, dtype=torch.float32)
             shapes = torch.full((b, 2), grid, dtype=torch.long, device=device)
-            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-            return {"pixel_values": pixels, "spatial_shapes": shapes, "labels": labels}
+            return {"pixel_values": pixels, "spatial_shapes": shapes,
+                    "labels": _class_labels(cfg, sample, generator, device)}
         channels = int(getattr(cfg, "num_channels", 3))
         pixels = torch.randn(b, channels, size, size, generator=generator, device=device, dtype=torch.float32)
-        labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-        return {"pixel_values": pixels, "labels": labels}
+        return {"pixel_values": pixels, "labels": _class_labels(cfg, sample, generator, device)}
 
     vocab = config_vocab_size(cfg) or _hashed_id_range(cfg)
     if vocab is None:
@@ -217,6 +223,22 @@ def make_batch(
     s = int(sample.seq_len)  # type: ignore[arg-type]
     batch = _token_batch(model, cfg, sample, vocab, generator, device)
     return {**batch, **_extra_inputs(cfg, b, s, generator, device)}
+
+
+def _class_labels(cfg: Any, sample: SampleSpec, generator: torch.Generator | None,
+                  device: str | torch.device) -> torch.Tensor:
+    """A classifier's labels as the sample's (``label_kind``), else as its config's ``problem_type`` asks (a model
+    of one label regresses, as transformers' heads do): class ids ``(batch,)``; ``multi_label``, a float 0/1 per
+    class ``(batch, num_labels)``; ``regression``, float targets ``(batch,)`` for one label, else one per label."""
+    b, n = sample.batch_size, int(cfg.num_labels)
+    problem = getattr(cfg, "problem_type", None)
+    kind = sample.label_kind or {"multi_label_classification": "multi_label", "regression": "regression"}.get(
+        problem, "regression" if problem is None and n == 1 else None)
+    if kind == "multi_label":
+        return torch.randint(0, 2, (b, n), generator=generator, device=device).float()
+    if kind == "regression":
+        return torch.randn((b,) if n == 1 else (b, n), generator=generator, device=device)
+    return torch.randint(0, n, (b,), generator=generator, device=device)
 
 
 def _pixels_as_tokens(cfg: Any) -> bool:
@@ -266,8 +288,7 @@ def _token_batch(model: ModelSpec, cfg: Any, sample: SampleSpec, vocab: int, gen
     if model.family == "causal_lm":
         return {"input_ids": input_ids, "labels": input_ids.clone()}
     if model.family == "sequence_classification":
-        labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": _class_labels(cfg, sample, generator, device)}
     if model.family == "token_classification":
         labels = torch.randint(0, int(cfg.num_labels), (b, s), generator=generator, device=device)
         return {"input_ids": input_ids, "labels": labels}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memopt.models.spec import SAMPLE_KEYS, ModelSpec
+from memopt.models.spec import LABEL_KINDS, SAMPLE_KEYS, ModelSpec
 
 __all__ = ["BATCH_KEYS", "collate_rows", "is_pos_int", "is_sequence", "shape_of", "shape_problems",
            "shapes_from_batch"]
@@ -26,6 +26,8 @@ BATCH_KEYS: tuple[str, ...] = (
     "bbox",
     "lang_ids",
 )
+#: families whose labels are one per sample (class ids, or floats: ``label_kind``), never one per token
+_PER_SAMPLE_LABELS = ("sequence_classification", "image_classification")
 _TOKEN_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 _DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask")
 
@@ -51,6 +53,12 @@ def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[st
             problems.append(f"{key} must be a positive int, got {value!r}")
     if not isinstance(shapes.get("variable_length", False), bool):
         problems.append(f"variable_length must be true or false, got {shapes['variable_length']!r}")
+    kind = shapes.get("label_kind")
+    if kind is not None and kind not in LABEL_KINDS:
+        problems.append(f"label_kind must be one of {list(LABEL_KINDS)} (or left out: class ids), got {kind!r}")
+    elif kind is not None and spec is not None and spec.family not in _PER_SAMPLE_LABELS:
+        problems.append(f"label_kind={kind!r} applies to sequence and image classifiers, not {spec.family} "
+                        f"{spec.name!r}")
     if shapes.get("batch_size") is None:
         problems.append("batch_size is required")
     seq_len, image_size = shapes.get("seq_len"), shapes.get("image_size")
@@ -121,8 +129,19 @@ def collate_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return {k: [row[k] for row in rows if k in row] for k in keys}
 
 
+def _label_kind(labels: Any) -> str | None:
+    """What a classifier's ``labels`` hold: float labels with a column per class are ``multi_label`` (a 0/1 per
+    class, ``problem_type="multi_label_classification"``), float labels one a sample (``(batch,)`` or
+    ``(batch, 1)``) are ``regression`` targets; class ids (integers) are None."""
+    shape = shape_of(labels)
+    if shape is None or not getattr(labels, "is_floating_point", lambda: False)():
+        return None
+    return "multi_label" if len(shape) == 2 and shape[1] > 1 else "regression"
+
+
 def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple[dict[str, Any], list[str]]:
-    """Read sample shapes from a real (or fake-tensor) batch; returns (shapes, problems)."""
+    """Read sample shapes from a real (or fake-tensor) batch; returns (shapes, problems). A classifier's labels
+    (``spec`` of a sequence or image classification family) are per sample: what they hold is ``label_kind``."""
     problems: list[str] = []
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
@@ -153,6 +172,9 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
     shapes: dict[str, Any] = {"batch_size": max(batch_sizes.values()) if batch_sizes else None}
     if variable:
         shapes["variable_length"] = True
+    per_sample_labels = spec is not None and spec.family in _PER_SAMPLE_LABELS
+    if per_sample_labels and _label_kind(batch.get("labels")) is not None:
+        shapes["label_kind"] = _label_kind(batch.get("labels"))
 
     is_image = "pixel_values" in dims or (spec is not None and not spec.is_token_model)
     if is_image:
@@ -182,7 +204,8 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
     for key in _TOKEN_KEYS:
         if key in dims and key != source and len(dims[key]) >= 2 and dims[key][1] != seq_len:
             problems.append(f"{key} has length {dims[key][1]} but {source} has {seq_len}")
-    decoder_keys = [k for k in (*_DECODER_KEYS, "labels", "shift_labels") if k in dims and len(dims[k]) >= 2]
+    decoder_keys = [k for k in (*_DECODER_KEYS, "labels", "shift_labels") if k in dims and len(dims[k]) >= 2
+                    and not (k == "labels" and per_sample_labels)]
     if seq2seq:
         lengths = {k: dims[k][1] for k in decoder_keys}
         if len(set(lengths.values())) > 1:
