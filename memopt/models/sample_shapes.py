@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from memopt.models.build import fixes_resolution
 from memopt.models.spec import LABEL_KINDS, SAMPLE_KEYS, ModelSpec
 
-__all__ = ["BATCH_KEYS", "collate_rows", "is_pos_int", "is_sequence", "shape_of", "shape_problems",
+__all__ = ["BATCH_KEYS", "collate_rows", "image_sides", "is_pos_int", "is_sequence", "shape_of", "shape_problems",
            "shapes_from_batch"]
 
 #: Batch keys :meth:`SampleSpec.parse` reads shapes from.
@@ -39,6 +40,15 @@ def is_pos_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def image_sides(size: Any) -> tuple[int, int] | None:
+    """(height, width) of an ``image_size``: a side (square images) or a (height, width) pair; None if neither."""
+    if is_pos_int(size):
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(is_pos_int(s) for s in size):
+        return int(size[0]), int(size[1])
+    return None
+
+
 def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[str]:
     """Everything wrong with a shape dict (for ``spec`` when given), as messages."""
     problems: list[str] = []
@@ -47,10 +57,11 @@ def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[st
         problems.append(f"unknown keys {unknown} (valid keys: {list(SAMPLE_KEYS)})")
     for key in ("batch_size", "seq_len", "image_size", "decoder_seq_len"):
         value = shapes.get(key)
-        if value is None:
+        if value is None or (key == "image_size" and image_sides(value) is not None):
             continue
         if not is_pos_int(value):
-            problems.append(f"{key} must be a positive int, got {value!r}")
+            extra = " (a side), or a (height, width) pair of them" if key == "image_size" else ""
+            problems.append(f"{key} must be a positive int{extra}, got {value!r}")
     if not isinstance(shapes.get("variable_length", False), bool):
         problems.append(f"variable_length must be true or false, got {shapes['variable_length']!r}")
     kind = shapes.get("label_kind")
@@ -90,11 +101,11 @@ def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[st
         for key in ("seq_len", "decoder_seq_len"):
             if shapes.get(key) is not None:
                 problems.append(f"{key} does not apply to image model {spec.name!r} (use image_size)")
-        model_size = hf.get("image_size")
-        if is_pos_int(image_size) and is_pos_int(model_size) and image_size != model_size:
+        given, model_sides = image_sides(image_size), image_sides(hf.get("image_size"))
+        if given is not None and model_sides is not None and given != model_sides and fixes_resolution(spec):
             problems.append(
-                f"image_size {image_size} differs from {spec.name!r}'s image_size {model_size} (its position "
-                "embeddings fix the resolution; override hf_config image_size to plan another one)"
+                f"image_size {image_size} differs from {spec.name!r}'s image_size {hf.get('image_size')} (its "
+                "position embeddings fix the resolution; override hf_config image_size to plan another one)"
             )
     return problems
 
@@ -183,10 +194,8 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
             problems.append("an image batch needs pixel_values of shape (batch, channels, height, width)")
         elif len(pixels) != 4:
             problems.append(f"pixel_values must be (batch, channels, height, width), got shape {list(pixels)}")
-        elif pixels[2] != pixels[3]:
-            problems.append(f"pixel_values must be square images, got {pixels[2]}x{pixels[3]}")
-        else:
-            shapes["image_size"] = pixels[2]
+        else:  # a side, or (height, width) for rectangular images
+            shapes["image_size"] = pixels[2] if pixels[2] == pixels[3] else [pixels[2], pixels[3]]
         token_keys = sorted(k for k in dims if k in _TOKEN_KEYS or k in _DECODER_KEYS)
         if token_keys:
             problems.append(f"an image batch takes pixel_values and labels, not {token_keys}")
