@@ -52,7 +52,9 @@ def describe_sample(sample: dict[str, Any]) -> str:
                  for k, (shape, dtype) in sample["tensors"].items()]
         return f"batch of {b}: " + ", ".join(parts)
     if sample.get("image_size"):
-        return f"{b} images of {sample['image_size']} x {sample['image_size']} px"
+        size = sample["image_size"]
+        height, width = size if isinstance(size, (list, tuple)) else (size, size)
+        return f"{b} images of {height} x {width} px"
     seq, dec = sample.get("seq_len"), sample.get("decoder_seq_len")
     text = f"{b} x {seq} tokens per step (global batch"
     if dec and dec != seq:

@@ -3,7 +3,7 @@ caller (the CLI, ``memopt.plan``, a saved plan's loader) reports all of them at 
 
 from __future__ import annotations
 
-__all__ = ["InputError", "raise_problems"]
+__all__ = ["InputError", "UserArgumentError", "raise_problems"]
 
 
 class InputError(ValueError):
@@ -15,6 +15,15 @@ class InputError(ValueError):
             super().__init__(self.problems[0])
         else:
             super().__init__(f"invalid {what}:\n  - " + "\n  - ".join(self.problems))
+
+
+class UserArgumentError(InputError):
+    """What the user's own code made for memopt (the optimizer an ``optimizer=`` callable builds) is wrong for every
+    plan. The planner takes a ``ValueError`` raised while it estimates a candidate for a candidate that cannot run,
+    and tries the next; this one it lets through, so the user reads the one line that names their argument."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__([problem])
 
 
 def raise_problems(problems: list[str], what: str = "input") -> None:

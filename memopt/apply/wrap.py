@@ -29,13 +29,21 @@ from torch import nn
 
 from memopt.apply.wrap_checks import is_trainer, refuse_plan_overrides, refuse_trainer_ignored
 from memopt.apply.wrapped import Wrapped
+from memopt.errors import InputError
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
 from memopt.plan.wrap_arguments import check_wrap_args
 from memopt.step.batch import as_loss
 from memopt.step.loss_reduction import LossReduction, starting_mode
-from memopt.techniques.optimizer_instance import is_optimizer, is_scheduler, optimizer_factory, scheduler_factory
+from memopt.techniques.optimizer_instance import (
+    has_unpassed_scheduler,
+    is_optimizer,
+    is_scheduler,
+    optimizer_factory,
+    scheduler_factory,
+    scheduler_refusal,
+)
 from memopt.units import parse_budget
 
 if TYPE_CHECKING:
@@ -168,6 +176,16 @@ def _from_instances(target: Any, optimizer: Any, lr_scheduler: Any, kwargs: dict
     if not isinstance(target, nn.Module):
         raise ValueError("optimizer= an optimizer instance goes with a model: a Trainer builds its own (pass it to "
                          "the Trainer as optimizers=(opt, scheduler))")
+    if lr_scheduler is None and has_unpassed_scheduler(optimizer):
+        # memopt trains with an optimizer of its own, built from this one: a scheduler the user steps on this one
+        # would change nothing that trains
+        raise InputError(["the optimizer passed to memopt.wrap has a learning-rate scheduler built on it, which "
+                          "memopt would not step (it trains with its own optimizer, built from yours): pass "
+                          "lr_scheduler=<your scheduler> to memopt.wrap, which steps it after each optimizer step, "
+                          "and stop calling its step() yourself"])
     if is_scheduler(lr_scheduler):
+        refusal = scheduler_refusal(lr_scheduler, "lr_scheduler=")
+        if refusal is not None:
+            raise InputError([refusal])
         lr_scheduler = scheduler_factory(lr_scheduler, optimizer)
     return optimizer_factory(optimizer, target), lr_scheduler

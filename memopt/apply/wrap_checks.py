@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from memopt.errors import InputError
+from memopt.profile.api import lazy_module_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.units import format_bytes, parse_budget
 
@@ -25,6 +27,9 @@ WRAPPED_BY = "memopt_wrapper"
 
 
 def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
+    lazy = lazy_module_refusal(model)
+    if lazy is not None:
+        raise InputError([lazy])
     if model.__dict__.get(WRAPPED_BY) is not None:
         raise ValueError("this model is already wrapped by memopt.wrap: train through that wrapper, or call its "
                          "unwrap() first to wrap the model again")

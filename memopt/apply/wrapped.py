@@ -41,7 +41,7 @@ from memopt.step.hard_cap import (
 from memopt.step.loss_reduction import LossReduction, starting_mode
 from memopt.step.prepare import Prepared, keeps_placement, prepare
 from memopt.step.right_padding import PaddingCut
-from memopt.step.train_step import count_loss_items
+from memopt.step.train_step import SchedulerStepFailed, count_loss_items
 from memopt.techniques.attention import sdpa_restricted
 from memopt.techniques.precision import forward_context
 from memopt.units import format_bytes
@@ -318,21 +318,28 @@ class Wrapped:
         from memopt.guard.attribution_hooks import record_wrapped_step
 
         # a training step needs gradients even where the caller's code turned them off (a step inside no_grad)
-        with torch.enable_grad(), record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
-            if self.guard is not None:
-                loss = self.guard.step(batch)
-                if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
-                    self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
-                if self.guard.plan is not None:
-                    self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
-            else:
-                loss = self._prepared.step.step(batch)
+        try:
+            with torch.enable_grad(), record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
+                if self.guard is not None:
+                    loss = self.guard.step(batch)
+                    if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
+                        self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
+                    if self.guard.plan is not None:
+                        self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
+                else:
+                    loss = self._prepared.step.step(batch)
+        except SchedulerStepFailed:
+            self._count_step(batch)  # the weights moved before the scheduler raised: the step was taken
+            raise
         self.plan.notes.extend(filter(None, [self._padding.note()]))  # the padding verdict, once decided
         if self.steps_done == 0:
             progress.done(f"first step trained: {self.plan.strategy.label()}")
+        self._count_step(batch)
+        return loss
+
+    def _count_step(self, batch: Any) -> None:
         self.steps_done += 1
         self.items_seen += count_loss_items(batch, causal=self._prepared.step.causal_lm)
-        return loss
 
     def _started_training(self) -> None:
         """The first training step starts now (after the plan and the autotune): ``startup_s`` is set once."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import inspect
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from memopt.models.spec import FAMILIES, ModelSpec, load_model_spec
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "build_model", "hf_config"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "build_model", "fixes_resolution", "hf_config"]
 
 
 #: attn_implementation values accepted by :func:`build_model` (flash kernels need their packages at run time).
@@ -111,6 +112,24 @@ def _architecture_class(spec: ModelSpec) -> type[nn.Module]:
             + f"; families: {list(FAMILIES)}"
         )
     return cls
+
+
+def fixes_resolution(spec: ModelSpec) -> bool:
+    """Whether an image model trains only at its config's ``image_size``: position embeddings sized from it, which
+    its forward resizes only when asked (``interpolate_pos_encoding``: ViT, DeiT, BEiT), unless the config turns them
+    off (Swin's ``use_absolute_embeddings=False``: its windows take any size). A model without such embeddings
+    (ConvNeXt, ResNet) takes any size; one that interpolates them always (DINOv2) too. A class transformers does not
+    export (a subclass of the user's) is taken as fixed."""
+    import transformers
+
+    cls = getattr(transformers, spec.architecture, None)
+    if not isinstance(cls, type):
+        return True
+    try:
+        asks = "interpolate_pos_encoding" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return True
+    return asks and getattr(hf_config(spec), "use_absolute_embeddings", True) is not False
 
 
 def build_model(

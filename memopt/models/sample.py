@@ -20,6 +20,7 @@ from memopt.models.build import config_class, hf_config
 from memopt.models.sample_shapes import (
     BATCH_KEYS,
     collate_rows,
+    image_sides,
     is_sequence,
     shape_of,
     shape_problems,
@@ -39,20 +40,28 @@ class SampleSpec:
     """The shape of one training step's batch.
 
     Token models have ``seq_len`` (and seq2seq models ``decoder_seq_len``, the label length; ``None`` means
-    ``seq_len``); image models have ``image_size`` (square images). ``variable_length`` records that the real
-    batches vary in length; plans are made for the longest (``seq_len`` is that maximum).
+    ``seq_len``); image models have ``image_size`` (a side for square images, else ``(height, width)``).
+    ``variable_length`` records that the real
+    batches vary in length; plans are made for the longest (``seq_len`` is that maximum). ``label_kind``: what a
+    classifier's labels hold where they are not class ids, read from a real batch (``LABEL_KINDS``: float 0/1 per
+    class, or float regression targets), so the batches made for it hold the same; None: class ids, or what the
+    model's config says (its ``problem_type``).
     """
 
     batch_size: int
     seq_len: int | None = None
-    image_size: int | None = None
+    image_size: int | tuple[int, int] | None = None
     decoder_seq_len: int | None = None
     variable_length: bool = False
+    label_kind: str | None = None
 
     def __post_init__(self) -> None:
         problems = shape_problems(self.to_dict(), None)
         if problems:
             raise ValueError("invalid sample: " + "; ".join(problems))
+        sides = image_sides(self.image_size)
+        if sides is not None:  # a square is its side (as every sample was before pairs); a pair a tuple, once read
+            object.__setattr__(self, "image_size", sides[0] if sides[0] == sides[1] else sides)
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -65,8 +74,12 @@ class SampleSpec:
         return self.decoder_seq_len if self.decoder_seq_len is not None else self.seq_len
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict (a valid input of :meth:`parse`)."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict (a valid input of :meth:`parse`); ``label_kind`` only where labels are not
+        class ids, so the samples of every other batch (and the profile keys made of them) are as they were."""
+        fields = dataclasses.asdict(self)
+        if fields["label_kind"] is None:
+            del fields["label_kind"]
+        return fields
 
     @classmethod
     def parse(cls, sample: Any = None, spec: ModelSpec | str | dict[str, Any] | None = None) -> SampleSpec:
@@ -193,22 +206,21 @@ def make_batch(
     cfg = config if config is not None else hf_config(model)
     b = sample.batch_size
     if model.family == "image_classification":
-        size = int(sample.image_size)  # type: ignore[arg-type]
+        height, width = image_sides(sample.image_size)  # type: ignore[misc]
         if _pixels_as_tokens(cfg):
-            ids = torch.randint(0, int(cfg.vocab_size), (b, size * size), generator=generator, device=device)
-            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-            return {"input_ids": ids, "labels": labels}
-        patches = _patch_sequence(cfg, size)
+            ids = torch.randint(0, int(cfg.vocab_size), (b, height * width), generator=generator, device=device)
+            return {"input_ids": ids, "labels": _class_labels(cfg, sample, generator, device)}
+        patches = _patch_sequence(cfg, height, width)
         if patches is not None:
-            grid, width = patches
-            pixels = torch.randn(b, grid * grid, width, generator=generator, device=device, dtype=torch.float32)
-            shapes = torch.full((b, 2), grid, dtype=torch.long, device=device)
-            labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-            return {"pixel_values": pixels, "spatial_shapes": shapes, "labels": labels}
+            rows, cols, patch_width = patches
+            pixels = torch.randn(b, rows * cols, patch_width, generator=generator, device=device, dtype=torch.float32)
+            shapes = torch.stack([torch.full((b,), side, dtype=torch.long, device=device) for side in (rows, cols)],
+                                 dim=1)
+            return {"pixel_values": pixels, "spatial_shapes": shapes,
+                    "labels": _class_labels(cfg, sample, generator, device)}
         channels = int(getattr(cfg, "num_channels", 3))
-        pixels = torch.randn(b, channels, size, size, generator=generator, device=device, dtype=torch.float32)
-        labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-        return {"pixel_values": pixels, "labels": labels}
+        pixels = torch.randn(b, channels, height, width, generator=generator, device=device, dtype=torch.float32)
+        return {"pixel_values": pixels, "labels": _class_labels(cfg, sample, generator, device)}
 
     vocab = config_vocab_size(cfg) or _hashed_id_range(cfg)
     if vocab is None:
@@ -219,6 +231,22 @@ def make_batch(
     return {**batch, **_extra_inputs(cfg, b, s, generator, device)}
 
 
+def _class_labels(cfg: Any, sample: SampleSpec, generator: torch.Generator | None,
+                  device: str | torch.device) -> torch.Tensor:
+    """A classifier's labels as the sample's (``label_kind``), else as its config's ``problem_type`` asks (a model
+    of one label regresses, as transformers' heads do): class ids ``(batch,)``; ``multi_label``, a float 0/1 per
+    class ``(batch, num_labels)``; ``regression``, float targets ``(batch,)`` for one label, else one per label."""
+    b, n = sample.batch_size, int(cfg.num_labels)
+    problem = getattr(cfg, "problem_type", None)
+    kind = sample.label_kind or {"multi_label_classification": "multi_label", "regression": "regression"}.get(
+        problem, "regression" if problem is None and n == 1 else None)
+    if kind == "multi_label":
+        return torch.randint(0, 2, (b, n), generator=generator, device=device).float()
+    if kind == "regression":
+        return torch.randn((b,) if n == 1 else (b, n), generator=generator, device=device)
+    return torch.randint(0, n, (b,), generator=generator, device=device)
+
+
 def _pixels_as_tokens(cfg: Any) -> bool:
     """An image classifier that reads an image as token ids, one a pixel (ImageGPT's colour clusters): its config
     has a vocabulary and neither channels nor an image size."""
@@ -226,16 +254,16 @@ def _pixels_as_tokens(cfg: Any) -> bool:
     return isinstance(vocab, int) and not hasattr(cfg, "num_channels") and not hasattr(cfg, "image_size")
 
 
-def _patch_sequence(cfg: Any, size: int) -> tuple[int, int] | None:
+def _patch_sequence(cfg: Any, height: int, width: int) -> tuple[int, int, int] | None:
     """An image classifier that reads an image as a sequence of flattened patches with its patch grid (SigLIP 2's
     NaFlex: ``pixel_values`` of ``(batch, patches, channels * patch_size ** 2)`` and ``spatial_shapes``): its
-    (vision) config has ``num_patches`` and a ``patch_size`` but no ``image_size``. Returns the grid side of a
-    ``size``-pixel square image and a patch's width, or None."""
+    (vision) config has ``num_patches`` and a ``patch_size`` but no ``image_size``. Returns the patch grid's rows
+    and columns for a ``height`` x ``width`` image and a patch's width, or None."""
     vision = getattr(cfg, "vision_config", None) or cfg
     patches, patch = getattr(vision, "num_patches", None), getattr(vision, "patch_size", None)
     if not isinstance(patches, int) or not isinstance(patch, int) or hasattr(vision, "image_size"):
         return None
-    return size // patch, int(getattr(vision, "num_channels", 3)) * patch * patch
+    return height // patch, width // patch, int(getattr(vision, "num_channels", 3)) * patch * patch
 
 
 def _hashed_id_range(cfg: Any) -> int | None:
@@ -266,8 +294,7 @@ def _token_batch(model: ModelSpec, cfg: Any, sample: SampleSpec, vocab: int, gen
     if model.family == "causal_lm":
         return {"input_ids": input_ids, "labels": input_ids.clone()}
     if model.family == "sequence_classification":
-        labels = torch.randint(0, int(cfg.num_labels), (b,), generator=generator, device=device)
-        return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": _class_labels(cfg, sample, generator, device)}
     if model.family == "token_classification":
         labels = torch.randint(0, int(cfg.num_labels), (b, s), generator=generator, device=device)
         return {"input_ids": input_ids, "labels": labels}

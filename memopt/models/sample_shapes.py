@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from memopt.models.spec import SAMPLE_KEYS, ModelSpec
+from memopt.models.build import fixes_resolution
+from memopt.models.spec import LABEL_KINDS, SAMPLE_KEYS, ModelSpec
 
-__all__ = ["BATCH_KEYS", "collate_rows", "is_pos_int", "is_sequence", "shape_of", "shape_problems",
+__all__ = ["BATCH_KEYS", "collate_rows", "image_sides", "is_pos_int", "is_sequence", "shape_of", "shape_problems",
            "shapes_from_batch"]
 
 #: Batch keys :meth:`SampleSpec.parse` reads shapes from.
@@ -26,6 +27,8 @@ BATCH_KEYS: tuple[str, ...] = (
     "bbox",
     "lang_ids",
 )
+#: families whose labels are one per sample (class ids, or floats: ``label_kind``), never one per token
+_PER_SAMPLE_LABELS = ("sequence_classification", "image_classification")
 _TOKEN_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "token_type_ids", "position_ids")
 _DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask")
 
@@ -37,6 +40,15 @@ def is_pos_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def image_sides(size: Any) -> tuple[int, int] | None:
+    """(height, width) of an ``image_size``: a side (square images) or a (height, width) pair; None if neither."""
+    if is_pos_int(size):
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) == 2 and all(is_pos_int(s) for s in size):
+        return int(size[0]), int(size[1])
+    return None
+
+
 def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[str]:
     """Everything wrong with a shape dict (for ``spec`` when given), as messages."""
     problems: list[str] = []
@@ -45,12 +57,19 @@ def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[st
         problems.append(f"unknown keys {unknown} (valid keys: {list(SAMPLE_KEYS)})")
     for key in ("batch_size", "seq_len", "image_size", "decoder_seq_len"):
         value = shapes.get(key)
-        if value is None:
+        if value is None or (key == "image_size" and image_sides(value) is not None):
             continue
         if not is_pos_int(value):
-            problems.append(f"{key} must be a positive int, got {value!r}")
+            extra = " (a side), or a (height, width) pair of them" if key == "image_size" else ""
+            problems.append(f"{key} must be a positive int{extra}, got {value!r}")
     if not isinstance(shapes.get("variable_length", False), bool):
         problems.append(f"variable_length must be true or false, got {shapes['variable_length']!r}")
+    kind = shapes.get("label_kind")
+    if kind is not None and kind not in LABEL_KINDS:
+        problems.append(f"label_kind must be one of {list(LABEL_KINDS)} (or left out: class ids), got {kind!r}")
+    elif kind is not None and spec is not None and spec.family not in _PER_SAMPLE_LABELS:
+        problems.append(f"label_kind={kind!r} applies to sequence and image classifiers, not {spec.family} "
+                        f"{spec.name!r}")
     if shapes.get("batch_size") is None:
         problems.append("batch_size is required")
     seq_len, image_size = shapes.get("seq_len"), shapes.get("image_size")
@@ -82,11 +101,11 @@ def shape_problems(shapes: Mapping[str, Any], spec: ModelSpec | None) -> list[st
         for key in ("seq_len", "decoder_seq_len"):
             if shapes.get(key) is not None:
                 problems.append(f"{key} does not apply to image model {spec.name!r} (use image_size)")
-        model_size = hf.get("image_size")
-        if is_pos_int(image_size) and is_pos_int(model_size) and image_size != model_size:
+        given, model_sides = image_sides(image_size), image_sides(hf.get("image_size"))
+        if given is not None and model_sides is not None and given != model_sides and fixes_resolution(spec):
             problems.append(
-                f"image_size {image_size} differs from {spec.name!r}'s image_size {model_size} (its position "
-                "embeddings fix the resolution; override hf_config image_size to plan another one)"
+                f"image_size {image_size} differs from {spec.name!r}'s image_size {hf.get('image_size')} (its "
+                "position embeddings fix the resolution; override hf_config image_size to plan another one)"
             )
     return problems
 
@@ -121,8 +140,19 @@ def collate_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return {k: [row[k] for row in rows if k in row] for k in keys}
 
 
+def _label_kind(labels: Any) -> str | None:
+    """What a classifier's ``labels`` hold: float labels with a column per class are ``multi_label`` (a 0/1 per
+    class, ``problem_type="multi_label_classification"``), float labels one a sample (``(batch,)`` or
+    ``(batch, 1)``) are ``regression`` targets; class ids (integers) are None."""
+    shape = shape_of(labels)
+    if shape is None or not getattr(labels, "is_floating_point", lambda: False)():
+        return None
+    return "multi_label" if len(shape) == 2 and shape[1] > 1 else "regression"
+
+
 def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple[dict[str, Any], list[str]]:
-    """Read sample shapes from a real (or fake-tensor) batch; returns (shapes, problems)."""
+    """Read sample shapes from a real (or fake-tensor) batch; returns (shapes, problems). A classifier's labels
+    (``spec`` of a sequence or image classification family) are per sample: what they hold is ``label_kind``."""
     problems: list[str] = []
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
@@ -153,6 +183,9 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
     shapes: dict[str, Any] = {"batch_size": max(batch_sizes.values()) if batch_sizes else None}
     if variable:
         shapes["variable_length"] = True
+    per_sample_labels = spec is not None and spec.family in _PER_SAMPLE_LABELS
+    if per_sample_labels and _label_kind(batch.get("labels")) is not None:
+        shapes["label_kind"] = _label_kind(batch.get("labels"))
 
     is_image = "pixel_values" in dims or (spec is not None and not spec.is_token_model)
     if is_image:
@@ -161,10 +194,8 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
             problems.append("an image batch needs pixel_values of shape (batch, channels, height, width)")
         elif len(pixels) != 4:
             problems.append(f"pixel_values must be (batch, channels, height, width), got shape {list(pixels)}")
-        elif pixels[2] != pixels[3]:
-            problems.append(f"pixel_values must be square images, got {pixels[2]}x{pixels[3]}")
-        else:
-            shapes["image_size"] = pixels[2]
+        else:  # a side, or (height, width) for rectangular images
+            shapes["image_size"] = pixels[2] if pixels[2] == pixels[3] else [pixels[2], pixels[3]]
         token_keys = sorted(k for k in dims if k in _TOKEN_KEYS or k in _DECODER_KEYS)
         if token_keys:
             problems.append(f"an image batch takes pixel_values and labels, not {token_keys}")
@@ -182,7 +213,8 @@ def shapes_from_batch(batch: Mapping[str, Any], spec: ModelSpec | None) -> tuple
     for key in _TOKEN_KEYS:
         if key in dims and key != source and len(dims[key]) >= 2 and dims[key][1] != seq_len:
             problems.append(f"{key} has length {dims[key][1]} but {source} has {seq_len}")
-    decoder_keys = [k for k in (*_DECODER_KEYS, "labels", "shift_labels") if k in dims and len(dims[k]) >= 2]
+    decoder_keys = [k for k in (*_DECODER_KEYS, "labels", "shift_labels") if k in dims and len(dims[k]) >= 2
+                    and not (k == "labels" and per_sample_labels)]
     if seq2seq:
         lengths = {k: dims[k][1] for k in decoder_keys}
         if len(set(lengths.values())) > 1:

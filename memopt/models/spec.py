@@ -26,14 +26,19 @@ import yaml
 
 from memopt.resources import config_names, configs_dir
 
-__all__ = ["FAMILIES", "SAMPLE_KEYS", "ModelSpec", "load_model_spec", "model_names"]
+__all__ = ["FAMILIES", "LABEL_KINDS", "SAMPLE_KEYS", "ModelSpec", "load_model_spec", "model_names"]
 
 #: Model families memopt knows how to feed (see :func:`memopt.models.sample.make_batch`).
 FAMILIES: tuple[str, ...] = ("causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification", "token_classification",
                              "image_classification")
 
 #: Keys of a sample-shape dict (``sample:`` in a model YAML, or a ``SampleSpec.parse`` dict).
-SAMPLE_KEYS: tuple[str, ...] = ("batch_size", "seq_len", "image_size", "decoder_seq_len", "variable_length")
+SAMPLE_KEYS: tuple[str, ...] = ("batch_size", "seq_len", "image_size", "decoder_seq_len", "variable_length",
+                                "label_kind")
+
+#: What a classifier's ``labels`` hold besides class ids (``label_kind``): ``multi_label``, a float 0/1 per class
+#: (``(batch, num_labels)``); ``regression``, float targets (``(batch,)``, or ``(batch, num_labels)``).
+LABEL_KINDS: tuple[str, ...] = ("multi_label", "regression")
 
 _SPEC_KEYS: tuple[str, ...] = ("name", "family", "architecture", "hf_config", "sample")
 
@@ -115,7 +120,8 @@ def _from_dict(data: dict[str, Any], *, path: Path | None = None) -> ModelSpec:
     if bad_sample:
         problems.append(f"unknown sample keys {bad_sample} (valid keys: {list(SAMPLE_KEYS)})")
     for key, value in sample.items():
-        if key in SAMPLE_KEYS and key != "variable_length" and value is not None and not _is_pos_int(value):
+        if key in SAMPLE_KEYS and key not in ("variable_length", "label_kind") and value is not None \
+                and not _is_pos_int(value):
             problems.append(f"sample.{key} must be a positive int, got {value!r}")
     if problems:
         label = data.get("name", "<unnamed>")

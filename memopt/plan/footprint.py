@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from memopt.errors import UserArgumentError
 from memopt.estimate.allocator_sim import EventStreamError
 from memopt.estimate.estimator import Estimate, TotalAbove, estimate_strategy
 from memopt.estimate.store import EstimateStore
@@ -50,7 +51,7 @@ class Estimates:
             else:
                 try:
                     self.quick[s] = estimate_strategy(self.prof, s, hardware=self.hw, exact_reserved=False)
-                except EventStreamError:
+                except (EventStreamError, UserArgumentError):
                     raise
                 except ValueError:
                     self.quick[s] = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memopt.errors import UserArgumentError
 from memopt.estimate.store import EstimateStore
 from memopt.hardware import HardwareSpec
 from memopt.plan.context import search_context
@@ -144,6 +145,8 @@ def build_plan(prof: Profile, hw: HardwareSpec, budget: int, pol: Policy, result
             relaxed, allowance = relaxed.relaxed("adapters"), "adapters+quantized_weights"  # QLoRA needs both
         try:
             ev = min_footprint(prof, hw, relaxed, ctx, budget, estimates, floors_only=floors_only, first_fit=True)
+        except UserArgumentError:
+            raise
         except ValueError:
             continue  # e.g. peft or bitsandbytes not installed
         if ev is not None and smallest is not None and ev.total_bytes < smallest.total_bytes:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from memopt.errors import UserArgumentError
 from memopt.estimate.allocator_sim import EventStreamError
 from memopt.estimate.estimator import CappedOOM, estimate_strategy
 from memopt.hardware import HardwareSpec
@@ -283,7 +284,7 @@ def _evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int
     is below ``contender_below`` (the time of plans that cannot matter)."""
     try:
         quick = estimate_strategy(profile, s, hardware=hw, exact_reserved=False)
-    except EventStreamError:
+    except (EventStreamError, UserArgumentError):
         raise
     except ValueError as exc:
         return Evaluated(s, None, False, 0, f"{UNESTIMATED}{exc}")
@@ -320,7 +321,7 @@ def evaluate(profile: Profile, s: Strategy, hw: HardwareSpec, budget_bytes: int,
     whose ``TotalAbove`` passes through)."""
     try:
         exact = estimate_strategy(profile, s, hardware=hw, exact_reserved=True, num_steps=2, stop_above=stop_above)
-    except EventStreamError:
+    except (EventStreamError, UserArgumentError):
         raise
     except ValueError as exc:
         return Evaluated(s, None, False, 0, f"{UNESTIMATED}{exc}")

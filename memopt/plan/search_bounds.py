@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from memopt.categories import MemoryCategory
+from memopt.errors import UserArgumentError
 from memopt.estimate.compose import pass_layout, trace_index
 from memopt.estimate.timing import (
     TimingModel,
@@ -115,6 +116,8 @@ def refined_time(profile: Profile, s: Strategy, hw: HardwareSpec, base_group: st
         if key not in cache:
             cache[key] = _pass_terms(profile, plain, s.micro_batch_size, hw)
         opt = profile.optimizer(s.precision, s.optimizer, profile.variant(plain, s.micro_batch_size))
+    except UserArgumentError:
+        raise
     except ValueError:  # the variant or the optimizer cannot be traced: the candidate's estimate says why
         return gpu_only
     opt_s = optimizer_time(segment_terms(opt.cost, opt.cost, 1, hw), tm)

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from memopt.blocks import scripted_stacks
+from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.models import ModelSpec, SampleSpec, build_model, load_model_spec, make_batch
 from memopt.models.hf_task import hf_task
@@ -35,13 +37,29 @@ from memopt.step.batch import as_loss
 from memopt.techniques.liger_ce import liger_installed, liger_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
 
-__all__ = ["default_variant", "profile_model", "resolve_model"]
+__all__ = ["default_variant", "lazy_module_refusal", "profile_model", "resolve_model"]
+
+
+def lazy_module_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be planned while it has lazy modules (``nn.LazyLinear``, ...) a forward has not
+    initialised: their parameters have no shape yet, and the profile's fake-tensor forward cannot give them one
+    (initialising them with a real forward is the user's, on a batch of theirs)."""
+    lazy = [f"{name or '(root)'} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(is_lazy(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    if not lazy:
+        return None
+    return (f"the model has lazy modules a forward has not initialised yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): their parameters have no shape to plan for; run one forward on a "
+            "real batch first (model(batch)) to initialise them, then wrap or plan the model")
 
 
 def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
     """(module on meta or as given, model spec or None, display name) from a module, a shipped config name,
     a YAML path, a spec dict, or a Hydra ``{'_target_': ...}`` node."""
     if isinstance(model, nn.Module):
+        refusal = lazy_module_refusal(model)
+        if refusal is not None:
+            raise InputError([refusal])
         return model, None, type(model).__name__
     if isinstance(model, dict) and "_target_" in model:
         import hydra.utils
@@ -81,8 +99,9 @@ _SAMPLE_FIELD = "defaults" if "defaults" in {f for f in __import__("memopt.model
 
 
 def _is_shapes(sample: Any) -> bool:
-    return sample is None or (isinstance(sample, dict)
-                              and all(not isinstance(v, torch.Tensor) for v in sample.values()))
+    """Sample shapes (``{"batch_size": 8, "seq_len": 512}``): no tensor anywhere in the dict. A tensor at any depth
+    makes it a batch (``{"inputs": {"x": x}, "targets": {"y": y}}`` holds none at its top level)."""
+    return sample is None or (isinstance(sample, dict) and not batch_tree.tensors(sample))
 
 
 def _is_model_batch(sample: Any) -> bool:

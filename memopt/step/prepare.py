@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from memopt.blocks import BlockStack, find_block_stacks
+from memopt.errors import UserArgumentError
 from memopt.models.hf_task import is_causal_lm
 from memopt.step.loss_reduction import LossReduction
 from memopt.step.right_padding import PaddingCut
@@ -41,7 +42,7 @@ from memopt.step.train_step import LossFn, TrainStep
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.model_change import ModelChange, Undo, no_change
-from memopt.techniques.optimizer_instance import user_optimizer
+from memopt.techniques.optimizer_instance import scheduler_refusal, user_optimizer
 from memopt.techniques.optimizers import build_optimizer
 from memopt.techniques.precision import MasterWeights, uses_grad_scaler
 from memopt.techniques.registry import model_technique
@@ -173,6 +174,9 @@ def _scheduler(factory: Callable[[torch.optim.Optimizer], Any] | None, optimizer
     if not all(hasattr(built, name) for name in ("step", "state_dict", "load_state_dict")):
         raise ValueError(f"lr_scheduler= returned a {type(built).__name__}, not a learning-rate scheduler: pass a "
                          "callable optimizer -> scheduler, e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)")
+    refusal = scheduler_refusal(built, "the scheduler lr_scheduler= built")
+    if refusal is not None:
+        raise UserArgumentError(refusal)
     return built
 
 

@@ -31,9 +31,15 @@ from memopt.techniques.attention import sdpa_restricted
 from memopt.techniques.chunked_ce import causal_lm_chunked_loss
 from memopt.techniques.precision import MasterWeights, forward_context
 
-__all__ = ["TrainStep", "count_loss_items", "default_loss", "discard_accumulation", "loss_item_counts", "split_batch"]
+__all__ = ["SchedulerStepFailed", "TrainStep", "count_loss_items", "default_loss", "discard_accumulation",
+           "loss_item_counts", "split_batch"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class SchedulerStepFailed(RuntimeError):
+    """The learning-rate scheduler raised after the optimizer step had updated the weights: the step happened and
+    is counted (``TrainStep.steps_done``, and ``Wrapped.steps_done`` above it); only the rate did not move."""
 
 
 def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
@@ -157,9 +163,18 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.model.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        # the weights have moved: the step is counted before the scheduler runs, so an error of the scheduler's
+        # cannot leave a step taken but not counted
         self.steps_done += 1
+        if self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step()
+            except Exception as exc:
+                raise SchedulerStepFailed(
+                    f"step {self.steps_done} updated the weights and is counted, but lr_scheduler.step() then "
+                    f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (the learning "
+                    "rate stays as it was): fix the scheduler, or leave lr_scheduler= out and step it yourself"
+                ) from exc
 
     def _reduction_mode(self, micro: list[Any], counts: list[int]) -> str:
         """"mean" or "sum"; measured on the first micro-batch that carries loss items (a loss of none is 0/0) the

@@ -10,18 +10,24 @@ model's ``parameters()`` order is memopt's parameter ``k``: a plan that trains o
 own (adapters) cannot follow an instance, and says so.
 
 A learning-rate scheduler built on that instance is re-pointed at each optimizer memopt builds
-(:func:`scheduler_factory`); its step count and base rates stay its own.
+(:func:`scheduler_factory`); its step count and base rates stay its own. memopt's step calls ``optimizer.step()``
+and ``scheduler.step()`` with no argument, so an optimizer whose step needs a closure (LBFGS) and a scheduler whose
+step needs a metric (ReduceLROnPlateau) are refused before anything trains (:func:`step_argument`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["is_optimizer", "is_scheduler", "optimizer_factory", "scheduler_factory"]
+from memopt.errors import InputError, UserArgumentError
+
+__all__ = ["closure_refusal", "has_unpassed_scheduler", "is_optimizer", "is_scheduler", "optimizer_factory",
+           "scheduler_factory", "scheduler_refusal", "step_argument", "user_optimizer"]
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -32,6 +38,46 @@ def is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
 
 
+def step_argument(obj: Any) -> str | None:
+    """The first argument ``obj.step`` cannot be called without (LBFGS's ``closure``, ReduceLROnPlateau's
+    ``metrics``), or None. Read from the class: an instance's ``step`` is re-wrapped by torch's schedulers."""
+    try:
+        params = list(inspect.signature(type(obj).step).parameters.values())[1:]  # less self
+    except (TypeError, ValueError):  # no signature to read (a C extension): nothing to refuse on
+        return None
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY)
+    return next((p.name for p in params if p.kind in required and p.default is inspect.Parameter.empty), None)
+
+
+def closure_refusal(opt: Any, where: str) -> str | None:
+    """Why ``opt`` (the optimizer ``where`` names) cannot train under memopt, or None: memopt's step runs each
+    micro-batch's forward and backward once, then ``optimizer.step()`` with no closure to evaluate the loss again."""
+    needed = step_argument(opt)
+    if needed is None:
+        return None
+    return (f"{where} is a {type(opt).__name__}, whose step() needs a {needed} (a function that evaluates the loss "
+            "again), but memopt's step runs each forward and backward once and then calls optimizer.step() without "
+            "one: use an optimizer whose step() takes no closure (AdamW, SGD, ...)")
+
+
+def scheduler_refusal(scheduler: Any, where: str) -> str | None:
+    """Why ``scheduler`` (the scheduler ``where`` names) cannot be stepped by memopt, or None: memopt calls
+    ``scheduler.step()`` after each optimizer step, with no argument."""
+    needed = step_argument(scheduler)
+    if needed is None:
+        return None
+    return (f"{where} is a {type(scheduler).__name__}, whose step() needs {needed!r} (a validation metric memopt "
+            "does not have): leave lr_scheduler= out, build it on wrapped.optimizer after memopt.wrap and call "
+            "sched.step(val_loss) yourself")
+
+
+def has_unpassed_scheduler(opt: torch.optim.Optimizer) -> bool:
+    """Whether a torch scheduler was built on ``opt`` (each marks ``opt.step`` when built, to check the order of the
+    two steps). ``initial_lr`` in the groups is not asked: a state loaded from a scheduled run carries it too."""
+    return bool(getattr(opt.step, "_wrapped_by_lr_sched", False))
+
+
 def _is_fake(p: torch.Tensor) -> bool:
     return p.device.type == "meta" or type(p).__name__ == "FakeTensor"
 
@@ -39,6 +85,9 @@ def _is_fake(p: torch.Tensor) -> bool:
 def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[[list[nn.Parameter]], Any]:
     """``params -> optimizer`` that rebuilds ``opt`` (class, groups, hyper-parameters, state) over the parameters
     memopt passes: the model's trainable parameters, in ``model.parameters()`` order."""
+    refusal = closure_refusal(opt, "optimizer=")
+    if refusal is not None:
+        raise InputError([refusal])
     position = {id(p): i for i, p in enumerate(model.parameters())}
     foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in position)
     if foreign:
@@ -84,11 +133,20 @@ def scheduler_factory(scheduler: Any, opt: torch.optim.Optimizer) -> Callable[[t
                          "build it on that optimizer, or pass a callable optimizer -> scheduler")
 
     def bind(new: torch.optim.Optimizer) -> Any:
-        scheduler.optimizer = new
+        _repoint(scheduler, new)
         _track_steps(new)
         return scheduler
 
     return bind
+
+
+def _repoint(scheduler: Any, new: torch.optim.Optimizer) -> None:
+    """``scheduler`` and every scheduler it drives (``SequentialLR``'s and ``ChainedScheduler``'s ``_schedulers``,
+    nested to any depth) set the learning rate of ``new``: the inner ones write the rate, so an outer one re-pointed
+    alone would leave them driving the user's optimizer. Their step counts are the objects' own, kept."""
+    scheduler.optimizer = new
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        _repoint(inner, new)
 
 
 def _track_steps(opt: torch.optim.Optimizer) -> None:
@@ -109,16 +167,20 @@ def _track_steps(opt: torch.optim.Optimizer) -> None:
 def user_optimizer(build: Callable[[list[nn.Parameter]], Any], params: list[nn.Parameter]) -> Any:
     """The optimizer the user's ``build(params)`` makes, checked: something with an optimizer's surface, over the
     parameters it was given and no others (one built over another module's parameters would step those: training
-    would change nothing). Raises ``TypeError``: the planner takes a ``ValueError`` in an estimate for a candidate it
-    cannot run and tries the next, where this is the user's argument, wrong for every candidate."""
+    would change nothing), whose step needs no closure. Raises ``UserArgumentError``: the user's argument, wrong for
+    every candidate, which the planner does not take for a candidate that cannot run."""
     built = build(params)
     if not all(hasattr(built, name) for name in ("step", "zero_grad", "param_groups", "state_dict")):
-        raise TypeError(f"optimizer= returned a {type(built).__name__}, not an optimizer: pass a callable "
-                         "params -> torch.optim.Optimizer, e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)")
+        raise UserArgumentError(f"optimizer= returned a {type(built).__name__}, not an optimizer: pass a callable "
+                                "params -> torch.optim.Optimizer, e.g. lambda params: torch.optim.AdamW(params, "
+                                "lr=1e-4)")
     given = {id(p) for p in params}
     foreign = sum(1 for g in built.param_groups for p in g["params"] if id(p) not in given)
     if foreign:
-        raise TypeError(f"the optimizer optimizer= built holds {foreign} tensor(s) other than the parameters it was "
-                         "given: build it over the parameters the callable receives (lambda params: "
-                         "torch.optim.AdamW(params, ...)), not over another module's")
+        raise UserArgumentError(f"the optimizer optimizer= built holds {foreign} tensor(s) other than the parameters "
+                                "it was given: build it over the parameters the callable receives (lambda params: "
+                                "torch.optim.AdamW(params, ...)), not over another module's")
+    refusal = closure_refusal(built, "the optimizer optimizer= built")
+    if refusal is not None:
+        raise UserArgumentError(refusal)
     return built

@@ -107,3 +107,117 @@ def test_a_fresh_scheduler_steps_without_torch_taking_it_for_a_misordered_step()
         w.step(batch)
     assert not [str(c.message) for c in caught if "lr_scheduler" in str(c.message) or "overridden" in str(c.message)]
     assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+
+
+_S = torch.optim.lr_scheduler
+_COMPOSED = {
+    "sequential": lambda o: _S.SequentialLR(o, [_S.LinearLR(o, 0.1, 1.0, total_iters=2), _S.ExponentialLR(o, 0.5)],
+                                            milestones=[2]),
+    "chained": lambda o: _S.ChainedScheduler([_S.ConstantLR(o, 0.1, total_iters=2), _S.ExponentialLR(o, 0.5)]),
+    # a sequence inside a chain: the innermost schedulers write the rate too
+    "nested": lambda o: _S.ChainedScheduler([_S.SequentialLR(o, [_S.ConstantLR(o, 0.5, total_iters=1),
+                                                                  _S.StepLR(o, 1, gamma=0.5)], milestones=[1]),
+                                             _S.ExponentialLR(o, 0.9)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_COMPOSED))
+def test_a_composed_scheduler_drives_the_optimizer_memopt_builds(kind):
+    """SequentialLR and ChainedScheduler instances step schedulers of their own: every one of them follows memopt's
+    optimizer, so the rates and the weights are the hand loop's, step by step."""
+    batches = _batches(5)
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    ref_sched = _COMPOSED[kind](ref_opt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = _COMPOSED[kind](opt)
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=opt, lr_scheduler=sched, loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
+                    pins={"precision": "fp32"})
+    want, got = [], []
+    for b in batches:
+        _hand_step(ref, ref_opt, ref_sched, b)
+        want.append(ref_opt.param_groups[0]["lr"])
+        w.step(b)
+        got.append(w.optimizer.param_groups[0]["lr"])
+    assert got == pytest.approx(want, rel=1e-12)
+    assert len(set(want)) > 2  # the schedule moved the rate
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _common(sample) -> dict:
+    return {"budget": "4GB", "sample": sample, "hardware": "h100_80gb", "device": "cpu", "use_cache": False,
+            "guard": False, "loss_fn": lambda out, b: F.cross_entropy(out, b[1]), "pins": {"precision": "fp32"}}
+
+
+def test_a_scheduler_built_on_the_optimizer_but_not_passed_is_refused():
+    """memopt trains with its own optimizer, built from the one passed: a StepLR the user keeps stepping on theirs
+    would change nothing that trains, so wrap asks for it as lr_scheduler=; passed, it drives the training."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    with pytest.raises(memopt.InputError, match=r"^the optimizer passed to memopt.wrap has a learning-rate scheduler "
+                       r"built on it.*: pass lr_scheduler=<your scheduler> to memopt.wrap"):
+        memopt.wrap(model, optimizer=opt, **_common(_batches(1)[0]))
+    w = memopt.wrap(model, optimizer=opt, lr_scheduler=sched, **_common(_batches(1)[0]))
+    w.step(_batches(1)[0])
+    assert w.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    # an optimizer no scheduler was built on is taken as it is
+    plain = _mlp()
+    memopt.wrap(plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.5), **_common(_batches(1)[0]))
+
+
+def test_a_scheduler_that_needs_a_metric_is_refused_before_anything_trains():
+    """ReduceLROnPlateau steps on a validation metric memopt does not have: refused at wrap (an instance, or a
+    callable that builds one), with the way to run it beside memopt."""
+    batch = _batches(1)[0]
+    model = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    with pytest.raises(memopt.InputError, match=r"^lr_scheduler= is a ReduceLROnPlateau, whose step\(\) needs "
+                       r"'metrics'.*build it on wrapped.optimizer after memopt.wrap and call sched.step\(val_loss\)"):
+        memopt.wrap(model, optimizer=opt, lr_scheduler=plateau, **_common(batch))
+    with pytest.raises(memopt.InputError, match=r"^the scheduler lr_scheduler= built is a ReduceLROnPlateau"):
+        memopt.wrap(model, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, **_common(batch))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_scheduler_that_raises_leaves_the_step_taken_and_counted():
+    """The scheduler steps after the weights moved: when it raises, the step is counted where it happened (the
+    wrapper's steps_done and the train step's), never a step taken and not counted."""
+    batch = _batches(1)[0]
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(batch[0]), batch[1]).backward()
+    ref_opt.step()
+
+    def factor(step: int) -> float:
+        if step >= 1:
+            raise ArithmeticError("no rate past the first step")
+        return 1.0
+
+    w = memopt.wrap(model, optimizer="sgd", lr=0.1, lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor),
+                    **_common(batch))
+    with pytest.raises(RuntimeError, match=r"^step 1 updated the weights and is counted, but lr_scheduler.step\(\) "
+                       r"then raised ArithmeticError: no rate past the first step"):
+        w.step(batch)
+    assert w.steps_done == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line():
+    """LBFGS re-evaluates the loss inside its step; memopt's step gives it no closure: refused at wrap and plan,
+    an instance or a callable that builds one."""
+    batch = _batches(1)[0]
+    model = _mlp()
+    message = r"is a LBFGS, whose step\(\) needs a closure .*use an optimizer whose step\(\) takes no closure"
+    with pytest.raises(memopt.InputError, match=r"^optimizer= " + message):
+        memopt.wrap(model, optimizer=torch.optim.LBFGS(model.parameters()), **_common(batch))
+    with pytest.raises(memopt.InputError, match=r"^the optimizer optimizer= built " + message):
+        memopt.wrap(model, optimizer=lambda ps: torch.optim.LBFGS(ps), **_common(batch))
+    with pytest.raises(memopt.InputError, match=r"^optimizer= " + message):
+        memopt.plan(model, batch, budget="4GB", hardware="h100_80gb", optimizer=torch.optim.LBFGS(model.parameters()),
+                    loss_fn=lambda out, b: F.cross_entropy(out, b[1]))

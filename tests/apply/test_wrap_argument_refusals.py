@@ -5,6 +5,7 @@ do not leak into the first step."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -133,12 +134,18 @@ def test_a_step_inside_no_grad_still_trains():
 
 
 def test_an_optimizer_or_schedule_callable_that_builds_something_else_is_refused():
+    """The user's callable is wrong for every plan: one input error naming it, from wrap and from plan (the planner
+    does not take it for candidates that cannot run and report that nothing fits)."""
     other = torch.nn.Linear(2, 2)
-    for optimizer, message in ((lambda params: "adamw", r"optimizer= returned a str, not an optimizer"),
+    for optimizer, message in ((lambda params: "adamw", r"^optimizer= returned a str, not an optimizer"),
                                (lambda params: torch.optim.SGD(other.parameters(), lr=0.1),
-                                r"holds 2 tensor\(s\) other than the parameters it was given")):
-        with pytest.raises(TypeError, match=message):
+                                r"^the optimizer optimizer= built holds 2 tensor\(s\) other than the parameters it "
+                                r"was given")):
+        with pytest.raises(memopt.InputError, match=message) as caught:
             memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", optimizer=optimizer)
+        assert caught.value.__cause__ is None and caught.value.__context__ is None
+        with pytest.raises(memopt.InputError, match=message):
+            memopt.plan(_model(), SAMPLE, budget="4GB", hardware="h100_80gb", optimizer=optimizer)
     with pytest.raises(ValueError, match=r"lr_scheduler= returned a float, not a learning-rate scheduler"):
         memopt.wrap(_model(), budget="4GB", sample=SAMPLE, hardware="h100_80gb", lr_scheduler=lambda opt: 0.5)
 
@@ -175,3 +182,35 @@ def test_a_model_compiled_in_place_is_refused_as_torch_compile_is():
     with pytest.raises(ValueError, match=r"does not support torch.compile'd models"):
         memopt.wrap(model, budget="16GB", hardware="h100_80gb", sample=torch.randn(8, 16),
                     loss_fn=lambda out, b: out.pow(2).mean())
+
+
+def test_a_model_with_uninitialised_lazy_modules_is_refused_until_one_forward_initialises_them():
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = torch.nn.LazyLinear(32), torch.nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.l2(torch.relu(self.l1(x)))
+
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    kw = {"budget": "4GB", "hardware": "h100_80gb",
+          "loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out, b[1])}
+    message = (r"^the model has lazy modules a forward has not initialised yet \(l1 \(LazyLinear\)\).* run one forward "
+               r"on a real batch first \(model\(batch\)\)")
+    torch.manual_seed(0)
+    model = Lazy()
+    for call in (lambda: memopt.wrap(model, sample=(x, y), **kw), lambda: memopt.wrap(model, **kw),
+                 lambda: memopt.plan(model, (x, y), **kw), lambda: memopt.profile(model, (x, y), hardware="h100_80gb")):
+        with pytest.raises(memopt.InputError, match=message):
+            call()
+    model(x)  # the fix the message names; the model then trains as the unwrapped loop
+    ref = copy.deepcopy(model)
+    w = memopt.wrap(model, sample=(x, y), guard=False, device="cpu", pins={"precision": "fp32"},
+                    optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **kw)
+    w.step((x, y))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
