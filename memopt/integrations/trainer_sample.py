@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memopt.profile.api import spec_from_module
+from memopt.profile.batch_factories import spec_from_module
 from memopt.step.batch_samples import batch_size, indivisible
 from memopt.step.batch_tree import is_batch, tensors
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +15,26 @@ from torch.nn.parameter import is_lazy
 from memopt.blocks import scripted_stacks
 from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
-from memopt.models import ModelSpec, SampleSpec, build_model, load_model_spec, make_batch
+from memopt.models import ModelSpec, build_model, load_model_spec
 from memopt.models.hf_task import hf_task
-from memopt.models.sample import BATCH_KEYS, config_vocab_size
+from memopt.models.sample import config_vocab_size
+from memopt.profile.batch_factories import (
+    batch_factory_for,
+    spec_batch_factory,
+    whole_batch_factory,
+)
 from memopt.profile.cache_keys import cache_dir, spec_key, structure_key
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.engine_facts import facts_of_module
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.loss_key import loss_key
 from memopt.profile.profile import Profile, VariantFailed
-from memopt.profile.real_rows import MASKS, real_rows, with_real_rows
 from memopt.profile.sample_axis_probe import probe_batch, runs_whole_batch_only
 from memopt.profile.static_facts import static_facts
 from memopt.profile.trace import BatchFactory, meta_failures_unlogged
 from memopt.profile.tracing_flag import tracing
 from memopt.profile.variant_trace import VariantKey
-from memopt.step import batch_like, batch_samples, batch_tree
+from memopt.step import batch_samples
 from memopt.step.batch import as_loss
 from memopt.techniques.liger_ce import liger_installed, liger_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
@@ -78,119 +80,6 @@ def resolve_model(model: Any) -> tuple[nn.Module, Any, str]:
     )
 
 
-def spec_from_module(module: nn.Module) -> Any:
-    """A model spec for a Hugging Face model instance (so shape samples work for it), or None."""
-    config = getattr(module, "config", None)
-    name = type(module).__name__
-    family = hf_task(module)
-    if config is None or family is None or not hasattr(config, "to_dict"):
-        return None
-    hf = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    hf["model_type"] = config.model_type
-    sample: dict[str, Any] = {}
-    if family == "image_classification":
-        sample["image_size"] = getattr(config, "image_size", 224)
-    return ModelSpec(name=name, family=family, architecture=name, hf_config=hf,
-                     **{_SAMPLE_FIELD: sample})
-
-
-_SAMPLE_FIELD = "defaults" if "defaults" in {f for f in __import__("memopt.models.spec", fromlist=["ModelSpec"]).
-                                             ModelSpec.__dataclass_fields__} else "sample"
-
-
-def _is_shapes(sample: Any) -> bool:
-    """Sample shapes (``{"batch_size": 8, "seq_len": 512}``): no tensor anywhere in the dict. A tensor at any depth
-    makes it a batch (``{"inputs": {"x": x}, "targets": {"y": y}}`` holds none at its top level)."""
-    return sample is None or (isinstance(sample, dict) and not batch_tree.tensors(sample))
-
-
-def _is_model_batch(sample: Any) -> bool:
-    """A dict batch of the model's own inputs (made again by ``make_batch`` at any size); a batch with other keys
-    (a target beside the inputs) is traced with its own structure."""
-    return isinstance(sample, dict) and ("input_ids" in sample or "pixel_values" in sample) and set(sample) <= set(
-        BATCH_KEYS)
-
-
-def _batch_factory_for(spec: Any, sample: Any, module: nn.Module) -> tuple[BatchFactory, dict[str, Any], int | None]:
-    """A function (micro_batch, device) -> batch, the sample as a dict, and tokens per sample."""
-    if isinstance(sample, Mapping) and not isinstance(sample, dict):
-        sample = dict(sample)  # a tokenizer's or collator's BatchEncoding (a UserDict) is the dict batch it holds
-    if spec is None and (_is_shapes(sample) or isinstance(sample, dict)):
-        derived = spec_from_module(module)
-        if derived is not None and (_is_shapes(sample) or _is_model_batch(sample)):
-            spec = derived
-    if spec is not None:
-        parsed = SampleSpec.parse(sample, spec)
-        config = getattr(module, "config", None)
-        rows = real_rows(sample)
-
-        def factory(b: int, device: str) -> dict[str, Any]:
-            batch = make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device,
-                               config=config)
-            return with_real_rows(batch, rows, b)
-
-        factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
-        _key_padded_rows(factory, rows)
-        tokens = parsed.seq_len if spec.is_token_model else None
-        return factory, parsed.to_dict(), tokens
-    if isinstance(sample, dict) and sample and _is_shapes(sample):
-        raise ValueError(
-            f"sample shapes {sorted(sample)} need a model memopt can make batches for (a transformers causal LM, "
-            f"seq2seq LM, masked LM, sequence/token or image classifier); {type(module).__name__} is not one: pass "
-            "a real batch instead, e.g. {'x': torch.randn(32, 784), 'labels': torch.zeros(32, dtype=torch.long)}"
-        )
-    return _structure_factory(sample)
-
-
-def _key_padded_rows(factory: Any, rows: dict[str, torch.Tensor]) -> None:
-    """A padded row takes other attention paths than a full one: which rows are padded keys the profile (not the
-    mask itself: another batch padded in the same rows finds the same traces)."""
-    padding = {k: m for k, m in rows.items() if k in MASKS}
-    if padding:
-        factory.key_part = {k: "".join("p" if bool((m[i] == 0).any()) else "f" for i in range(m.shape[0]))
-                            for k, m in padding.items()}
-
-
-def _structure_factory(sample: Any) -> tuple[BatchFactory, dict[str, Any], int | None]:
-    """Fake batches with the structure of a real one (any nesting of tensors, tuples, lists and dicts:
-    ``memopt.step.batch``), ``b`` samples each."""
-    if not batch_tree.is_batch(sample) or not batch_tree.tensors(sample):
-        raise ValueError(
-            "a custom nn.Module needs sample=<a batch>: a tensor, or a tuple, list, dict or dataclass of tensors "
-            "shaped like one global batch (samples along the first dimension), e.g. (torch.randn(32, 784), "
-            "torch.zeros(32, dtype=torch.long)) or {'x': torch.randn(32, 784), 'labels': torch.zeros(32, "
-            f"dtype=torch.long)}}; got {type(sample).__name__}"
-            + ("; pass one batch of it: sample=next(iter(loader))" if hasattr(sample, "__iter__")
-               and not isinstance(sample, (str, bytes, dict, list, tuple)) else "")
-        )
-    try:
-        batch_size = batch_samples.batch_size(sample)
-    except ValueError as exc:
-        raise ValueError(f"invalid sample batch: {exc}") from None
-    template = batch_tree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), sample)
-    fill = batch_like.integer_maxima(sample)
-    whole = batch_samples.indivisible(sample)
-
-    rows = real_rows(sample)
-
-    def factory(b: int, device: str) -> Any:
-        # an indivisible batch is one sample: every batch made is the whole one, whatever b
-        made = batch_like.like(template, None if whole else b, device, fill)
-        # the real token ids and masks, rows in turn: a model may read their values (a vision-language model
-        # finds its image placeholder tokens among the ids)
-        return with_real_rows(made, rows, b) if rows and not whole and isinstance(made, dict) else made
-
-    _key_padded_rows(factory, rows)
-
-    tensors = {path: [list(t.shape), str(t.dtype)] for path, t in batch_tree.leaves(sample)}  # for reports
-    facts = {"batch_size": batch_size, "tensors": tensors, "structure": batch_tree.structure(sample)}
-    if whole:
-        facts["indivisible"] = whole
-    if any(v is not None for v in fill):  # the values traced with: a profile made for other values is not this one
-        facts["integer_maxima"] = fill
-    return factory, facts, None
-
-
 def default_variant(hardware: HardwareSpec) -> VariantKey:
     return VariantKey(precision="amp" if hardware.supports_bf16 else "fp32", checkpointing="none")
 
@@ -213,19 +102,6 @@ def _lazy_builder(spec: Any) -> Callable[[], nn.Module]:
         return built[0]
 
     return build
-
-
-def _spec_batch_factory(spec: Any, sample: Any, config: Callable[[], Any]
-                        ) -> tuple[BatchFactory, dict[str, Any], int | None]:
-    """As :func:`_batch_factory_for` for a model spec, without building the model (``config`` is called when
-    a batch is made)."""
-    parsed = SampleSpec.parse(sample, spec)
-
-    def factory(b: int, device: str) -> dict[str, Any]:
-        return make_batch(spec, SampleSpec(**{**parsed.to_dict(), "batch_size": b}), device=device, config=config())
-
-    factory.values_are_real = True  # type: ignore[attr-defined]  # ids, masks and labels as a real batch's
-    return factory, parsed.to_dict(), parsed.seq_len if spec.is_token_model else None
 
 
 def _load_cached(path: Path) -> Profile | None:
@@ -326,16 +202,6 @@ def _probe_batch(prof: Profile, module: nn.Module, factory: BatchFactory, loss_f
     _record_micro_batch_refusal(prof, module, refusal)
 
 
-def _whole_batch_factory(factory: BatchFactory, samples: int) -> BatchFactory:
-    """``factory`` making the whole batch of ``samples`` whatever it is asked for: the traces at 1 and 2 samples of
-    a step that runs on the whole batch only are the whole batch's (a micro-batch of it adds nothing)."""
-    def whole(b: int, device: str) -> Any:
-        return factory(samples, device)
-
-    whole.__dict__.update(getattr(factory, "__dict__", {}))  # values_are_real, key_part
-    return whole
-
-
 def profile_model(model: Any, sample: Any = None, *, hardware: str | HardwareSpec | None = None,
                   loss_fn: Any = None, optimizer: Any = None, use_cache: bool = True,
                   variants: list[VariantKey] | None = None, training_step: Any = None) -> Profile:
@@ -360,13 +226,13 @@ def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | No
     if spec is not None:
         build = _lazy_builder(spec)
         name = spec.name
-        factory, sample_dict, tokens = _spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
+        factory, sample_dict, tokens = spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
         key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key,
                                                 **_loss_part(loss_fn)})
         source = build
     else:
         module, spec, name = resolve_model(model)
-        factory, sample_dict, tokens = _batch_factory_for(spec, sample, module)
+        factory, sample_dict, tokens = batch_factory_for(spec, sample, module)
         key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key,
                                      **getattr(factory, "key_part", {}), **_loss_part(loss_fn)})
         source = module
@@ -385,7 +251,7 @@ def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | No
         _note_user_hooks(prof, source)
     batch = int(sample_dict.get("batch_size", 1))
     if prof.whole_batch:
-        factory = _whole_batch_factory(factory, batch)
+        factory = whole_batch_factory(factory, batch)
     prof.attach(source, factory, policy, loss_fn=loss_fn, optimizer_spec=optimizer,
                 cache_path=path if use_cache else None)
     start = time.perf_counter()
@@ -425,5 +291,3 @@ def _moe_facts(module: nn.Module) -> dict[str, Any] | None:
         "capacity_factor": 1.0,
     }
 
-
-_ = (copy, warnings)

@@ -9,7 +9,7 @@ import torch
 
 from memopt.models import SampleSpec, expected_token_count, make_batch, token_count
 from memopt.models.sample import is_decoder_only
-from memopt.profile.api import spec_from_module
+from memopt.profile.batch_factories import spec_from_module
 from tests.zoo.mapping_zoo import build
 
 

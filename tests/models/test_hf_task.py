@@ -7,7 +7,7 @@ import transformers as T
 
 import memopt
 from memopt.models.hf_task import hf_task, is_causal_lm
-from memopt.profile.api import spec_from_module
+from memopt.profile.batch_factories import spec_from_module
 
 BERT = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=2, pad_token_id=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from memopt.models import SampleSpec, make_batch
-from memopt.profile.api import spec_from_module
+from memopt.profile.batch_factories import spec_from_module
 from tests.zoo.mapping_zoo import build, check_pair
 
 

@@ -92,7 +92,7 @@ def check_pair(pair: str) -> None:
     whose loss and updated parameters equal one unwrapped step's. Raises what went wrong."""
     import memopt
     from memopt.models import SampleSpec, make_batch
-    from memopt.profile.api import spec_from_module
+    from memopt.profile.batch_factories import spec_from_module
 
     task = pair.split(":")[0]
     model = build(pair)

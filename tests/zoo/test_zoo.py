@@ -11,7 +11,7 @@ import memopt
 from memopt.blocks import find_block_stacks
 from memopt.models import SampleSpec, make_batch
 from memopt.models.hf_task import hf_task
-from memopt.profile.api import spec_from_module
+from memopt.profile.batch_factories import spec_from_module
 from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.head_probe import head_refusal
 from memopt.profile.simulate import simulate_step
