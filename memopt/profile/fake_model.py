@@ -202,11 +202,13 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
 
 
 @contextlib.contextmanager
-def grads_kept(model: nn.Module) -> Iterator[None]:
-    """Leaves ``model``'s parameters' gradients as they were after a fake pass over its copy. A module the copy
-    cannot clone is shared with it: a ``torch.jit.script``-ed one holds its parameters in its compiled module, which
-    the copy's attributes point at, so the traced backward would write fake gradients into the user's parameters."""
-    saved = [(p, p.grad) for p in model.parameters()]
+def grads_kept(model: nn.Module, *others: nn.Module) -> Iterator[None]:
+    """Leaves ``model``'s parameters' gradients, and those of ``others``, as they were after a fake pass over its
+    copy. A module the copy cannot clone is shared with it: a ``torch.jit.script``-ed one holds its parameters in its
+    compiled module, which the copy's attributes point at, so the traced backward would write fake gradients into the
+    user's parameters. ``others``: modules the loss runs on real weights (a discriminator a generator's step scores
+    its output with), which the traced backward reaches as well."""
+    saved = [(p, p.grad) for m in (model, *others) for p in m.parameters()]
     try:
         yield
     finally:

@@ -22,7 +22,7 @@ from torch import nn
 from memopt.profile.module_code import module_code_key
 from memopt.step.batch import TrainingStep
 
-__all__ = ["loss_key"]
+__all__ = ["loss_key", "modules_in"]
 
 _PLAIN = (int, float, str, bool, bytes, type(None))
 
@@ -68,6 +68,8 @@ def _feed(h: Any, obj: Any, depth: int) -> None:
                 _feed(h, cell.cell_contents, depth + 1)
             except ValueError:  # an empty cell
                 h.update(b"<empty>")
+        for module in _global_modules(obj):  # a teacher the loss reads as a global of its script
+            _feed(h, module, depth + 1)
     elif isinstance(obj, TrainingStep):
         h.update(b"training_step")
         _feed(h, obj.fn, depth + 1)
@@ -90,3 +92,42 @@ def _feed(h: Any, obj: Any, depth: int) -> None:
         _feed(h, plain, depth + 1)
     else:
         h.update(f"{type(obj).__qualname__}@{id(obj)}".encode())
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions defined in it read."""
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _names(const)
+    return found
+
+
+def _global_modules(fn: types.FunctionType) -> list[nn.Module]:
+    return [v for name in sorted(_names(fn.__code__)) if isinstance(v := fn.__globals__.get(name), nn.Module)]
+
+
+def modules_in(loss: Any, depth: int = 0) -> list[nn.Module]:
+    """The modules a loss or training step runs besides the model (a distillation teacher, a discriminator): those
+    its closure, defaults, bound object or globals hold, the way :func:`loss_key` reaches them."""
+    if depth > 6 or loss is None:
+        return []
+    if isinstance(loss, nn.Module):
+        return [loss]
+    if isinstance(loss, TrainingStep):
+        return modules_in(loss.fn, depth + 1)
+    if isinstance(loss, functools.partial):
+        return [m for part in (loss.func, *loss.args, *loss.keywords.values()) for m in modules_in(part, depth + 1)]
+    if isinstance(loss, types.MethodType):
+        return modules_in(loss.__func__, depth + 1) + modules_in(loss.__self__, depth + 1)
+    if isinstance(loss, (tuple, list)):
+        return [m for item in loss for m in modules_in(item, depth + 1)]
+    if isinstance(loss, types.FunctionType):
+        held = [*(loss.__defaults__ or ())]
+        for cell in loss.__closure__ or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:
+                continue
+        return [m for item in held for m in modules_in(item, depth + 1)] + _global_modules(loss)
+    return []

@@ -25,6 +25,7 @@ from memopt.categories import MemoryCategory
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import fake_copy, grads_kept, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
+from memopt.profile.loss_key import modules_in
 from memopt.profile.markers import install_markers
 from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.scalar_values import ShadowFormatting
@@ -100,7 +101,7 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
     step_peaks: list[int] = []
     semantics = trace_semantics(policy, tracker, attention_log, emulate=emulate)
     host = "meta" if emulate else "cpu"
-    with caches_kept_real(model), grads_kept(model), fake_mode, semantics, real_code_paths():
+    with caches_kept_real(model), grads_kept(model, *modules_in(loss_fn)), fake_mode, semantics, real_code_paths():
         prepared = prepare(clone, strategy, device_type=device, device=None, optimizer=optimizer,
                            optimizer_kwargs=optimizer_kwargs, loss_fn=loss_fn, stand_ins=TRACE_STAND_INS,
                            host_device=host)

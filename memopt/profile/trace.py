@@ -37,6 +37,7 @@ from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
 from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy, grads_kept
 from memopt.profile.hf_compat import real_code_paths
+from memopt.profile.loss_key import modules_in
 from memopt.profile.markers import install_markers
 from memopt.profile.model_state import model_state_entries
 from memopt.profile.process_caches import caches_kept_real
@@ -90,7 +91,7 @@ def _one_pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, s
     whole = set() if whole is None else whole
     while True:
         try:
-            with grads_kept(model):
+            with grads_kept(model, *modules_in(loss_fn)):
                 return _pass(model, batch_factory, micro_batch, strategy, policy, keep_blocks, loss_fn, whole)
         except TruncatedStackIndexed as exc:
             if exc.path in whole:

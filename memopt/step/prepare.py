@@ -216,6 +216,8 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             sources = None if adapters else [o.detach().to(target) for o in change.originals]
             master = MasterWeights(params, sources=sources)
             params = master.masters
+            if not adapters:
+                change.masters = master.masters
         opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), stand_ins, host_device)
         # 8. gradient scaler and activation offload
         scaler = None

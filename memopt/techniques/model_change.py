@@ -39,6 +39,9 @@ class ModelChange:
     quantized_stand_in: Callable[[nn.Linear, Any], nn.Module] | None = None
     # the trainable weights as the user gave them, kept by the precision cast for bf16_master's fp32 masters
     originals: list[nn.Parameter] = field(default_factory=list)
+    # bf16_master's fp32 masters, one per original (set once the optimizer's masters exist): the precision's undo
+    # gives their trained values back to the originals
+    masters: list[nn.Parameter] = field(default_factory=list)
     # the full-precision linears quantization replaced, by name: the adapters' undo merges into them
     quantized_originals: dict[str, nn.Module] = field(default_factory=dict)
 

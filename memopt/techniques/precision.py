@@ -100,9 +100,20 @@ def change_model(change: ModelChange) -> Undo:
     are kept first (``change.originals``), to become the optimizer's master copies without a rounding step. With
     adapters the trained parameters are new adapter weights, whose masters start from themselves."""
     strategy = change.strategy
-    if strategy.precision == "bf16_master" and strategy.extra("adapters") is None:
-        change.originals = [p for p in change.model.parameters() if p.requires_grad]
-    return cast_model(change.model, strategy.precision)
+    if strategy.precision != "bf16_master" or strategy.extra("adapters") is not None:
+        return cast_model(change.model, strategy.precision)
+    change.originals = [p for p in change.model.parameters() if p.requires_grad]
+    uncast = cast_model(change.model, strategy.precision)
+
+    def undo() -> None:
+        # the masters hold the fp32 values the optimizer stepped, the bf16 weights only their rounding (a master
+        # may share the original's storage: it is copied before the cast's undo touches the original)
+        with torch.no_grad():
+            for p, master in zip(change.originals, change.masters):
+                p.copy_(master.detach().to(device=p.device, dtype=p.dtype))
+        uncast(trained_values=not change.masters)
+
+    return undo
 
 
 def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
@@ -126,7 +137,7 @@ def cast_float_inputs(model: nn.Module, dtype: torch.dtype) -> Callable[[], None
     return hook.remove
 
 
-def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
+def cast_model(model: nn.Module, precision: str) -> Callable[..., None]:
     """Store floating-point weights in the setting's dtype, and have the model take its floating-point inputs in
     that dtype too, as a hand-written bf16 loop casts them (a bf16 layer refuses fp32 input; integer ids, masks
     and labels stay as they are, and the loss function still reads the batch as given). Returns an undo that
@@ -138,13 +149,24 @@ def cast_model(model: nn.Module, precision: str) -> Callable[[], None]:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point() and t.dtype != target:
             original[name] = t.dtype
+    # the user's own Parameter objects, to be put back: an EMA, an optimizer or a hook of the user's holds them
+    slots = [(module, name, p) for module in model.modules() for name, p in module._parameters.items()
+             if p is not None and p.is_floating_point() and p.dtype != target]
     _convert(model, lambda t: target if t.is_floating_point() and t.dtype != target else None)
     uncast = cast_float_inputs(model, target)
 
-    def undo() -> None:
+    def undo(trained_values: bool = True) -> None:
+        """``trained_values``: copy what each trainable weight holds back into the original (False where the
+        caller restores them from elsewhere: bf16_master's masters)."""
         uncast()
-        names = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
-        _convert(model, lambda t: original.get(names.get(id(t), "")))
+        names = {id(t): n for n, t in model.named_buffers()}
+        _convert(model, lambda t: original.get(names.get(id(t), "")) if not isinstance(t, nn.Parameter) else None)
+        with torch.no_grad():
+            for module, name, p in slots:
+                now = module._parameters[name]
+                if trained_values and now is not p and p.requires_grad:  # trained in the cast dtype
+                    p.copy_(now.detach().to(device=p.device, dtype=p.dtype))
+                module._parameters[name] = p  # a frozen one was never changed: exactly as given
 
     return undo
 

@@ -215,3 +215,31 @@ def test_custom_module_with_user_optimizer_and_loss():
     for _ in range(10):
         last = w.step(sample)
     assert last < first
+
+
+@pytest.mark.parametrize("precision", ["bf16_master", "bf16_pure"])
+def test_unwrap_after_a_cast_gives_back_the_users_parameters_with_what_they_trained(precision):
+    """bf16_master: the fp32 masters are what trained; before, unwrap gave their bf16 rounding (3.7e-3 off) in new
+    Parameter objects, so an EMA or optimizer of the user's held stale ones. A frozen weight comes back exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model[0].requires_grad_(False)
+    given = list(model.parameters())
+    frozen = model[0].weight.detach().clone()
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", guard=False,
+                    use_cache=False, lr=1e-2, fidelity="mixed" if precision == "bf16_master" else "lossy",
+                    pins={"precision": precision},
+                    loss_fn=lambda out, b: nn.functional.cross_entropy(out.float(), b[1]))
+    for b in batches:
+        w.step(b)
+    trained = ([m.detach().clone() for m in w._prepared.step.master.masters] if precision == "bf16_master"
+               else [p.detach().float().clone() for p in w.model.parameters() if p.requires_grad])
+    module = w.unwrap()
+    assert all(a is b for a, b in zip(module.parameters(), given))
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    assert torch.equal(module[0].weight, frozen)
+    for p, value in zip([p for p in module.parameters() if p.requires_grad], trained):
+        assert torch.equal(p.detach(), value)
+    if precision == "bf16_master":  # the masters' own values, not their bf16 rounding
+        assert not all(torch.equal(p.detach(), p.detach().bfloat16().float()) for p in module[2].parameters())
