@@ -93,6 +93,8 @@ def structure_key(model: nn.Module, extra: dict[str, Any]) -> str:
         h.update(f"{name}:{tuple(b.shape)}:{b.dtype};".encode())
     # names, classes' code, modules' plain settings, a forward replaced on an instance, hooks
     h.update(module_code_key(model).encode())
+    # the modes the trace runs in (memopt.profile.fake_model.train_as_given): a BatchNorm kept in eval traces apart
+    h.update(("".join("t" if m.training else "e" for m in model.modules()) if model.training else "eval").encode())
     h.update(json.dumps(extra, sort_keys=True, default=str).encode())
     h.update(f"{torch.__version__}:{SCHEMA_VERSION}:{TRACE_REVISION}".encode())
     return h.hexdigest()[:24]

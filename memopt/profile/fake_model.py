@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memopt.blocks import BlockStack, find_block_stacks, tied_parameter_groups
 
-__all__ = ["TruncatedStackIndexed", "fake_copy", "grads_kept", "truncate_stacks"]
+__all__ = ["TruncatedStackIndexed", "fake_copy", "grads_kept", "train_as_given", "truncate_stacks"]
 
 
 class TruncatedStackIndexed(IndexError):
@@ -199,6 +199,15 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str | torch.d
         clone.to_empty(device=device)
     _retie(clone, groups)
     return clone
+
+
+def train_as_given(clone: nn.Module, model: nn.Module) -> None:
+    """The copy in the modes its training step runs in: the user's own per-module modes where the model is in training
+    mode (a BatchNorm or a teacher kept in eval trains as such, and memopt's step leaves modes as they are); every
+    module in training mode where the model is not (a model fresh from ``from_pretrained`` is in eval mode, and its
+    user switches it to training before the loop: the trace counts dropout's masks)."""
+    if not model.training:
+        clone.train()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 
 from memopt.blocks import hookable, persistent_buffers
-from memopt.profile.fake_model import fake_copy
+from memopt.profile.fake_model import fake_copy, train_as_given
 from memopt.profile.hf_compat import grouped_mm_in_any_float, real_code_paths
 from memopt.profile.process_caches import caches_kept_real
 from memopt.profile.recurrent_kernels import recurrent_kernels
@@ -161,7 +161,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
         clone = fake_copy(model, mode, "cpu", keep_blocks=1)
     except Exception as exc:  # no copy, no forward: the trace reports what it can of such a model
         return _Forward({}, set(), [], exc)
-    clone.train()
+    train_as_given(clone, model)
     seen: dict[str, int] = {}
     ran: set[str] = set()
     hooks = []

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memopt.blocks import find_block_stacks
 from memopt.categories import MemoryCategory
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import fake_copy, grads_kept, truncate_stacks
+from memopt.profile.fake_model import fake_copy, grads_kept, train_as_given, truncate_stacks
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.loss_key import modules_in
 from memopt.profile.markers import install_markers
@@ -95,7 +95,7 @@ def simulate_step(model: nn.Module, batch_factory: Any, strategy: Strategy, *, p
     full_counts = [len(s) for s in find_block_stacks(clone)]
     if truncate_to is not None:
         truncate_stacks(clone, keep=truncate_to)
-    clone.train()
+    train_as_given(clone, model)
     tracker = MemoryTracker(device)
     attention_log: list[str] = []
     step_peaks: list[int] = []

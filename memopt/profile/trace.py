@@ -35,7 +35,7 @@ from memopt.profile.attention_select import UnsupportedAttention as UnsupportedA
 from memopt.profile.attribution import ModuleAttribution, attribution_with_ops, merge_record, trace_record
 from memopt.profile.costs import CostRecorder, PhaseCost
 from memopt.profile.cuda_semantics import KernelPolicy, trace_semantics
-from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy, grads_kept
+from memopt.profile.fake_model import TruncatedStackIndexed, fake_copy, grads_kept, train_as_given
 from memopt.profile.hf_compat import real_code_paths
 from memopt.profile.loss_key import modules_in
 from memopt.profile.markers import install_markers
@@ -104,7 +104,7 @@ def _pass(model: nn.Module, batch_factory: BatchFactory, micro_batch: int, strat
     device, emulate = trace_device(policy)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     clone = fake_copy(model, fake_mode, device, keep_blocks=keep_blocks, keep_whole=whole)
-    clone.train()
+    train_as_given(clone, model)
     tracker = MemoryTracker(device)
     costs = CostRecorder(lambda: tracker._phase)
     attention: list[str] = []

@@ -107,3 +107,16 @@ def test_a_counter_kept_in_a_plain_attribute_refuses_micro_batching_and_a_settle
     assert plan.strategy.micro_batch_size == 8
     assert any("updates the attribute(s) calls" in n for n in plan.notes)
     assert model.calls == 0  # planning ran the forward on a fake copy only
+
+
+def test_a_batch_norm_the_user_keeps_in_eval_is_traced_in_eval_and_splits_to_one_sample() -> None:
+    """Frozen-BatchNorm fine-tuning: the model in training mode, its backbone's BatchNorm in eval. The trace put every
+    module in training mode, so a micro-batch of one failed BatchNorm's two-sample minimum and wrap raised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3))
+    model.train()
+    model[0].eval()
+    plan = memopt.plan(model, _factory(8, "cpu"), budget="10GB", hardware="h200", loss_fn=_loss, use_cache=False,
+                       pins={"micro_batch_size": 1})
+    assert plan.fits and plan.strategy.micro_batch_size == 1
+    assert model.training and not model[0][1].training  # the user's modes, as given
