@@ -50,7 +50,9 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.prof
 # 17: a training forward that moves a module's number attribute at every call (a counter) refuses micro-batching
 #     like one that writes a buffer; a list of per-sample dicts is traced as one record per sample; under adapters
 #     a classifier's task head trains (memopt.techniques.adapter_merge.task_heads)
-TRACE_REVISION = 17
+# 18: a grouped GEMM's weight gradient counts 2 x m x n x (all groups' rows) FLOPs, not that times the groups over
+#     the rows (memopt.profile.costs); each module traces in the mode the user left it in
+TRACE_REVISION = 18
 
 
 def cache_dir() -> Path:

@@ -101,13 +101,15 @@ def _attention_flops(name: str, args: tuple) -> float:
 
 
 def _grouped_mm_flops(args: tuple, out: Any) -> float:
-    """2 x (output elements) x (reduced dimension): grouped GEMMs reduce over mat_a's last dimension, or over
-    its rows when it is the 2-D operand of a weight-gradient product (output 3-D)."""
+    """2 x (output elements) x (reduced dimension): grouped GEMMs reduce over mat_a's last dimension. In the
+    weight-gradient product (2-D x 2-D -> 3-D: ``(m, k_total) x (k_total, n)`` split into groups along k) each group
+    reduces over its own share of ``k_total``: 2 x m x n x k_total in all, not per group."""
     a = args[0]
     if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
         return 0.0
-    reduced = a.shape[-1] if not (out.dim() == 3 and a.dim() == 2) else a.shape[0]
-    return 2.0 * out.numel() * reduced
+    if out.dim() == 3 and a.dim() == 2:
+        return 2.0 * (out.numel() // out.shape[0]) * a.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
 
 
 class CostRecorder:
