@@ -57,11 +57,15 @@ class HardwareSpec:
         return self.compute_capability[0] * 10 + self.compute_capability[1]
 
     def flops(self, dtype: str) -> float:
-        """Peak dense FLOP/s for a compute dtype name ('bf16', 'fp16', 'fp32', 'tf32')."""
+        """Peak dense FLOP/s for a compute dtype name ('bf16', 'fp16', 'fp32', 'tf32'). 'bf16' on a GPU without
+        bf16 (a T4, a V100) is fp16's peak: an fp16 autocast plan is traced as the bf16 one (one trace serves both
+        half precisions), so its half-precision FLOPs are recorded under 'bf16'."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         if dtype == "tf32":
             return self.peak_flops.get("fp32", 0.0)
+        if dtype == "bf16" and "fp16" in self.peak_flops:
+            return self.peak_flops["fp16"]
         raise ValueError(f"hardware {self.name!r} has no FLOP/s figure for {dtype!r}; known: {sorted(self.peak_flops)}")
 
     def with_overrides(self, **changes: Any) -> HardwareSpec:

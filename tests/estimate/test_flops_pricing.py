@@ -1,8 +1,9 @@
-"""The FLOPs a mixture-of-experts' grouped GEMMs are priced at, against the count by hand: 2 x m x n x k for every
-product, the expert groups splitting one of the dimensions between them."""
+"""The FLOPs a step is priced at, against counts by hand: a mixture-of-experts' grouped GEMMs (2 x m x n x k for every
+product, the expert groups splitting one of the dimensions between them), and half precision on a GPU without bf16."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memopt.profile.costs import CostRecorder
@@ -28,3 +29,20 @@ def test_grouped_gemm_flops_by_hand():
     # batched per expert: (experts, m, k) x (experts, k, n)
     batched = _flops((experts, 64, hidden), (experts, hidden, inter), (experts, 64, inter))
     assert batched == 2 * experts * 64 * hidden * inter
+
+
+def test_fp16_autocast_is_priced_at_fp16s_peak_on_a_gpu_without_bf16():
+    """A T4 has no bf16; an fp16 autocast plan is traced as the bf16 one, so its FLOPs are recorded as bf16. They
+    raised 'no FLOP/s figure for bf16' and every fp16 candidate was dropped: both T4 recipes planned fp32."""
+    import memopt
+    from memopt.hardware import load_hardware
+
+    t4 = load_hardware("t4")
+    assert "bf16" not in t4.peak_flops and t4.flops("bf16") == t4.flops("fp16")
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    sample = (torch.randn(64, 1024), torch.randn(64, 1024))
+    prof = memopt.profile(model, sample=sample, hardware=t4, loss_fn=lambda out, b: (out - b[1]).pow(2).mean())
+    half = memopt.estimate(prof, memopt.Strategy(precision="fp16_autocast"), hardware=t4)
+    full = memopt.estimate(prof, memopt.Strategy(precision="fp32"), hardware=t4)
+    assert half.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp16") == \
+        pytest.approx(full.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp32"), rel=1e-6)
