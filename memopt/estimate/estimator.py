@@ -18,6 +18,7 @@ from memopt.estimate.compose_peak import allocated_peak
 from memopt.estimate.compose_stream import event_stream
 from memopt.estimate.timing import TimingModel, segment_terms, step_time, timing_for
 from memopt.hardware import HardwareSpec, load_hardware
+from memopt.profile.cuda_semantics import kernel_policy_for
 from memopt.profile.profile import Profile
 from memopt.profile.tracker import ALLOC
 from memopt.profile.variant_trace import VariantKey, VariantTrace, variant_key
@@ -188,6 +189,12 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     it took (each costs ``TimingModel.alloc_retry_s``), and an allocation the cap cannot serve raises
     :class:`CappedOOM`."""
     hw = load_hardware(hardware or profile.hardware)
+    policy = kernel_policy_for(hw).cache_key
+    if hardware is not None and profile.kernel_policy and policy != profile.kernel_policy:
+        # another GPU generation picks other attention kernels and workspaces: the traces are not its step's
+        raise ValueError(f"the profile was traced for {profile.hardware} ({profile.kernel_policy.split('-')[0]}), "
+                         f"not for {hw.name} ({policy.split('-')[0]}): its kernels and workspaces differ; profile the "
+                         f"model for {hw.name} (memopt.profile(model, sample, hardware={hw.name!r}))")
     timing = timing or timing_for(hw)
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}

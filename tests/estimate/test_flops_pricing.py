@@ -46,3 +46,15 @@ def test_fp16_autocast_is_priced_at_fp16s_peak_on_a_gpu_without_bf16():
     full = memopt.estimate(prof, memopt.Strategy(precision="fp32"), hardware=t4)
     assert half.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp16") == \
         pytest.approx(full.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp32"), rel=1e-6)
+
+
+def test_a_profile_traced_for_one_gpu_generation_is_not_estimated_for_another():
+    """A T4's profile estimated for an H100 gave 12.26 GiB with math attention where the H100's own profile gives
+    7.03 GiB with cuDNN's: the kernels are chosen at the trace. The same GPU's profile still estimates."""
+    import memopt
+
+    sample = {"batch_size": 2, "seq_len": 32}
+    t4 = memopt.profile("tiny_gpt2", sample=sample, hardware="t4")
+    with pytest.raises(ValueError, match=r"traced for t4 \(sm75\), not for h100_80gb \(sm90\).*hardware='h100_80gb'"):
+        memopt.estimate(t4, memopt.Strategy(), hardware="h100_80gb")
+    assert memopt.estimate(t4, memopt.Strategy(), hardware="t4").peak_allocated_bytes > 0
