@@ -90,3 +90,17 @@ def test_a_model_that_fails_at_every_size_keeps_its_own_error():
     with pytest.raises(VariantFailed, match="the model's step fails as fp32"):
         memopt.plan(Broken(), (torch.randn(6, 8), torch.randn(6)), budget="8GB", hardware="h200", use_cache=False,
                     loss_fn=lambda out, b: out.sum())
+
+
+def test_integer_inputs_into_a_float_layer_fail_the_plan_as_eager_would():
+    """Token ids fed to an nn.Linear: eager refuses the matmul, the fake trace's meta function did not, so the plan
+    said it fit and the first real step raised. The plan fails now, naming the dtypes; float inputs still plan."""
+    model = nn.Sequential(nn.Linear(8, 4))
+    loss = lambda out, b: F.cross_entropy(out, b[1])  # noqa: E731
+    with pytest.raises(VariantFailed, match=r"same dtype, but got torch.int64 and torch.float32"):
+        memopt.plan(model, (torch.randint(0, 5, (4, 8)), torch.randint(0, 4, (4,))), budget="4GB",
+                    hardware="h100_80gb", loss_fn=loss, use_cache=False)
+    with pytest.raises(RuntimeError, match="same dtype"):  # eager says the same
+        model(torch.randint(0, 5, (4, 8)))
+    assert memopt.plan(model, (torch.randn(4, 8), torch.randint(0, 4, (4,))), budget="4GB", hardware="h100_80gb",
+                       loss_fn=loss, use_cache=False).fits
