@@ -100,7 +100,8 @@ def _is_fake(p: torch.Tensor) -> bool:
 def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[[list[nn.Parameter]], Any]:
     """``params -> optimizer`` that rebuilds ``opt`` (class, groups, hyper-parameters, state) over the parameters
     memopt passes: the model's trainable parameters, in ``model.parameters()`` order. An optimizer wrapper's
-    recipe is the torch optimizer inside it (:func:`torch_optimizer`)."""
+    recipe is the torch optimizer inside it (:func:`torch_optimizer`). The recipe keeps that optimizer as
+    ``built_from``."""
     opt = torch_optimizer(opt)
     refusal = closure_refusal(opt, "optimizer=")
     if refusal is not None:
@@ -140,6 +141,7 @@ def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[
             new.load_state_dict(state)
         return new
 
+    build.built_from = opt  # type: ignore[attr-defined]  # a script may keep writing into it: wrap warns, once
     return build
 
 

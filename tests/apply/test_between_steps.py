@@ -5,7 +5,10 @@ grad mode, a wrapper already closed. Compared with the unwrapped loop, same seed
 from __future__ import annotations
 
 import copy
+import warnings
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,3 +103,122 @@ def test_the_hand_written_loop_pieces_accumulate_until_their_optimizer_step():
     w.optimizer_step()
     w.step(batches[2])
     _assert_same(model, ref)
+
+
+def _unfreezing_run(wrapped: bool, add_group: bool = False) -> nn.Sequential:
+    """Fine-tuning's schedule: the first layer frozen for two steps, then trained; the optimizer built over every
+    parameter, as the plain loop builds it (SGD skips a parameter without a gradient)."""
+    batches = _labelled(4)
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, loss_fn=_ce, **KW) if wrapped else None
+    for i, batch in enumerate(batches):
+        if i == 2:
+            model[0].requires_grad_(True)
+            if add_group:
+                w.optimizer.add_param_group({"params": list(model[0].parameters())})
+        if w is not None:
+            w.step(batch)
+        else:
+            opt.zero_grad()
+            _ce(model(batch[0]), batch).backward()
+            opt.step()
+    return model
+
+
+def test_parameters_unfrozen_after_the_wrap_are_refused_until_the_optimizer_holds_them():
+    """memopt's optimizer was built over the parameters that required grad at the wrap: one unfrozen later would
+    never train (its gradient piling up). The step refuses before it changes anything, naming them and the fix;
+    added with wrapped.optimizer.add_param_group, they train as in the plain loop."""
+    batches = _labelled(2)
+    model = _mlp()
+    model[0].requires_grad_(False)
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    **KW)
+    w.step(batches[0])
+    model[0].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(memopt.InputError, match=r"^2 parameter tensor\(s\) of the model require grad but no param "
+                       r"group of wrapped.optimizer holds them \(0.weight, 0.bias: .*add_param_group"):
+        w.step(batches[1])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    # frozen again, the step trains as before; a head added after the wrap is found as well
+    model[0].requires_grad_(False)
+    w.step(batches[1])
+    model.append(nn.Linear(5, 5))
+    with pytest.raises(memopt.InputError, match=r"\(3.weight, 3.bias: "):
+        w.step(batches[1])
+
+    _assert_same(_unfreezing_run(wrapped=True, add_group=True), _unfreezing_run(wrapped=False))
+
+
+def test_a_step_under_no_grad_plans_and_trains_and_inference_mode_is_refused():
+    """A wrap or a first step (which plans) inside torch.no_grad() traces the step with gradients on, as the step
+    itself runs; under inference_mode no backward can run, and wrap and step say so in one line."""
+    batches = _labelled(3)
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches[1:]:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for sample in (batches[0], None):
+        model = _mlp()
+        with torch.no_grad():
+            w = memopt.wrap(model, sample=sample, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            loss_fn=_ce, use_cache=False, **KW)
+            for batch in batches[1:]:
+                w.step(batch)
+        _assert_same(model, ref)
+    with torch.inference_mode(), pytest.raises(memopt.InputError, match=r"^wrapped.step was called under "
+                                               r"torch.inference_mode\(\).*call it outside inference_mode"):
+        w.step(batches[0])
+    with torch.inference_mode(), pytest.raises(memopt.InputError, match=r"^memopt.wrap was called under "
+                                               r"torch.inference_mode\(\)"):
+        memopt.wrap(_mlp(), sample=batches[0], loss_fn=_ce, **KW)
+
+
+def test_a_learning_rate_written_into_the_passed_optimizer_is_warned_of_once():
+    """nanoGPT's loop sets the learning rate of each step into the optimizer it built; memopt trains with its own
+    optimizer, built from that one: the first step after a change says where to set it instead, once."""
+    batches = _labelled(3)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, loss_fn=_ce, **KW)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w.step(batches[0])
+        for i, batch in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = 0.1 / (i + 2)
+            w.step(batch)
+    said = [str(x.message) for x in seen if "param_groups changed" in str(x.message)]
+    assert len(said) == 1 and "set them on wrapped.optimizer.param_groups instead" in said[0], said
+    assert "\n" not in said[0]
+    assert [Path(x.filename).name for x in seen if "param_groups changed" in str(x.message)] == [Path(__file__).name]
+    # set where it trains, it is followed and nothing is said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for group in w.optimizer.param_groups:
+            group["lr"] = 0.0
+        w.step(batches[0])
+
+
+def test_a_closed_wrapper_refuses_to_step_and_still_saves(tmp_path):
+    """close() ends the run (telemetry flushed, calibration stored, OOM recovery released): a step after it is
+    refused in one line; the training state can still be saved and the model unwrapped."""
+    batches = _labelled(2)
+    model = _mlp()
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    run_dir=tmp_path / "run", **KW)
+    w.step(batches[0])
+    w.close()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^this memopt.wrap was closed .* trains no more: call close\(\) after the "
+                       r"last step"):
+        w.step(batches[1])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert w.save(tmp_path / "ckpt.pt").is_file()
+    assert w.unwrap() is model
