@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memopt.apply.step_checks import refuse_inference_mode
 from memopt.apply.wrap_checks import is_trainer, refuse_plan_overrides, refuse_trainer_ignored
 from memopt.apply.wrapped import Wrapped
 from memopt.errors import InputError
@@ -103,6 +104,7 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     torchrun) or the ``Trainer`` it was given, set up from the plan.
     """
     started = time.perf_counter()  # the time to the first step counts from here (Wrapped.startup_s)
+    refuse_inference_mode("memopt.wrap")  # under no_grad it plans (with gradients on) and applies as anywhere
     if is_trainer(target):
         refuse_trainer_ignored({name: value for name, value, default in (
             ("optimizer", optimizer, "adamw"), ("lr", lr, None), ("weight_decay", weight_decay, None),

@@ -21,6 +21,7 @@ from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
+from memopt.apply.step_checks import StepChecks
 from memopt.apply.wrap_checks import WRAPPED_BY, check_model, micro_batch_warning
 from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse_unfit
 from memopt.guard.escalation import PlanEscalator, step_down
@@ -82,7 +83,7 @@ class Wrapped:
         self._enforce_budget = enforce_budget
         self._use_cache = use_cache
         self._prepared: Prepared | None = None
-        self._unwrapped = False  # unwrap() gave the model back: the optimizer state went with the techniques
+        self._checks = StepChecks(model, optimizer)  # unwrapped or closed; what changed between steps
         self._sharded: Any = None  # a ShardedWrapped when the plan offloads the model states
         self._guard_enabled = guard
         self._run_dir = run_dir
@@ -111,6 +112,7 @@ class Wrapped:
         model.__dict__[WRAPPED_BY] = self  # until unwrap(): a second wrap of this module is refused
 
     # -- planning and applying -------------------------------------------------------------------
+    @torch.enable_grad()  # the traces run a backward: a wrap (or a first step) under no_grad plans all the same
     def _make_plan(self, sample: Any) -> Plan:
         if self._budget is None:
             raise ValueError("memopt.wrap needs budget= (e.g. '40GB') or a saved plan= to apply")
@@ -277,22 +279,18 @@ class Wrapped:
             raise ValueError(f"this plan offloads the model states through {self._sharded.setting.engine}, whose "
                              "engine owns the forward, backward and optimizer step: train with step(batch), "
                              "checkpoint with save(dir)/load(dir), reach the engine as wrapped.engine")
-        self._require_wrapped()
+        self._checks.require_wrapped()
         if self._prepared is None:
             raise ValueError("memopt.wrap planned nothing yet: call step(batch) once (it plans from that batch) "
                              "or pass sample= to memopt.wrap")
 
-    def _require_wrapped(self) -> None:
-        if self._unwrapped:
-            # training on would re-plan and build a fresh optimizer: its state (moments, step count) lost silently
-            raise ValueError("this memopt.wrap was unwrapped (unwrap() removed its techniques and its optimizer): "
-                             "wrap the model again to train it, after save(dir) first if its optimizer state matters")
-
+    @torch.enable_grad()  # a training step (its planning and autotune too) needs gradients inside a caller's no_grad
     def step(self, batch: Any) -> float:
         """One optimizer step over the global ``batch`` (a tensor, tuple, list or dict of tensors: see
-        ``memopt.step.batch``); returns its mean loss."""
+        ``memopt.step.batch``); returns its mean loss. Refused after ``close()``, and for parameters that require grad
+        but that no param group of ``wrapped.optimizer`` holds (``memopt.apply.step_checks``)."""
         check_batch(batch)
-        self._require_wrapped()
+        self._checks.before_planning()
         whole = indivisible(batch)
         if whole and self.plan is not None and not self.plan.model.get("sample", {}).get("indivisible"):
             raise ValueError(f"{whole}, but the plan was made for a batch of "
@@ -317,9 +315,9 @@ class Wrapped:
         # lazy: keeps memopt.guard.attribution_hooks (and guard.attribution) out of import memopt
         from memopt.guard.attribution_hooks import record_wrapped_step
 
-        # a training step needs gradients even where the caller's code turned them off (a step inside no_grad)
+        self._checks.before_step(self._prepared.optimizer, self._prepared.step.master)
         try:
-            with torch.enable_grad(), record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
+            with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
                 if self.guard is not None:
                     loss = self.guard.step(batch)
                     if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
@@ -368,8 +366,10 @@ class Wrapped:
         return self.guard.progress() if self.guard is not None else self.describe()
 
     def close(self) -> None:
-        """Flush telemetry and store the measured peaks as a calibration for later plans; a one-GPU offload
-        engine's process group, started by memopt, is destroyed (save first to keep the training state)."""
+        """End the run: flush telemetry and store the measured peaks as a calibration for later plans; a one-GPU
+        offload engine's process group, started by memopt, is destroyed. ``step`` refuses afterwards; ``save``,
+        ``unwrap`` and the model stay usable (save first to keep the training state of an offload plan)."""
+        self._checks.closed = True
         if self.guard is not None:
             self.guard.close()
         if self._sharded is not None:
@@ -385,7 +385,7 @@ class Wrapped:
         if self._prepared is not None:
             self._prepared.undo()
             self._prepared = None
-            self._unwrapped = True
+            self._checks.unwrapped = True
         self._user_model.__dict__.pop(WRAPPED_BY, None)
         return self._user_model
 

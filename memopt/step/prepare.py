@@ -230,7 +230,9 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
                          max_grad_norm=max_grad_norm, causal_lm=is_causal_lm(model), reduction=loss_reduction,
                          padding=padding_cut,
                          lr_scheduler=_scheduler(lr_scheduler, opt))
-    except Exception:
+    except BaseException:
+        # an interrupt (Ctrl-C during a slow wrap) is undone as an error is: a model left half changed (bf16
+        # weights, patched forwards) would be taken for the user's own by the next wrap
         while undo:
             undo.pop()()
         raise

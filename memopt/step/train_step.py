@@ -176,6 +176,15 @@ class TrainStep:
                     "rate stays as it was): fix the scheduler, or leave lr_scheduler= out and step it yourself"
                 ) from exc
 
+    def clear_grads(self) -> None:
+        """``grad = None`` on every parameter the optimizer steps, and on the bf16 weights behind fp32 masters."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        if self.master is not None:
+            for p in self.master.params:
+                p.grad = None
+
     def _reduction_mode(self, micro: list[Any], counts: list[int]) -> str:
         """"mean" or "sum"; measured on the first micro-batch that carries loss items (a loss of none is 0/0) the
         first time a batch is split under "auto"."""
@@ -198,7 +207,10 @@ class TrainStep:
 
     def step(self, batch: Any) -> float:
         """One optimizer step over ``batch`` (the global batch); returns the batch's loss (its mean, or its sum
-        for a summed loss)."""
+        for a summed loss). Starts from no gradient on the parameters it trains: a step is a whole optimizer step
+        over ``batch``, and what another step left on them (a GAN generator's loss backpropagates into the
+        discriminator) is not this batch's."""
+        self.clear_grads()
         micro = split_batch(batch, self.strategy.micro_batch_size)
         if self.padding is not None and len(micro) > 1:
             counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, self._padding_verdict)

@@ -27,7 +27,7 @@ from torch import nn
 from memopt.errors import InputError, UserArgumentError
 
 __all__ = ["closure_refusal", "has_unpassed_scheduler", "is_optimizer", "is_scheduler", "optimizer_factory",
-           "scheduler_factory", "scheduler_refusal", "step_argument", "user_optimizer"]
+           "scheduler_factory", "scheduler_refusal", "step_argument", "torch_optimizer", "user_optimizer"]
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -36,6 +36,16 @@ def is_optimizer(obj: Any) -> bool:
 
 def is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def torch_optimizer(opt: Any) -> Any:
+    """The optimizer that ``opt`` wraps as ``.optimizer`` (accelerate's ``AcceleratedOptimizer`` from
+    ``accelerator.prepare``, nested to any depth), else ``opt``. The wrapper's constructor takes an optimizer, not
+    parameter groups, and its own work (device placement, a GradScaler, skipping steps while accumulating) is what
+    memopt's step does under its plan: the torch optimizer inside is the recipe, and its groups are the wrapper's."""
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer) and opt.optimizer is not opt:
+        opt = opt.optimizer
+    return opt
 
 
 def step_argument(obj: Any) -> str | None:
@@ -74,8 +84,13 @@ def scheduler_refusal(scheduler: Any, where: str) -> str | None:
 
 def has_unpassed_scheduler(opt: torch.optim.Optimizer) -> bool:
     """Whether a torch scheduler was built on ``opt`` (each marks ``opt.step`` when built, to check the order of the
-    two steps). ``initial_lr`` in the groups is not asked: a state loaded from a scheduled run carries it too."""
-    return bool(getattr(opt.step, "_wrapped_by_lr_sched", False))
+    two steps), or on the optimizer inside ``opt``, a wrapper (:func:`torch_optimizer`). ``initial_lr`` in the groups
+    is not asked: a state loaded from a scheduled run carries it too."""
+    while not getattr(opt.step, "_wrapped_by_lr_sched", False):
+        if torch_optimizer(opt) is opt:
+            return False
+        opt = opt.optimizer
+    return True
 
 
 def _is_fake(p: torch.Tensor) -> bool:
@@ -84,7 +99,10 @@ def _is_fake(p: torch.Tensor) -> bool:
 
 def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[[list[nn.Parameter]], Any]:
     """``params -> optimizer`` that rebuilds ``opt`` (class, groups, hyper-parameters, state) over the parameters
-    memopt passes: the model's trainable parameters, in ``model.parameters()`` order."""
+    memopt passes: the model's trainable parameters, in ``model.parameters()`` order. An optimizer wrapper's
+    recipe is the torch optimizer inside it (:func:`torch_optimizer`). The recipe keeps that optimizer as
+    ``built_from``."""
+    opt = torch_optimizer(opt)
     refusal = closure_refusal(opt, "optimizer=")
     if refusal is not None:
         raise InputError([refusal])
@@ -123,12 +141,13 @@ def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[
             new.load_state_dict(state)
         return new
 
+    build.built_from = opt  # type: ignore[attr-defined]  # a script may keep writing into it: wrap warns, once
     return build
 
 
 def scheduler_factory(scheduler: Any, opt: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
     """``optimizer -> scheduler``: ``scheduler`` (built on ``opt``) re-pointed at the optimizer memopt built."""
-    if scheduler.optimizer is not opt:
+    if torch_optimizer(scheduler.optimizer) is not torch_optimizer(opt):  # a wrapper's: built on it or inside it
         raise ValueError("the lr_scheduler passed to memopt.wrap was built on another optimizer than the one passed: "
                          "build it on that optimizer, or pass a callable optimizer -> scheduler")
 

@@ -221,3 +221,41 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_in_one_line():
     with pytest.raises(memopt.InputError, match=r"^optimizer= " + message):
         memopt.plan(model, batch, budget="4GB", hardware="h100_80gb", optimizer=torch.optim.LBFGS(model.parameters()),
                     loss_fn=lambda out, b: F.cross_entropy(out, b[1]))
+
+
+@pytest.fixture
+def accelerator():
+    """An accelerate Accelerator on the CPU; its process-wide state is reset after the test, so a later Accelerator
+    (a Trainer's, on a GPU) is not taken for one of the same run."""
+    accelerate = pytest.importorskip("accelerate")
+    yield accelerate.Accelerator(cpu=True)
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.state.GradientState._reset_state()
+
+
+def test_an_optimizer_accelerate_prepared_is_taken_for_the_torch_optimizer_inside_it(accelerator):
+    """``model, opt = accelerator.prepare(model, opt)`` before memopt.wrap: the AcceleratedOptimizer's constructor
+    takes an optimizer, not parameter groups; memopt builds from the torch optimizer inside it (its groups and
+    hyper-parameters) and trains as the plain loop, and a scheduler built on the prepared optimizer drives it."""
+    batches = _batches()
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    model, opt = accelerator.prepare(model, torch.optim.SGD(_groups(model), lr=0.1, momentum=0.9))
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    w = memopt.wrap(model, optimizer=opt, lr_scheduler=sched, **{**_common(batches[0]), "pins": {
+        "precision": "fp32", "micro_batch_size": 4}})
+    want = [_hand_step(ref, ref_opt, ref_sched, b) for b in batches]
+    got = [w.step(b) for b in batches]
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert type(w.optimizer) is torch.optim.SGD
+    assert [g["lr"] for g in w.optimizer.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+    # a scheduler built on it and not passed is refused as one built on a torch optimizer is
+    other = _mlp()
+    other, other_opt = accelerator.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    torch.optim.lr_scheduler.StepLR(other_opt, 1)
+    with pytest.raises(memopt.InputError, match="has a learning-rate scheduler built on it"):
+        memopt.wrap(other, optimizer=other_opt, **_common(batches[0]))

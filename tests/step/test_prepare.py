@@ -115,3 +115,26 @@ def test_a_model_kept_on_the_gpu_between_strategies_goes_home_once():
     second.adopt_placement(home)
     second.undo()
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _model_as_it_is(model: nn.Module) -> tuple:
+    """What applying a strategy changes on a model: the weights' dtypes, the patched forwards, the hooks."""
+    return ({p.dtype for p in model.parameters()}, [sorted(m.__dict__.keys() & {"forward"}) for m in model.modules()],
+            sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
+
+
+@pytest.mark.parametrize("interrupt", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupt_while_the_plan_is_applied_gives_the_model_back_as_it_was(interrupt):
+    """Ctrl-C in a notebook lands anywhere in a slow wrap: a KeyboardInterrupt (a BaseException) is undone as an
+    error is, and goes on to the caller."""
+    model = _Blocks()
+    before = _model_as_it_is(model)
+
+    def interrupted(params):
+        raise interrupt("interrupted while the optimizer is built")
+
+    strategy = Strategy(precision="bf16_master", checkpointing=Checkpointing(mode="full"), optimizer="user")
+    with pytest.raises(interrupt, match="interrupted"):
+        prepare(model, strategy, device_type="cpu", optimizer=interrupted)
+    assert _model_as_it_is(model) == before
+    assert before[0] == {torch.float32}

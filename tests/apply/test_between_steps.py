@@ -1,0 +1,224 @@
+"""What a step finds when it starts, and what it does with it: gradients another model's step left on its parameters
+(a GAN), parameters unfrozen since the wrap, a learning rate written on the optimizer the user passed, the caller's
+grad mode, a wrapper already closed. Compared with the unwrapped loop, same seed, SGD."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+
+KW = {"budget": "4GB", "hardware": "h100_80gb", "device": "cpu"}
+
+
+def _batches(n: int, width: int = 6, z: int = 4, b: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(b, width, generator=g), torch.randn(b, z, generator=g)) for _ in range(n)]
+
+
+def _assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_gan_step_starts_from_no_gradient_as_the_loop_that_zeroes_them_does():
+    """DCGAN's order: the discriminator's step, then the generator's, whose loss backpropagates into the
+    discriminator too. The discriminator's next step must not add what that left on its parameters."""
+    torch.manual_seed(0)
+    g0 = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
+    d0 = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    batches = _batches(4)
+    bce = nn.BCEWithLogitsLoss()
+
+    def d_loss(d, g, real, z):
+        n = len(real)
+        return bce(d(real), torch.ones(n, 1)) + bce(d(g(z).detach()), torch.zeros(n, 1))
+
+    def g_loss(d, g, z):
+        return bce(d(g(z)), torch.ones(len(z), 1))
+
+    g_ref, d_ref = copy.deepcopy(g0), copy.deepcopy(d0)
+    opt_g, opt_d = torch.optim.SGD(g_ref.parameters(), lr=0.1), torch.optim.SGD(d_ref.parameters(), lr=0.1)
+    for real, z in batches:
+        opt_d.zero_grad()
+        d_loss(d_ref, g_ref, real, z).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        g_loss(d_ref, g_ref, z).backward()
+        opt_g.step()
+
+    g, d = copy.deepcopy(g0), copy.deepcopy(d0)
+    wg = memopt.wrap(g, sample=batches[0], optimizer=torch.optim.SGD(g.parameters(), lr=0.1),
+                     training_step=lambda m, b: g_loss(d, m, b[1]), pins={"micro_batch_size": 4}, **KW)
+    wd = memopt.wrap(d, sample=batches[0], optimizer=torch.optim.SGD(d.parameters(), lr=0.1),
+                     training_step=lambda m, b: d_loss(m, g, b[0], b[1]), pins={"micro_batch_size": 4}, **KW)
+    for batch in batches:
+        wd.step(batch)
+        wg.step(batch)
+    _assert_same(d, d_ref)
+    _assert_same(g, g_ref)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5))
+
+
+def _labelled(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def _ce(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out, batch[1])
+
+
+def test_the_hand_written_loop_pieces_accumulate_until_their_optimizer_step():
+    """backward() twice, then optimizer_step(): the gradients of both add up, as in a loop that accumulates by hand,
+    and a step() after it starts from none."""
+    batches = _labelled(3)
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches[:2]:
+        (F.cross_entropy(ref(x), y) / 2).backward()
+    opt.step()
+    opt.zero_grad()
+    F.cross_entropy(ref(batches[2][0]), batches[2][1]).backward()
+    opt.step()
+
+    model = _mlp()
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    pins={"precision": "fp32"}, **KW)
+    for batch in batches[:2]:
+        with w.autocast():
+            loss = _ce(w.model(batch[0]), batch)
+        w.backward(loss / 2)
+    w.optimizer_step()
+    w.step(batches[2])
+    _assert_same(model, ref)
+
+
+def _unfreezing_run(wrapped: bool, add_group: bool = False) -> nn.Sequential:
+    """Fine-tuning's schedule: the first layer frozen for two steps, then trained; the optimizer built over every
+    parameter, as the plain loop builds it (SGD skips a parameter without a gradient)."""
+    batches = _labelled(4)
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, loss_fn=_ce, **KW) if wrapped else None
+    for i, batch in enumerate(batches):
+        if i == 2:
+            model[0].requires_grad_(True)
+            if add_group:
+                w.optimizer.add_param_group({"params": list(model[0].parameters())})
+        if w is not None:
+            w.step(batch)
+        else:
+            opt.zero_grad()
+            _ce(model(batch[0]), batch).backward()
+            opt.step()
+    return model
+
+
+def test_parameters_unfrozen_after_the_wrap_are_refused_until_the_optimizer_holds_them():
+    """memopt's optimizer was built over the parameters that required grad at the wrap: one unfrozen later would
+    never train (its gradient piling up). The step refuses before it changes anything, naming them and the fix;
+    added with wrapped.optimizer.add_param_group, they train as in the plain loop."""
+    batches = _labelled(2)
+    model = _mlp()
+    model[0].requires_grad_(False)
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    **KW)
+    w.step(batches[0])
+    model[0].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(memopt.InputError, match=r"^2 parameter tensor\(s\) of the model require grad but no param "
+                       r"group of wrapped.optimizer holds them \(0.weight, 0.bias: .*add_param_group"):
+        w.step(batches[1])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    # frozen again, the step trains as before; a head added after the wrap is found as well
+    model[0].requires_grad_(False)
+    w.step(batches[1])
+    model.append(nn.Linear(5, 5))
+    with pytest.raises(memopt.InputError, match=r"\(3.weight, 3.bias: "):
+        w.step(batches[1])
+
+    _assert_same(_unfreezing_run(wrapped=True, add_group=True), _unfreezing_run(wrapped=False))
+
+
+def test_a_step_under_no_grad_plans_and_trains_and_inference_mode_is_refused():
+    """A wrap or a first step (which plans) inside torch.no_grad() traces the step with gradients on, as the step
+    itself runs; under inference_mode no backward can run, and wrap and step say so in one line."""
+    batches = _labelled(3)
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches[1:]:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    for sample in (batches[0], None):
+        model = _mlp()
+        with torch.no_grad():
+            w = memopt.wrap(model, sample=sample, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            loss_fn=_ce, use_cache=False, **KW)
+            for batch in batches[1:]:
+                w.step(batch)
+        _assert_same(model, ref)
+    with torch.inference_mode(), pytest.raises(memopt.InputError, match=r"^wrapped.step was called under "
+                                               r"torch.inference_mode\(\).*call it outside inference_mode"):
+        w.step(batches[0])
+    with torch.inference_mode(), pytest.raises(memopt.InputError, match=r"^memopt.wrap was called under "
+                                               r"torch.inference_mode\(\)"):
+        memopt.wrap(_mlp(), sample=batches[0], loss_fn=_ce, **KW)
+
+
+def test_a_learning_rate_written_into_the_passed_optimizer_is_warned_of_once():
+    """nanoGPT's loop sets the learning rate of each step into the optimizer it built; memopt trains with its own
+    optimizer, built from that one: the first step after a change says where to set it instead, once."""
+    batches = _labelled(3)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, loss_fn=_ce, **KW)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w.step(batches[0])
+        for i, batch in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = 0.1 / (i + 2)
+            w.step(batch)
+    said = [str(x.message) for x in seen if "param_groups changed" in str(x.message)]
+    assert len(said) == 1 and "set them on wrapped.optimizer.param_groups instead" in said[0], said
+    assert "\n" not in said[0]
+    assert [Path(x.filename).name for x in seen if "param_groups changed" in str(x.message)] == [Path(__file__).name]
+    # set where it trains, it is followed and nothing is said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for group in w.optimizer.param_groups:
+            group["lr"] = 0.0
+        w.step(batches[0])
+
+
+def test_a_closed_wrapper_refuses_to_step_and_still_saves(tmp_path):
+    """close() ends the run (telemetry flushed, calibration stored, OOM recovery released): a step after it is
+    refused in one line; the training state can still be saved and the model unwrapped."""
+    batches = _labelled(2)
+    model = _mlp()
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    run_dir=tmp_path / "run", **KW)
+    w.step(batches[0])
+    w.close()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^this memopt.wrap was closed .* trains no more: call close\(\) after the "
+                       r"last step"):
+        w.step(batches[1])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert w.save(tmp_path / "ckpt.pt").is_file()
+    assert w.unwrap() is model
