@@ -101,6 +101,17 @@ def test_bad_names_exit_2_with_what_would_work(cli_env, tmp_path):
     assert "cannot pin unknown technique 'foo'; pinnable: precision, checkpointing" in err
 
 
+def test_a_policy_that_forbids_every_candidate_exits_2_before_planning(cli_env, tmp_path):
+    proc = run_cli(["policy.forbid.precision=[fp32,bf16_autocast]",
+                    "policy.forbid.optimizer=[adamw_fused,adamw_foreach,adamw,sgd]"], cli_env, tmp_path)
+    _no_traceback(proc)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = " ".join(proc.stderr.split())
+    assert proc.stdout == ""
+    assert "the policy leaves no precision to plan on h100_80gb" in err and "bf16_pure needs 'lossy'" in err
+    assert "the policy leaves no optimizer to plan on h100_80gb" in err and "need '8bit_optimizer'" in err
+
+
 def test_contradictions_tiny_budgets_and_bad_shapes_exit_2(cli_env, tmp_path):
     proc = run_cli(["policy=mixed", "policy.pins.precision=fp16_autocast", "policy.forbid.loss_scaling=[grad_scaler]",
                     "budget=500MB", "training.seq_len=4096", "training.batchsize=8"], cli_env, tmp_path)
