@@ -250,15 +250,19 @@ def test_render_plan_without_hydra(fits):
     out = buf.getvalue()
     for part in ("llama3_8b (LlamaForCausalLM, 8.03 B parameters)", "40GB = 37.25 GiB per GPU",
                  "pinned checkpointing=full", "full, 12 blocks per stack", "2 x 4 accumulation steps", "20.00 GiB",
-                 "+300.0 ms", "uses 1.00 MiB more", "-1.0 ms (faster)", "optimizer states", "Step time 1500.0 ms",
-                 "throughput 21,845 tokens/s", "Runners-up", "1.07x", "adamw_fused: needs 60.00 GiB",
+                 "+300.0 ms", "uses 1.00 MiB more", "-1.0 ms (faster)", "optimizer states",
+                 "Runners-up", "1.07x", "adamw_fused: needs 60.00 GiB",
                  "6400 candidates, 700 evaluated, 5100 pruned as slower, 600 pruned as too big",
                  "batches vary in length"):
         assert part in out, (part, out)
     if fits:
         assert "FITS" in out and "headroom" in out
+        assert "Step time 1500.0 ms" in out and "throughput 21,845 tokens/s" in out
     else:
         assert "DOES NOT FIT" in out and "allowing lossy reaches 45.00 GiB" in out and "What allowing more" in out
+        # a plan that does not fit has no step time to run at (its JSON keeps the key: golden records hash it)
+        assert "Step time — (the plan does not fit the budget)" in out and "ms (forward" not in out
+        assert "throughput" not in out
 
 
 def test_describe_sample():
