@@ -123,7 +123,7 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
             share = int(device_total_bytes * pct / 100)
             if share == 0:
                 raise ValueError(
-                    f"budget {text!r} is zero bytes of the device's {device_total_bytes}; {_GRAMMAR_HELP}"
+                    f"budget {text!r} is zero bytes of the device's {format_bytes(device_total_bytes)}; {_GRAMMAR_HELP}"
                 )
             return share
     number = _unitless_number(text)
