@@ -197,6 +197,9 @@ def _peak_line(plan: Any) -> Text:
 def _time_line(plan: Any) -> Text:
     pred = plan.prediction
     text = Text("Step time ", style="bold")
+    if not plan.fits:  # no strategy was timed as the one to run: the smallest footprint carries no step time
+        text.append("— (the plan does not fit the budget)")
+        return text
     text.append(_ms(plan.step_time_s))
     parts = [f"{name} {_ms(pred[key])}" for key, name in (("forward_s", "forward"), ("backward_s", "backward"),
                                                            ("optimizer_s", "optimizer")) if key in pred]

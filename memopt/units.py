@@ -7,7 +7,10 @@ Budget grammar (DEVELOPERS.md):
     "40GiB" -> 40 * 2**30        (binary units: KiB, MiB, GiB, TiB)
     "40G"   -> 40 * 2**30        (a bare letter means binary, as nvidia-smi and most tools use it)
     "80%"   -> 80% of the device's total memory (needs ``device_total_bytes``)
-    40000000000 or "40000000000" -> a plain byte count
+    40000000000 or "40000000000" -> a plain byte count (a float with a fraction is rounded to the nearest byte)
+
+Units are read case-insensitively ("8 gib", "40gb"), except a lowercase "b" after an uppercase prefix ("40Gb",
+"512Mib"): that spelling means bits, so it is refused rather than read as bytes eight times too large.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
             raise ValueError(f"{what} {text!r} is too large to be a number of bytes; {_GRAMMAR_HELP}")
         if not math.isfinite(text) or text < 0:
             raise ValueError(f"{what} must be a finite, non-negative number, got {text!r}; {_GRAMMAR_HELP}")
-        return int(text)
+        return round(text)
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string or a number, got {type(text).__name__}; {_GRAMMAR_HELP}")
     match = _PATTERN.match(text)
@@ -90,6 +93,11 @@ def parse_bytes(text: str | int | float, *, what: str = "size") -> int:
     if not match:
         raise ValueError(f"cannot read {what} {text!r}: {_GRAMMAR_HELP}")
     number, unit = float(match.group(1)), match.group(2).lower()
+    if _means_bits(match.group(2)):
+        raise ValueError(
+            f"{what} {text!r}: a lowercase 'b' after an uppercase prefix means bits; "
+            f"for bytes write '{match.group(1)}{match.group(2)[:-1]}B'"
+        )
     if not math.isfinite(number):
         raise ValueError(f"{what} {text!r} is too large to be a number of bytes; {_GRAMMAR_HELP}")
     if unit == "%":
@@ -112,7 +120,12 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
                     f"budget {text!r} is a percentage of the device's memory, but no device is known: "
                     "name the hardware (hardware=h100_80gb) or give an absolute budget such as '40GB'"
                 )
-            return int(device_total_bytes * pct / 100)
+            share = int(device_total_bytes * pct / 100)
+            if share == 0:
+                raise ValueError(
+                    f"budget {text!r} is zero bytes of the device's {format_bytes(device_total_bytes)}; {_GRAMMAR_HELP}"
+                )
+            return share
     number = _unitless_number(text)
     if number is not None and 0 < number < 1024 and not float(number).is_integer():
         # a fraction meant as a share of the device ("0.8") would otherwise plan for one byte
@@ -123,6 +136,11 @@ def parse_budget(text: str | int | float, *, device_total_bytes: int | None = No
     if value == 0:
         raise ValueError(f"budget {text!r} is zero bytes; {_GRAMMAR_HELP}")
     return value
+
+
+def _means_bits(unit: str) -> bool:
+    """Whether a unit is spelled as bits ("Gb", "Mib"): an uppercase prefix before a lowercase final 'b'."""
+    return len(unit) >= 2 and unit.endswith("b") and any(ch.isupper() for ch in unit[:-1])
 
 
 def _unitless_number(text: str | int | float) -> float | None:

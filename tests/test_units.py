@@ -37,3 +37,20 @@ def test_format_bytes():
     assert format_bytes(3 * GiB) == "3.00 GiB"
     assert format_bytes(500) == "500 B"
     assert parse_bytes("2KiB") == 2048
+
+
+@pytest.mark.parametrize("tiny", ["1e-30%", "1e-12%"])
+def test_a_percentage_that_rounds_to_zero_bytes_is_refused_quoting_it(tiny):
+    with pytest.raises(ValueError, match=f"budget '{tiny}' is zero bytes"):
+        parse_budget(tiny, device_total_bytes=80 * GiB)
+
+
+@pytest.mark.parametrize(("bits", "fix"), [("40Gb", "'40GB'"), ("512Mib", "'512MiB'"), ("1.5Tb", "'1.5TB'")])
+def test_a_unit_spelled_as_bits_is_refused(bits, fix):
+    with pytest.raises(ValueError, match=f"means bits; for bytes write {fix}"):
+        parse_budget(bits)
+    assert parse_budget("40gb") == 40 * 10**9 and parse_budget("40GB") == 40 * 10**9
+
+
+def test_a_float_byte_count_is_rounded_to_the_nearest_byte():
+    assert parse_budget(1500.7) == 1501 and parse_bytes(2047.6) == 2048

@@ -2,36 +2,17 @@
 activation memory than the plan predicts: on a GPU it runs out of memory under the cap and the guard has to recover,
 which is not a fit. More samples of the planned shape are no risk: they become more micro-batches of the planned
 size. The watch compares each batch's tensors, past dim 0, with the planned sample's and says once per tensor and
-shape what grew and what to plan for instead."""
+shape what grew and what to plan for instead. The planned sample is the profile's where wrap planned, else what a
+saved plan recorded (``memopt.plan.sample_match``)."""
 
 from __future__ import annotations
 
 import warnings
 from typing import Any
 
-from memopt.step.batch_samples import indivisible
-from memopt.step.batch_tree import leaves
+from memopt.plan.sample_match import grown_shapes, planned_sample_shapes, saved_sample_shapes
 
-__all__ = ["ShapeWatch", "planned_sample_shapes"]
-
-
-def planned_sample_shapes(batch_factory: Any) -> dict[str, tuple[int, ...]]:
-    """Per tensor of the planned batch (by its path in the batch), its shape past dim 0; empty when the profile
-    cannot make a batch (nothing is watched then)."""
-    if batch_factory is None:
-        return {}
-    try:
-        batch = batch_factory(1, "meta")
-    except Exception:  # a factory that needs a real device: the watch is advice, never a failure of its own
-        return {}
-    return _per_sample_shapes(batch)
-
-
-def _per_sample_shapes(batch: Any) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape past dim 0; the whole shape in an indivisible batch (one sample: a graph's node count
-    is what grows)."""
-    cut = 0 if indivisible(batch) else 1
-    return {path: tuple(t.shape[cut:]) for path, t in leaves(batch) if t.dim() > 0}
+__all__ = ["ShapeWatch", "planned_sample_shapes", "watch_for"]
 
 
 class ShapeWatch:
@@ -42,15 +23,7 @@ class ShapeWatch:
         self._said: set[tuple[str, tuple[int, ...]]] = set()
 
     def check(self, batch: Any) -> None:
-        if not self.planned:
-            return
-        grown = []
-        shapes = dict(leaves(batch))
-        for path, have in _per_sample_shapes(batch).items():
-            want = self.planned.get(path)
-            if want is not None and len(want) == len(have) and any(h > w for h, w in zip(have, want)):
-                grown.append((path, have, tuple(shapes[path].shape), want))
-        new = [g for g in grown if g[:2] not in self._said]
+        new = [g for g in grown_shapes(self.planned, batch) if g[:2] not in self._said]
         if not new:
             return
         self._said.update(g[:2] for g in new)
@@ -60,3 +33,10 @@ class ShapeWatch:
             "the plan (on a GPU, an out-of-memory error that the guard recovers from). Plan for the largest batch "
             "you will feed: sample= that batch, or {'batch_size': ..., 'seq_len': <the longest>} for a Hugging Face "
             "model", stacklevel=3)
+
+
+def watch_for(profile: Any, plan: Any, model: Any) -> ShapeWatch:
+    """The watch of a wrapped model: the planned sample of the profile wrap made, else of the saved plan applied."""
+    if profile is not None:
+        return ShapeWatch(planned_sample_shapes(profile.batch_factory))
+    return ShapeWatch(saved_sample_shapes((getattr(plan, "model", None) or {}).get("sample"), model))

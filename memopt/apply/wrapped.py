@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memopt import progress
-from memopt.apply.batch_shape_watch import ShapeWatch, planned_sample_shapes
+from memopt.apply.batch_shape_watch import ShapeWatch, watch_for
 from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
 from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
 from memopt.apply.step_checks import StepChecks
@@ -300,8 +300,7 @@ class Wrapped:
             self.plan = self._make_plan(batch)
             self._apply(self.plan)
         if self._shape_watch is None:
-            self._shape_watch = ShapeWatch(planned_sample_shapes(
-                self._profile.batch_factory if self._profile is not None else None))
+            self._shape_watch = watch_for(self._profile, self.plan, self._user_model)
         self._shape_watch.check(batch)
         if self._sharded is not None:
             self._started_training()

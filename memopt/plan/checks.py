@@ -26,6 +26,10 @@ from memopt.errors import InputError, raise_problems
 from memopt.estimate.timing import timing_for
 from memopt.hardware import HardwareSpec, hardware_names
 from memopt.plan.context import resolve_hardware
+from memopt.plan.sample_match import grown_shapes, grown_spec, saved_sample_shapes
+from memopt.profile.batch_factories import is_shapes
+from memopt.step.batch_samples import batch_size
+from memopt.step.batch_tree import is_batch, tensors
 from memopt.techniques.checkpointing import checkpointing_refusal
 from memopt.techniques.optimizers import VARIANTS
 from memopt.units import format_bytes, parse_budget
@@ -355,8 +359,38 @@ def check_plan_matches(plan: Any, model: Any, sample: Any = None, *, allow_misma
         problems.append(f"the saved plan was made for another model ({name}, {(plan.model or {}).get('num_params')} "
                         f"parameters; this one is {type(model).__name__}); make a plan for this model, or pass "
                         "allow_plan_mismatch=True to apply it anyway")
-    batch = sample.get("batch_size") if isinstance(sample, Mapping) else None
+    batch = _samples_in(sample)
     if _is_int(batch) and plan.global_batch and batch != plan.global_batch:
         problems.append(f"the saved plan is for a global batch of {plan.global_batch}, the sample has batch_size="
                         f"{batch}; make a plan for this batch, or pass allow_plan_mismatch=True")
+    planned = (plan.model or {}).get("sample")
+    grown = grown_spec(planned, sample) or _grown_tensors(planned, model, sample)
+    if grown:
+        problems.append(f"the sample is larger per sample than the saved plan's: {'; '.join(grown)}; its activations "
+                        "need more memory than the plan predicts: make a plan for this sample, or pass "
+                        "allow_plan_mismatch=True")
     raise_problems(problems, "plan")
+
+
+def _grown_tensors(planned: Any, model: Any, sample: Any) -> list[str]:
+    """Each tensor of a batch ``sample`` larger past dim 0 than in the saved plan's recorded sample."""
+    if sample is None or is_shapes(sample) or not (is_batch(sample) and tensors(sample)):
+        return []
+    try:
+        grown = grown_shapes(saved_sample_shapes(planned, model), sample)
+    except ValueError:  # a batch memopt cannot split says so where it is traced
+        return []
+    return [f"{path} {shape} (planned per sample {want})" for path, _, shape, want in grown]
+
+
+def _samples_in(sample: Any) -> Any:
+    """The samples a wrap's ``sample`` holds: its ``batch_size`` as shapes, else the batch's dim 0 (None: no
+    batch to count)."""
+    if sample is None or is_shapes(sample):
+        return sample.get("batch_size") if isinstance(sample, Mapping) else None
+    if not (is_batch(sample) and tensors(sample)):
+        return None
+    try:
+        return batch_size(sample)
+    except ValueError:  # a batch memopt cannot split says so where it is traced
+        return None

@@ -19,6 +19,7 @@ from memopt.plan.footprint import Estimates, level_fits
 from memopt.plan.model_keys import check_model_keys
 from memopt.plan.plan_build import alternative_plans, build_plan
 from memopt.plan.policy import Policy
+from memopt.plan.policy_room import check_policy_room
 from memopt.plan.schema import Plan
 from memopt.plan.search import search
 from memopt.plan.sharded import plan_sharded, world_of
@@ -199,6 +200,8 @@ def _checked_args(model: Any, sample: Any, *, budget: Any, hardware: Any, policy
             lines = [ln.strip()[2:] for ln in str(exc).splitlines() if ln.strip().startswith("- ")]
             problems.extend(f"policy: {ln}" for ln in (lines or [str(exc)]))
     checks.check_margin(pol, budget_bytes, problems)
+    if pol is not None and hw is not None:
+        check_policy_room(pol, hw, problems, user_optimizer=optimizer is not None and not isinstance(optimizer, str))
     checks.check_world(world_size, nodes, problems)
     checks.check_nvme_path(nvme_path, problems)
     if host_memory is not None:

@@ -52,6 +52,37 @@ def test_a_saved_plan_that_does_not_fit_is_not_applied():
         memopt.wrap(_model(), plan=unfit)
 
 
+def test_a_saved_plan_refuses_a_sample_larger_per_sample_than_its_own():
+    """Longer sequences need more activation memory than the plan predicts: refused at wrap, as another batch
+    size is, unless allow_plan_mismatch=True."""
+    plan = memopt.plan("tiny_llama", SAMPLE, budget="4GB", hardware="h100_80gb")
+    for sample, named in (({"batch_size": 4, "seq_len": 128}, "seq_len=128 (planned 32)"),
+                          ({"input_ids": torch.zeros(4, 64, dtype=torch.long)},
+                           "input_ids (4, 64) (planned per sample (32,))")):
+        with pytest.raises(ValueError, match=r"^the sample is larger per sample than the saved plan's: "
+                           + re.escape(named)):
+            memopt.wrap(_model(), plan=plan, sample=sample)
+    memopt.wrap(_model(), plan=plan, sample={"batch_size": 4, "seq_len": 16}).close()  # shorter: within the plan
+    memopt.wrap(_model(), plan=plan, sample={"batch_size": 4, "seq_len": 128}, allow_plan_mismatch=True).close()
+
+
+def test_a_saved_plan_refuses_a_batch_of_another_size_whatever_its_structure():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    loss_fn = lambda out, b: torch.nn.functional.cross_entropy(out, b[1])  # noqa: E731
+    plan = memopt.plan(model, (torch.randn(8, 16), torch.randint(0, 4, (8,))), budget="4GB",
+                       hardware="h100_80gb", loss_fn=loss_fn)
+    for sample in ((torch.randn(32, 16), torch.randint(0, 4, (32,))), [torch.randn(32, 16), torch.zeros(32)],
+                   {"x": torch.randn(32, 16)}, torch.randn(32, 16)):
+        with pytest.raises(ValueError, match=r"^the saved plan is for a global batch of 8, the sample has "
+                           r"batch_size=32"):
+            memopt.wrap(model, plan=plan, sample=sample, loss_fn=loss_fn)
+    x2 = (torch.randn(8, 32), torch.randint(0, 4, (8,)))  # wider per sample than planned
+    with pytest.raises(ValueError, match=re.escape("[0] (8, 32) (planned per sample (16,))")):
+        memopt.wrap(model, plan=plan, sample=x2, loss_fn=loss_fn)
+    memopt.wrap(model, plan=plan, sample=(torch.randn(32, 16), torch.randint(0, 4, (32,))), loss_fn=loss_fn,
+                allow_plan_mismatch=True).close()
+
+
 @pytest.mark.parametrize(("optimizer", "kwargs", "message"), [
     ("adamw", {"nesterov": True}, r"optimizer_kwargs: AdamW takes no argument 'nesterov'; it takes amsgrad, betas"),
     ("sgd", {"betas": (0.9, 0.99)}, r"SGD takes no argument 'betas'"),

@@ -101,6 +101,17 @@ def test_bad_names_exit_2_with_what_would_work(cli_env, tmp_path):
     assert "cannot pin unknown technique 'foo'; pinnable: precision, checkpointing" in err
 
 
+def test_a_policy_that_forbids_every_candidate_exits_2_before_planning(cli_env, tmp_path):
+    proc = run_cli(["policy.forbid.precision=[fp32,bf16_autocast]",
+                    "policy.forbid.optimizer=[adamw_fused,adamw_foreach,adamw,sgd]"], cli_env, tmp_path)
+    _no_traceback(proc)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = " ".join(proc.stderr.split())
+    assert proc.stdout == ""
+    assert "the policy leaves no precision to plan on h100_80gb" in err and "bf16_pure needs 'lossy'" in err
+    assert "the policy leaves no optimizer to plan on h100_80gb" in err and "need '8bit_optimizer'" in err
+
+
 def test_contradictions_tiny_budgets_and_bad_shapes_exit_2(cli_env, tmp_path):
     proc = run_cli(["policy=mixed", "policy.pins.precision=fp16_autocast", "policy.forbid.loss_scaling=[grad_scaler]",
                     "budget=500MB", "training.seq_len=4096", "training.batchsize=8"], cli_env, tmp_path)
@@ -239,15 +250,19 @@ def test_render_plan_without_hydra(fits):
     out = buf.getvalue()
     for part in ("llama3_8b (LlamaForCausalLM, 8.03 B parameters)", "40GB = 37.25 GiB per GPU",
                  "pinned checkpointing=full", "full, 12 blocks per stack", "2 x 4 accumulation steps", "20.00 GiB",
-                 "+300.0 ms", "uses 1.00 MiB more", "-1.0 ms (faster)", "optimizer states", "Step time 1500.0 ms",
-                 "throughput 21,845 tokens/s", "Runners-up", "1.07x", "adamw_fused: needs 60.00 GiB",
+                 "+300.0 ms", "uses 1.00 MiB more", "-1.0 ms (faster)", "optimizer states",
+                 "Runners-up", "1.07x", "adamw_fused: needs 60.00 GiB",
                  "6400 candidates, 700 evaluated, 5100 pruned as slower, 600 pruned as too big",
                  "batches vary in length"):
         assert part in out, (part, out)
     if fits:
         assert "FITS" in out and "headroom" in out
+        assert "Step time 1500.0 ms" in out and "throughput 21,845 tokens/s" in out
     else:
         assert "DOES NOT FIT" in out and "allowing lossy reaches 45.00 GiB" in out and "What allowing more" in out
+        # a plan that does not fit has no step time to run at (its JSON keeps the key: golden records hash it)
+        assert "Step time — (the plan does not fit the budget)" in out and "ms (forward" not in out
+        assert "throughput" not in out
 
 
 def test_describe_sample():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import transformers
 
 import memopt
@@ -39,3 +40,34 @@ def test_a_hardware_dict_missing_a_field_names_the_fields_it_needs():
     with pytest.raises(InputError, match=r"hardware dict lacks '\w+': give each of name, .*, or a shipped name"):
         memopt.plan("tiny_llama", SAMPLE, budget="8GB", hardware=partial)
     assert memopt.plan("tiny_llama", SAMPLE, budget="8GB", hardware=full).fits  # the complete dict plans
+
+
+class _NeverTraced(torch.nn.Module):
+    """A model whose step fails: a refusal that reaches it came after tracing had started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("traced")
+
+
+@pytest.mark.parametrize(("hardware", "fidelity", "forbid", "named"), [
+    ("h100_80gb", "default", {"precision": ["fp32", "bf16_autocast"]},
+     "the policy leaves no precision to plan on h100_80gb: of fp32, fp16_autocast, bf16_autocast, bf16_master, "
+     "bf16_pure it forbids fp32, bf16_autocast, and the fidelity (bf16_autocast, exact) allows no other; un-forbid "
+     "one, or widen the fidelity (fp16_autocast, bf16_master need 'mixed_precision'; bf16_pure needs 'lossy')"),
+    ("t4", "mixed", {"precision": ["fp32", "fp16_autocast"]},
+     "the policy leaves no precision to plan on t4: of fp32, fp16_autocast it forbids fp32, fp16_autocast"),
+    ("h100_80gb", "default", {"optimizer": ["adamw_fused", "adamw_foreach", "adamw", "sgd"]},
+     "the policy leaves no optimizer to plan on h100_80gb"),
+    ("h100_80gb", "exact", {"checkpointing": ["none", "full", "selective"]},
+     "the policy leaves no checkpointing to plan on h100_80gb: of none, full, selective it forbids none, full, "
+     "selective"),
+])
+def test_a_policy_that_leaves_a_technique_nothing_is_refused_before_tracing(hardware, fidelity, forbid, named):
+    with pytest.raises(InputError) as err:
+        memopt.plan(_NeverTraced(), (torch.randn(4, 4),), budget="8GB", hardware=hardware, fidelity=fidelity,
+                    forbid=forbid, loss_fn=lambda out, b: out.sum())
+    assert named in str(err.value) and "\n" not in str(err.value)

@@ -1,0 +1,37 @@
+"""memopt.estimate refuses a strategy it cannot estimate in one line naming each bad field, before it composes
+anything: a count of 0 (a step that trains no sample) or below (negative allocations) has no estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+import memopt
+from memopt import Strategy
+from memopt.strategy import Checkpointing
+
+
+@pytest.fixture(scope="module")
+def prof() -> memopt.Profile:
+    return memopt.profile("tiny_gpt2", {"batch_size": 8, "seq_len": 32}, hardware="h100_80gb")
+
+
+@pytest.mark.parametrize(("strategy", "named"), [
+    (Strategy(micro_batch_size=8, grad_accum_steps=0), "Strategy.grad_accum_steps=0 must be an integer >= 1"),
+    (Strategy(micro_batch_size=8, grad_accum_steps=-2), "Strategy.grad_accum_steps=-2 must be an integer >= 1"),
+    (Strategy(micro_batch_size=0, grad_accum_steps=8), "Strategy.micro_batch_size=0 must be an integer >= 1"),
+    (Strategy(micro_batch_size=-1, grad_accum_steps=8), "Strategy.micro_batch_size=-1 must be an integer >= 1"),
+    (Strategy(micro_batch_size=8, chunked_ce=-1), "Strategy.chunked_ce=-1 must be an integer >= 0"),
+    (Strategy(micro_batch_size=8, checkpointing=Checkpointing(mode="full", num_blocks=-1)),
+     "Strategy.checkpointing.num_blocks=-1"),
+])
+def test_a_strategy_that_cannot_be_estimated_is_refused_naming_its_field(prof, strategy, named) -> None:
+    with pytest.raises(memopt.InputError) as err:
+        memopt.estimate(prof, strategy, hardware="h100_80gb")
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_problem_is_on_the_one_line(prof) -> None:
+    with pytest.raises(memopt.InputError, match=r"^invalid strategy: Strategy.micro_batch_size=0 .*; "
+                       r"Strategy.grad_accum_steps=0 .*; Strategy.precision='bf32' is not one of fp32"):
+        memopt.estimate(prof, Strategy(micro_batch_size=0, grad_accum_steps=0, precision="bf32"))  # type: ignore[arg-type]
+    assert memopt.estimate(prof, Strategy(micro_batch_size=4, grad_accum_steps=2)).total_bytes > 0
