@@ -44,6 +44,7 @@ from memopt.profile.step_failures import describe_step_failure
 from memopt.profile.tracker import MemoryTracker
 from memopt.step.batch import compute_loss
 from memopt.step.random_draws import DrawLog
+from memopt.step.side_effects import number_attributes
 
 __all__ = ["BatchProbe", "axis_layers", "probe_batch", "random_draws_refusal", "runs_whole_batch_only",
            "state_buffers", "state_counters", "state_refusal"]
@@ -222,9 +223,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
 def state_counters(model: nn.Module) -> dict[str, float]:
     """Every module's public number attributes (``self.calls``, ``self.temperature``), by qualified name: state a
     forward may keep outside its buffers."""
-    return {f"{name}.{attr}" if name else attr: value for name, m in model.named_modules()
-            for attr, value in vars(m).items()
-            if not attr.startswith("_") and attr != "training" and type(value) in (int, float)}
+    return {f"{name}.{attr}" if name else attr: value for name, _, attr, value in number_attributes(model)}
 
 
 def _moved(before: dict[str, float], after: dict[str, float]) -> list[str]:

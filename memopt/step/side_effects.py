@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["preserved_random_state", "side_effects_undone"]
+__all__ = ["number_attributes", "preserved_random_state", "side_effects_undone"]
 
 
 @contextlib.contextmanager
@@ -45,8 +45,7 @@ def side_effects_undone(model: nn.Module) -> Iterator[None]:
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
-    numbers = [(m, attr, value) for m in model.modules() for attr, value in vars(m).items()
-               if not attr.startswith("_") and attr != "training" and type(value) in (int, float)]
+    numbers = [(m, attr, value) for _, m, attr, value in number_attributes(model)]
     try:
         with preserved_random_state(), torch.no_grad():
             model.eval()
@@ -59,3 +58,10 @@ def side_effects_undone(model: nn.Module) -> Iterator[None]:
         for m, name, b, saved in buffers:
             m._buffers[name] = b  # a forward may rebind a buffer rather than write into it
             b.copy_(saved)
+
+
+def number_attributes(model: nn.Module) -> list[tuple[str, nn.Module, str, int | float]]:
+    """(module name, module, attribute, value) for every module's public int or float attribute: state a forward may
+    keep outside its buffers (a call counter, an annealed temperature)."""
+    return [(name, m, attr, value) for name, m in model.named_modules() for attr, value in vars(m).items()
+            if not attr.startswith("_") and attr != "training" and type(value) in (int, float)]
