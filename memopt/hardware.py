@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from memopt.host_speed import host_scale
 from memopt.resources import config_names, configs_dir
 from memopt.units import MiB, parse_bytes
 
@@ -151,4 +152,7 @@ def detect_hardware() -> HardwareSpec | None:
             f"no shipped hardware spec matches the local GPU {props.name!r} (sm{props.major}{props.minor}); "
             "add one under configs/hardware/ or pass hardware=<name>"
         )
-    return best.with_overrides(memory_bytes=int(props.total_memory), num_sms=props.multi_processor_count)
+    scale = host_scale()
+    extra = best.extra if scale == 1.0 else {**best.extra, "host_scale": scale}
+    return best.with_overrides(memory_bytes=int(props.total_memory), num_sms=props.multi_processor_count,
+                               extra=extra)

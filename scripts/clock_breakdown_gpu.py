@@ -41,14 +41,36 @@ def _busy_s(intervals: list[tuple[float, float]]) -> float:
     return total / 1e6
 
 
+def _dispatched_ops(wrapped: Any, batch: Any) -> dict[str, int]:
+    """The aten ops one real step dispatches: those that launch a kernel and those that do not (views, metadata),
+    for the host's cost per op of each kind."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memopt.kernel_ops import FREE_OPS
+
+    counts = {"dispatched_launching_ops": 0, "dispatched_free_ops": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            free = func._overloadpacket.__name__ in FREE_OPS
+            counts["dispatched_free_ops" if free else "dispatched_launching_ops"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        wrapped.step(batch)
+    return counts
+
+
 def measure(row_id: str) -> dict[str, Any]:
     import torch
     import zoo_matrix_gpu as zoo
     from torch.profiler import ProfilerActivity, profile
 
     import memopt
+    from memopt.host_speed import host_scale, probe_op_seconds
 
     row = next(r for r in zoo.ROWS if r.id == row_id)
+    probe = [probe_op_seconds() for _ in range(3)]
     model, batch, calls = zoo.user_loop(row)
     lr = {} if "optimizer" in calls else {"lr": 1e-4}
     wrapped = memopt.wrap(model, budget=row.budget, sample=batch, fidelity=row.fidelity, autotune=False, **lr,
@@ -77,6 +99,9 @@ def measure(row_id: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     out["measured_step_s"] = statistics.median(times)
+    out["probe_op_s"] = probe
+    out["host_scale_used"] = host_scale()
+    out.update(_dispatched_ops(wrapped, batch))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wrapped.step(batch)
         torch.cuda.synchronize()

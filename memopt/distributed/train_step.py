@@ -124,7 +124,11 @@ class DistributedTrainStep(TrainStep):
         return torch.device("cpu")
 
     def step(self, batch: Any) -> float:
-        """One optimizer step over this rank's share of the global batch; returns the global mean loss."""
+        """One optimizer step over this rank's share of the global batch; returns the global mean loss. Starts from
+        no gradient on the parameters it trains, as the one-GPU step (what another loss left there is not this
+        batch's); DeepSpeed's engine keeps its own gradient buffers and clears them itself."""
+        if self.kind != "deepspeed":
+            self.clear_grads()
         micro = split_batch(batch, self.strategy.micro_batch_size)
         counts = loss_item_counts(micro, self.causal_lm)
         samples = batch_size(batch)

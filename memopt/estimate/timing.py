@@ -31,13 +31,14 @@ The bytes its dequantization moves stay in the GPU time (``memory_bytes``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from memopt.hardware import HardwareSpec
 from memopt.profile.costs import PhaseCost
 
-__all__ = ["DEFAULT_TIMING", "TimingModel", "host_time", "optimizer_time", "pass_time", "segment_time", "step_time",
-           "timing_for"]
+__all__ = ["DEFAULT_TIMING", "HOST_CONSTANTS", "TimingModel", "host_time", "optimizer_time", "pass_time",
+           "segment_time", "step_time", "timing_for"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class TimingModel:
 
 
 DEFAULT_TIMING = TimingModel()
+#: the constants that are host seconds (Python, the dispatcher, kernel launches), scaled by the host's speed
+HOST_CONSTANTS = ("dispatch_s", "sac_dispatch_s", "ckpt_dispatch_s", "micro_batch_s", "bnb4_call_s")
 
 
 def timing_for(hw: HardwareSpec) -> TimingModel:
@@ -101,8 +104,15 @@ def timing_for(hw: HardwareSpec) -> TimingModel:
     hardware config calibrated on that GPU (``extra.timing`` in ``configs/hardware/<name>.yaml``). A GPU measured
     by nobody keeps the H200's. Raises ``ValueError`` naming an unknown constant or a value that is not a number."""
     given = hw.extra.get("timing") or {}
+    try:
+        scale = float(hw.extra.get("host_scale", 1.0))
+    except (TypeError, ValueError):
+        scale = -1.0
+    if not 0 < scale < math.inf:
+        raise ValueError(f"hardware {hw.name!r}: extra.host_scale must be a positive number (this host's seconds "
+                         f"per op over the fitted host's, memopt.host_speed), got {hw.extra.get('host_scale')!r}")
     if not given:
-        return DEFAULT_TIMING
+        return _host_scaled(DEFAULT_TIMING, scale)
     known = {f.name for f in fields(TimingModel)}
     unknown = sorted(set(given) - known)
     if unknown:
@@ -114,7 +124,15 @@ def timing_for(hw: HardwareSpec) -> TimingModel:
         raise ValueError(f"hardware {hw.name!r}: extra.timing values must be numbers, got {dict(given)}") from None
     if any(v < 0 for v in values.values()):
         raise ValueError(f"hardware {hw.name!r}: extra.timing values must be >= 0, got {values}")
-    return replace(DEFAULT_TIMING, **values)
+    return _host_scaled(replace(DEFAULT_TIMING, **values), scale)
+
+
+def _host_scaled(tm: TimingModel, scale: float) -> TimingModel:
+    """The constants with every host-side term scaled by the local host's measured speed (``memopt.host_speed``:
+    1.0 is the host the constants were fitted on, 1.5 a host that issues ops 1.5x slower). GPU terms are kept."""
+    if scale == 1.0:
+        return tm
+    return replace(tm, **{name: getattr(tm, name) * scale for name in HOST_CONSTANTS})
 
 
 def segment_terms(c1: PhaseCost, c2: PhaseCost, b: int, hw: HardwareSpec, *, lo: int = 1, hi: int = 2

@@ -20,7 +20,7 @@ from memopt.profile.module_code import module_code_key
 
 __all__ = ["SCHEMA_VERSION", "TRACE_REVISION", "cache_dir", "spec_key", "structure_key"]
 
-SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.profile.costs._FREE_OPS)
+SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.kernel_ops.FREE_OPS)
 # bumped whenever what a trace records changes (cached profiles of an older revision are traced again)
 # 3: model specs are keyed on the spec (no model build); profiles record the vocabulary size
 # 4: variants carry the strategy's extras (quantization, adapters) and record the transformed model's state;

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from memopt.kernel_ops import FREE_OPS
 from memopt.profile.recurrent_kernels import recurrent_cost
 
 __all__ = ["ATTENTION_OPS", "BNB4_CALL_OPS", "CostRecorder", "PhaseCost"]
@@ -34,14 +35,6 @@ ATTENTION_OPS = {
 BNB4_CALL_OPS = {"bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit"}
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "addmv", "mv", "_grouped_mm", "convolution",
                "convolution_backward", "_scaled_mm"}
-_FREE_OPS = {"view", "_unsafe_view", "reshape", "transpose", "t", "expand", "slice", "select", "as_strided",
-             "permute", "unsqueeze", "squeeze", "detach", "alias", "split", "split_with_sizes", "unbind",
-             "empty", "empty_strided", "empty_like", "lift_fresh", "_to_copy_noop", "view_as_real", "view_as_complex",
-             "unflatten", "flatten", "narrow", "chunk", "_reshape_alias", "diagonal", "squeeze_", "unsqueeze_",
-             "is_same_size", "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel",
-             # metadata queries that reach the dispatcher in a fake trace (``prim::device``: 3 of 4 traced ops of a
-             # decoder block) but launch nothing on a GPU: counted, they made the kernel count 4x too high
-             "device", "sym_storage_offset", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense"}
 
 
 def _dtype_key(dtype: torch.dtype) -> str:
@@ -122,7 +115,7 @@ class CostRecorder:
     def __call__(self, func: Any, args: tuple, out: Any) -> None:
         packet = getattr(func, "_overloadpacket", None)
         name = packet.__name__ if packet is not None else getattr(func, "__name__", "")
-        if name in _FREE_OPS:
+        if name in FREE_OPS:
             return
         cost = self.costs[self.phase_of()]
         cost.num_ops += 1

@@ -10,9 +10,10 @@ differ by the quantization error (a warning says so, and how to keep the adapter
 with no original (the model came quantized) or a DoRA layer on a quantized base cannot be merged: its adapter is
 dropped with a warning naming ``adapter_state_dict``, which saves the adapters before the unwrap.
 
-Task heads: a Hugging Face classifier's head (``classifier``, ``score``, ``qa_outputs``) is made fresh for the task
-when the model is loaded, so peft's task types keep it trainable (``modules_to_save``); memopt keeps it trainable in
-place, where the unwrapped model has it.
+Task heads: a Hugging Face classifier's head (every module beside the backbone: ``classifier``, ``score``,
+``qa_outputs``, ``classification_head``, a pooler made for the head) is made fresh for the task when the model is
+loaded, so peft's task types keep it trainable (``modules_to_save``); memopt keeps it trainable in place, where the
+unwrapped model has it.
 """
 
 from __future__ import annotations
@@ -25,22 +26,25 @@ from torch import nn
 
 from memopt.models.hf_task import hf_task, is_hf_model, peft_unwrapped
 
-__all__ = ["TASK_HEAD_NAMES", "merge_adapters", "task_heads"]
+__all__ = ["merge_adapters", "task_heads"]
 
-#: the names transformers gives a task head made for the task (sequence, token and image classification, multiple
-#: choice, extractive QA), which peft's task types put in ``modules_to_save``
-TASK_HEAD_NAMES = ("classifier", "score", "qa_outputs")
 # the language-model heads are pretrained with the model: they stay frozen under adapters
 _LM_TASKS = ("causal_lm", "masked_lm", "seq2seq_lm")
 
 
 def task_heads(model: nn.Module) -> list[str]:
-    """The names of ``model``'s task heads (direct children named in :data:`TASK_HEAD_NAMES`) that train beside the
-    adapters: a Hugging Face model's that is not a language model's."""
+    """The names of ``model``'s task heads that train beside the adapters: a Hugging Face model's that is not a
+    language model's, every direct child with parameters other than its backbone (``base_model``): a classifier
+    (``classifier``, ``score``, ``qa_outputs``, BART's ``classification_head``, XLNet's ``sequence_summary`` and
+    ``logits_proj``, DeBERTa's ``pooler``, an audio classifier's ``projector``), all made fresh for the task."""
     inner = peft_unwrapped(model)
     if not is_hf_model(inner) or hf_task(inner) in _LM_TASKS:
         return []
-    return [name for name, _ in inner.named_children() if name in TASK_HEAD_NAMES]
+    backbone = getattr(inner, "base_model", inner)
+    if backbone is inner:
+        return []
+    return [name for name, child in inner.named_children()
+            if child is not backbone and any(True for _ in child.parameters())]
 
 
 def _quantized(module: nn.Module) -> bool:

@@ -2,7 +2,8 @@
 
 Run as a script: ``python _offload_worker.py OUT ENGINE MODE [LOSS]``; ENGINE is fsdp2 or deepspeed, MODE ``plan`` (a
 saved plan passed as plan=) or ``budget`` (wrap makes the plan: the planner's choice is fixed to that offload plan);
-LOSS ``model`` (the model's own mean loss) or ``summed`` (a training_step summing over the tokens)."""
+LOSS ``model`` (the model's own mean loss), ``summed`` (a training_step summing over the tokens) or ``stale`` (the
+model's loss, with gradients of ones left on every parameter before each step)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
 
 
 def main(out: str, engine: str, mode: str, loss: str = "model") -> None:
+    import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
@@ -63,7 +65,12 @@ def main(out: str, engine: str, mode: str, loss: str = "model") -> None:
         wrapped_module.make_plan = lambda *args, **kwargs: plan  # the planner's choice: this offload plan
         wrapped = memopt.wrap(model, budget="80GB", sample=sample, hardware=hw, device="cpu", lr=1e-2,
                               use_cache=False, **user)
-    losses = [wrapped.step(w.global_batch(s * w.GLOBAL_BATCH)) for s in range(3)]
+    losses = []
+    for s in range(3):
+        if loss == "stale":  # what another loss left on the parameters (a GAN's other player) is not this step's
+            for p in (getattr(wrapped, "engine", None) or wrapped.model).parameters():
+                p.grad = torch.ones_like(p)
+        losses.append(wrapped.step(w.global_batch(s * w.GLOBAL_BATCH)))
     engine_obj = getattr(wrapped, "engine", None) or wrapped.model
     result = {"losses": losses, "group": dist.is_initialized() and dist.get_world_size(),
               "engine": type(engine_obj).__name__, "wrapped": type(wrapped).__name__,

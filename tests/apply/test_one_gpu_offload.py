@@ -53,6 +53,13 @@ def test_a_summed_loss_through_the_in_process_offload_plan_is_measured_and_exact
     assert got["losses"] == pytest.approx(w.summed_reference(3), rel=1e-5)
 
 
+def test_the_offload_step_starts_from_no_gradient(tmp_path):
+    """Gradients another loss left on the parameters before a step are not the batch's: the sharded step starts
+    from none, as the one-GPU step does (they were added to the batch's before)."""
+    got = _run(tmp_path, "fsdp2", "budget", "stale")
+    assert got["losses"] == pytest.approx(w.reference_losses(3), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_deepspeed_offload_plan_applied_in_process(tmp_path):
     pytest.importorskip("deepspeed")

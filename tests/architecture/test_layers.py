@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("memopt.units", "memopt.categories", "memopt.strategy", "memopt.hardware", "memopt.blocks",
+                    "memopt.kernel_ops", "memopt.host_speed",
                     "memopt.resources", "memopt._callable_module", "memopt.errors", "memopt.progress")),
     ("models", ("memopt.models",)),
     ("techniques", ("memopt.techniques",)),

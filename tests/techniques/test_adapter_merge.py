@@ -135,6 +135,20 @@ def test_a_classifiers_head_trains_beside_the_adapters_as_under_peft_seq_cls():
         torch.testing.assert_close(adapter_state_dict(model)[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_every_module_beside_the_backbone_is_a_task_head():
+    """Heads not named classifier, score or qa_outputs are made fresh for the task too (they stayed frozen)."""
+    bart = T.BartForSequenceClassification(T.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                         encoder_attention_heads=2, decoder_attention_heads=2,
+                                                         encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                                         max_position_embeddings=32))
+    assert task_heads(bart) == ["classification_head"]
+    deberta = T.DebertaV2ForSequenceClassification(T.DebertaV2Config(vocab_size=64, hidden_size=16,
+                                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                                      intermediate_size=32))
+    assert task_heads(deberta) == ["pooler", "classifier"]
+    assert task_heads(T.BertModel(T.BertConfig(**BERT))) == []  # a backbone alone has no head
+
+
 def test_a_language_models_head_stays_frozen_under_adapters():
     assert task_heads(T.LlamaForCausalLM(T.LlamaConfig(**LLAMA))) == []
     assert task_heads(torch.nn.Linear(2, 2)) == []
