@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.estimate.timing import DEFAULT_TIMING, HOST_CONSTANTS, host_time, step_time, timing_for
+from memopt.estimate.timing import HOST_CONSTANTS, host_time, step_time, timing_for
 from memopt.hardware import load_hardware
 from memopt.host_speed import REFERENCE_OP_S, host_scale, probe_op_seconds, scale_for
 from memopt.strategy import Strategy
@@ -52,7 +52,7 @@ def test_a_host_bound_step_grows_with_the_scale_and_a_gpu_bound_one_does_not():
 
 @pytest.mark.parametrize("bad", ["fast", 0, -1.0, float("inf")])
 def test_a_bad_scale_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match="extra.host_scale must be a positive number"):
+    with pytest.raises(ValueError, match=r"extra\.host_scale must be a positive number"):
         timing_for(_scaled("h200", bad))
 
 
