@@ -1,8 +1,10 @@
 """What ``Wrapped.step`` checks before a step changes anything, each in one line: a caller under
 ``torch.inference_mode()`` (no tensor made there can take part in a backward pass), a wrapper already closed or
 unwrapped, parameters that require grad but that no param group of memopt's optimizer holds (a backbone unfrozen after
-the wrap: they would never train, their gradients piling up), and a learning rate the script keeps writing into the
-optimizer it passed to ``memopt.wrap``, which memopt only built its own from (a warning, once).
+the wrap: they would never train, their gradients piling up), and what the script does to the optimizer it passed to
+``memopt.wrap``, which memopt only built its own from: a learning rate it keeps writing there (a warning, once), and a
+state loaded into it (``opt.load_state_dict``, the usual resume line), refused once, since the moments and step
+counts it loads would be ignored and the run would go on from other ones.
 
 The checks run every step, so they read little: the parameters the model had when last looked at and their
 ``requires_grad`` flags, the optimizer's parameter count, and a process-wide count of parameter and submodule
@@ -68,6 +70,9 @@ class StepChecks:
         self._model = model
         self._source = getattr(optimizer, "built_from", None)
         self._source_hp = _hyper_parameters(self._source) if self._source is not None else None
+        # load_state_dict gives an optimizer a new state dict object (as does any reset of it): its identity tells a
+        # load apart at no cost, where comparing the states would read every moment
+        self._source_state = self._source.state if self._source is not None else None
         self._seen: tuple[int, int, int] | None = None
         self._params: list[nn.Parameter] = []
         self._flags: list[bool] = []
@@ -87,20 +92,29 @@ class StepChecks:
                              "stored, OOM recovery released) and trains no more: call close() after the last step; "
                              "to train on, save(path) it, then unwrap(), wrap the model again and load(path)")
 
-    def before_step(self, optimizer: torch.optim.Optimizer, master: Any = None) -> None:
-        """Refuse parameters the step would not train; warn (once) of hyper-parameters set on the user's optimizer.
-        ``master``: the fp32 masters (``MasterWeights``) the optimizer holds in place of the bf16 weights."""
+    def before_step(self, optimizer: torch.optim.Optimizer, master: Any = None, *, stacklevel: int = 4) -> None:
+        """Refuse parameters the step would not train, and (once) a state loaded into the user's optimizer; warn
+        (once) of hyper-parameters set on it. ``master``: the fp32 masters (``MasterWeights``) the optimizer holds in
+        place of the bf16 weights. ``stacklevel``: the script's line for the warning (4: above ``Wrapped.step`` and
+        the enable_grad decorator around it)."""
         key = (_registrations[0], id(optimizer), sum(len(g["params"]) for g in optimizer.param_groups))
         if key != self._seen or [p.requires_grad for p in self._params] != self._flags:
             self._check_trainable(optimizer, master)
             self._seen = key
-        if self._source is not None and _hyper_parameters(self._source) != self._source_hp:
-            self._source = None  # warned once
-            # stacklevel: the script's line, above Wrapped.step and the enable_grad decorator around it
+        if self._source_state is not None and self._source.state is not self._source_state:
+            self._source_state = None  # refused once: a step retried after loading where it trains goes on
+            self._source_hp = None if self._source_hp is None else _hyper_parameters(self._source)
+            raise InputError(["the optimizer passed to memopt.wrap had a state loaded since the wrap "
+                              "(opt.load_state_dict?), but memopt trains with its own optimizer, built from it at the "
+                              "wrap, so the loaded moments and step counts would be ignored: load it with "
+                              "wrapped.optimizer.load_state_dict(...) instead (or into the optimizer before "
+                              "memopt.wrap; a memopt checkpoint with wrapped.load(path))"])
+        if self._source_hp is not None and _hyper_parameters(self._source) != self._source_hp:
+            self._source_hp = None  # warned once
             warnings.warn("the optimizer passed to memopt.wrap had its param_groups changed since the wrap (a "
                           "learning rate set by hand?), but memopt trains with its own optimizer, built from it at "
                           "the wrap: set them on wrapped.optimizer.param_groups instead (or pass "
-                          "lr_scheduler=<scheduler>)", UserWarning, stacklevel=4)
+                          "lr_scheduler=<scheduler>)", UserWarning, stacklevel=stacklevel)
 
     def _check_trainable(self, optimizer: torch.optim.Optimizer, master: Any) -> None:
         named = list(self._model.named_parameters())

@@ -13,24 +13,49 @@ from memopt.profile.api import lazy_module_refusal
 from memopt.techniques.micro_batching import micro_batch_refusal
 from memopt.units import format_bytes, parse_budget
 
-__all__ = ["WRAPPED_BY", "check_model", "is_trainer", "micro_batch_warning", "refuse_plan_overrides",
-           "refuse_trainer_ignored"]
+__all__ = ["WRAPPED_BY", "WrappedBy", "check_model", "is_trainer", "micro_batch_warning", "refuse_plan_overrides",
+           "refuse_trainer_ignored", "wrapper_of"]
 
 
 def is_trainer(obj: Any) -> bool:
     return hasattr(obj, "args") and hasattr(obj, "model") and hasattr(obj, "create_optimizer")
 
 
-#: the attribute a wrapped model holds its wrapper under, from the wrap until its unwrap(): a second wrap of the same
-#: module would plan its already-changed weights (bf16 with the first wrapper's fp32 masters) as the user's own
+#: the attribute a wrapped model holds its wrapper under (in a ``WrappedBy``), from the wrap until its unwrap(): a
+#: second wrap of the same module would plan its already-changed weights (bf16 with the first wrapper's fp32 masters)
+#: as the user's own
 WRAPPED_BY = "memopt_wrapper"
+
+
+class WrappedBy:
+    """What a wrapped module holds its wrapper by. A copy of the module (``copy.deepcopy``: an EMA, an
+    ``AveragedModel``, a best-model snapshot) or a pickle of it (``torch.save(model)``) holds None instead: the
+    wrapper's optimizer states, guard and profile are the run's, not the module's, and a copy is a module of its own,
+    which nothing trains until it is wrapped."""
+
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()  # unpickles as None, with nothing of memopt's to import
+
+
+def wrapper_of(model: nn.Module) -> Any:
+    """The wrapper that wrapped ``model`` and has not unwrapped it, or None."""
+    marker = model.__dict__.get(WRAPPED_BY)
+    return marker.wrapper if isinstance(marker, WrappedBy) else None
 
 
 def check_model(model: nn.Module, *, weights_pending: bool = False) -> None:
     lazy = lazy_module_refusal(model)
     if lazy is not None:
         raise InputError([lazy])
-    if model.__dict__.get(WRAPPED_BY) is not None:
+    if wrapper_of(model) is not None:
         raise ValueError("this model is already wrapped by memopt.wrap: train through that wrapper, or call its "
                          "unwrap() first to wrap the model again")
     # torch.compile(model) wraps it; model.compile() (of it or of a block) compiles in place

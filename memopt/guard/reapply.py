@@ -59,7 +59,8 @@ def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
     # the old plan's states move to the host before the new plan is prepared, so that the device never holds
     # both plans' optimizer states and master weights (the new ones load from the host copies)
     opt_state = _to_host(prepared.optimizer.state_dict()) if same_opt else None
-    masters = [m.detach().to("cpu", copy=True) for m in old.master.masters] if old.master is not None else None
+    masters = ([m.detach().to("cpu", copy=True) for m in old.master.state_dict()["masters"]]
+               if old.master is not None else None)
     prepared.optimizer.state.clear()
     sched = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
     scaler = old.scaler.state_dict() if old.scaler is not None and hasattr(old.scaler, "state_dict") else None

@@ -217,7 +217,7 @@ def prepare(model: nn.Module, strategy: Strategy, *, device_type: str, device: t
             master = MasterWeights(params, sources=sources)
             params = master.masters
             if not adapters:
-                change.masters = master.masters
+                change.master = master
         opt = _optimizer(strategy, params, optimizer, dict(optimizer_kwargs or {}), stand_ins, host_device)
         # 8. gradient scaler and activation offload
         scaler = None

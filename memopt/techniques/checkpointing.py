@@ -12,6 +12,7 @@ the registry entry's ``options``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -121,6 +122,18 @@ def _contexts(buffers: list[torch.Tensor], selective: bool) -> Callable[[], tupl
     return make
 
 
+class _CheckpointedForward(functools.partial):
+    """A block's forward under checkpointing: ``partial(_checkpointed, forward, contexts)``. A copy of the block
+    (``copy.deepcopy``: an EMA of the model) or a pickle of it (``torch.save(model)``) gets the block's own forward:
+    checkpointing is the wrapped run's, which the copy is not part of (and its contexts cannot be pickled)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.args[0], memo)  # a bound forward is bound to the block's copy
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.args[0].__reduce__()
+
+
 def _checkpointed(forward: Callable[..., Any], context_fn: Callable[[], tuple[Any, Any]], *args: Any,
                   **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
@@ -168,7 +181,7 @@ def apply_checkpointing(stacks: Sequence[BlockStack], setting: Checkpointing) ->
             had_own = "forward" in block.__dict__
             previous = block.__dict__.get("forward")
             contexts = _contexts(_state_buffers(block), setting.mode == "selective")
-            block.forward = functools.partial(_checkpointed, block.forward, contexts)
+            block.forward = _CheckpointedForward(_checkpointed, block.forward, contexts)
             wrapped.append((block, had_own, previous))
 
     def undo() -> None:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from memopt.blocks import BlockStack
 from memopt.strategy import Strategy
+
+if TYPE_CHECKING:  # precision imports this module
+    from memopt.techniques.precision import MasterWeights
 
 __all__ = ["ModelChange", "Undo", "no_change"]
 
@@ -41,7 +44,7 @@ class ModelChange:
     originals: list[nn.Parameter] = field(default_factory=list)
     # bf16_master's fp32 masters, one per original (set once the optimizer's masters exist): the precision's undo
     # gives their trained values back to the originals
-    masters: list[nn.Parameter] = field(default_factory=list)
+    master: MasterWeights | None = None
     # the full-precision linears quantization replaced, by name: the adapters' undo merges into them
     quantized_originals: dict[str, nn.Module] = field(default_factory=dict)
 

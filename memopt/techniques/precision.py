@@ -14,6 +14,7 @@ bf16_pure       bf16     bf16        bf16 states                      lossy (opt
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,10 +109,13 @@ def change_model(change: ModelChange) -> Undo:
     def undo() -> None:
         # the masters hold the fp32 values the optimizer stepped, the bf16 weights only their rounding (a master
         # may share the original's storage: it is copied before the cast's undo touches the original)
+        masters = change.master.masters if change.master is not None else []
+        if change.master is not None:
+            change.master.follow_params()  # weights written since the last step are what the originals get
         with torch.no_grad():
-            for p, master in zip(change.originals, change.masters):
+            for p, master in zip(change.originals, masters):
                 p.copy_(master.detach().to(device=p.device, dtype=p.dtype))
-        uncast(trained_values=not change.masters)
+        uncast(trained_values=not masters)
 
     return undo
 
@@ -132,9 +136,13 @@ def cast_float_inputs(model: nn.Module, dtype: torch.dtype) -> Callable[[], None
     ``dtype``, through a forward pre-hook; returns the undo. For weights stored in ``dtype`` with no autocast around
     the forward: memopt's own bf16 weights, and DeepSpeed's bf16/fp16 engines, which cast the weights but not the
     inputs (FSDP2's mixed-precision policy casts them itself)."""
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: (_cast_inputs(args, dtype), _cast_inputs(kwargs, dtype)), with_kwargs=True)
+    # a partial of a module-level function, not a lambda: torch.save(model) pickles the hooks with the model
+    hook = model.register_forward_pre_hook(functools.partial(_cast_input_hook, dtype), with_kwargs=True)
     return hook.remove
+
+
+def _cast_input_hook(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    return _cast_inputs(args, dtype), _cast_inputs(kwargs, dtype)
 
 
 def cast_model(model: nn.Module, precision: str) -> Callable[..., None]:
@@ -176,6 +184,12 @@ class MasterWeights:
 
     Before each step every bf16 gradient is copied into its master's fp32 ``.grad`` (freed after the
     step); after the step the masters are copied back into the bf16 weights.
+
+    The bf16 weights stay the user's to write: a ``model.load_state_dict``, a re-initialization or a clamp after the
+    wrap writes them in place, and the masters follow (``follow_params``) before the step, a checkpoint or the
+    unwrap reads them, rather than copying their stale values back over what was written. Each weight's version
+    counter, recorded after memopt's own copy, tells a written weight apart at the cost of an integer compare per
+    tensor; only a written one is compared element by element.
     """
 
     def __init__(self, params: list[nn.Parameter], sources: list[torch.Tensor] | None = None) -> None:
@@ -184,18 +198,34 @@ class MasterWeights:
             raise ValueError("MasterWeights: one fp32 source per trainable parameter is needed")
         self.masters = [nn.Parameter(src.float() if src is not None else p.detach().float(), requires_grad=True)
                         for p, src in zip(self.params, sources or [None] * len(self.params))]
+        self._versions = [p._version for p in self.params]
+
+    def follow_params(self) -> None:
+        """Take into each master what was written into its bf16 weight since memopt last copied the masters there.
+        Only the elements that no longer hold their master's bf16 rounding are replaced: a master restored together
+        with its weight (a checkpoint's load, a rolled-back step) keeps the fp32 digits the rounding dropped."""
+        with torch.no_grad():
+            for i, (p, m) in enumerate(zip(self.params, self.masters)):
+                if p._version == self._versions[i]:
+                    continue
+                written = p.detach().to(device=m.device)
+                m.copy_(torch.where(written == m.to(p.dtype), m, written.float()))
+                self._versions[i] = p._version
 
     def grads_to_masters(self) -> None:
+        self.follow_params()
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.float()
 
     def masters_to_params(self) -> None:
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
+            for i, (p, m) in enumerate(zip(self.params, self.masters)):
                 p.copy_(m)
                 m.grad = None
+                self._versions[i] = p._version
 
     def state_dict(self) -> dict[str, Any]:
+        self.follow_params()
         return {"masters": [m.detach() for m in self.masters]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

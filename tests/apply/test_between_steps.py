@@ -1,6 +1,7 @@
 """What a step finds when it starts, and what it does with it: gradients another model's step left on its parameters
 (a GAN), parameters unfrozen since the wrap, a learning rate written on the optimizer the user passed, the caller's
-grad mode, a wrapper already closed. Compared with the unwrapped loop, same seed, SGD."""
+grad mode, a wrapper already closed, a state loaded into the optimizer the user passed, weights written into a
+bf16_master model, steps taken by the hand-written loop. Compared with the unwrapped loop, same seed, SGD."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
+from tests.reference_loop import losses_of_plain_loop
 
 KW = {"budget": "4GB", "hardware": "h100_80gb", "device": "cpu"}
 
@@ -206,6 +208,70 @@ def test_a_learning_rate_written_into_the_passed_optimizer_is_warned_of_once():
         w.step(batches[0])
 
 
+def test_a_state_loaded_into_the_passed_optimizer_is_refused_once_and_trains_where_it_is_loaded():
+    """The usual resume lines after the wrap, model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"]):
+    memopt trains with its own optimizer, built from opt at the wrap, so the loaded momentum would be ignored. The
+    next step refuses in one line before it changes anything; loaded into wrapped.optimizer as it says, the run
+    continues as the uninterrupted loop."""
+    batches = _labelled(6)
+
+    def sgd(m: nn.Module) -> torch.optim.SGD:
+        return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    ref = _mlp()
+    losses_of_plain_loop(ref, batches, lambda m, b: _ce(m(b[0]), b), sgd(ref))
+    first = _mlp()
+    first_opt = sgd(first)
+    losses_of_plain_loop(first, batches[:3], lambda m, b: _ce(m(b[0]), b), first_opt)
+    ck = copy.deepcopy({"model": first.state_dict(), "optimizer": first_opt.state_dict()})
+
+    model = _mlp()
+    opt = sgd(model)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, loss_fn=_ce, pins={"precision": "fp32"}, **KW)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(memopt.InputError, match=r"^the optimizer passed to memopt.wrap had a state loaded since the "
+                       r"wrap .*load it with wrapped.optimizer.load_state_dict\(...\) instead"):
+        w.step(batches[3])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert w.steps_done == 0
+    w.optimizer.load_state_dict(ck["optimizer"])
+    for batch in batches[3:]:
+        w.step(batch)
+    _assert_same(model, ref)
+
+
+def test_steps_of_the_hand_written_loop_are_counted_and_saved(tmp_path):
+    """optimizer_step() is an optimizer step as step() is: steps_done counts it and a checkpoint records it, so a
+    resume that starts at steps_done takes the batches after those trained on and ends as the uninterrupted loop.
+    items_seen counts only the batches step() was given (the hand-written loop's are never seen)."""
+    batches = _labelled(4)
+    ref = _mlp()
+    losses_of_plain_loop(ref, batches, lambda m, b: _ce(m(b[0]), b), torch.optim.SGD(ref.parameters(), lr=0.1))
+
+    model = _mlp()
+    w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                    pins={"precision": "fp32"}, **KW)
+    for batch in batches[:2]:
+        with w.autocast():
+            loss = _ce(w.model(batch[0]), batch)
+        w.backward(loss)
+        w.optimizer_step()
+    assert (w.steps_done, w.items_seen) == (2, 0)
+    path = w.save(tmp_path / "ckpt.pt")
+
+    fresh = _mlp()
+    resumed = memopt.wrap(fresh, sample=batches[0], optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1),
+                          loss_fn=_ce, pins={"precision": "fp32"}, **KW)
+    resumed.load(path)
+    assert resumed.steps_done == 2
+    for batch in batches[resumed.steps_done:]:
+        resumed.step(batch)
+    assert resumed.steps_done == 4
+    _assert_same(fresh, ref)
+
+
 def test_a_closed_wrapper_refuses_to_step_and_still_saves(tmp_path):
     """close() ends the run (telemetry flushed, calibration stored, OOM recovery released): a step after it is
     refused in one line; the training state can still be saved and the model unwrapped."""
@@ -222,3 +288,34 @@ def test_a_closed_wrapper_refuses_to_step_and_still_saves(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert w.save(tmp_path / "ckpt.pt").is_file()
     assert w.unwrap() is model
+
+
+def test_weights_written_into_a_bf16_master_model_after_the_wrap_are_the_ones_that_train(tmp_path):
+    """bf16_master steps fp32 masters and copies them into the bf16 weights after each step. Weights written after
+    the wrap (pretrained weights loaded with model.load_state_dict, a best checkpoint restored mid-run) become the
+    masters: the run trains as the same weights loaded before the wrap, and a checkpoint or an unwrap before the next
+    step holds them; the stale masters used to be copied back over them at the next step."""
+    batches = _labelled(3)
+    # shifted by 1, so that no element rounds to the bf16 value of the initial weight's
+    pretrained = {k: (v + 1.0).bfloat16().float() for k, v in _mlp().state_dict().items()}
+
+    def run(load_after_wrap: bool) -> memopt.Wrapped:
+        model = _mlp()
+        if not load_after_wrap:
+            model.load_state_dict(pretrained)
+        w = memopt.wrap(model, sample=batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_ce,
+                        fidelity="mixed", pins={"precision": "bf16_master"}, **KW)
+        if load_after_wrap:
+            model.load_state_dict(pretrained)
+        return w
+
+    w = run(load_after_wrap=True)
+    saved = torch.load(w.save(tmp_path / "ckpt.pt"), weights_only=False)
+    assert all(torch.equal(m, v) for m, v in zip(saved["master_weights"]["masters"], pretrained.values()))
+    assert all(torch.equal(p, v) for p, v in zip(w.unwrap().parameters(), pretrained.values()))
+
+    after, before = run(load_after_wrap=True), run(load_after_wrap=False)
+    for batch in batches:
+        assert after.step(batch) == before.step(batch)
+    for p, q in zip(after.unwrap().parameters(), before.unwrap().parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q)
