@@ -9,8 +9,12 @@ blocks at sizes the GPU finishes faster than the host issues them) whose host se
 divided by the same figure on the fitted host (``REFERENCE_OP_S``), scales the clock's host constants
 (``HardwareSpec.extra["host_scale"]``, read by ``memopt.estimate.timing.timing_for``).
 
-It runs once per process, on a GPU only, in about 0.2 s, with the RNG states forked so that the user's random
-streams are untouched, and its memory given back to the device. ``MEMOPT_HOST_PROBE=0`` skips it (scale 1).
+It runs once per process, on a GPU only, in about 0.3 s, with the RNG states forked so that the user's random
+streams are untouched, and its memory given back to the device. It is off unless ``MEMOPT_HOST_PROBE=1``: measured
+on one H100 host (``benchmarks/plan_quality/h100_s40``), the probe read 26 to 43 us per op from one process to the
+next while the host cost per op of the rows measured in those same processes (RoBERTa, OPT, Swin, T5: 34 to 41 us)
+did not follow it, so the scale it gives would add noise to the clock rather than remove the host's part of the
+error. ``HardwareSpec.extra["host_scale"]`` (``+hardware.extra.host_scale=1.3`` in a config) sets the scale by hand.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from memopt.kernel_ops import FREE_OPS
 
 __all__ = ["REFERENCE_OP_S", "host_scale", "probe_op_seconds", "scale_for"]
 
-#: the probe's host seconds per kernel-launching op on the host the clock's constants fit (see the module text)
-REFERENCE_OP_S = 25.0e-6
+#: the probe's host seconds per kernel-launching op on a host whose rows the fitted constants predict: one H100
+#: host read 34.5 us (the median of 8 probes) where its host-bound rows ran 1.15x the fitted host time
+REFERENCE_OP_S = 30.0e-6
 # the scale moves in steps of 2 ** (1/16), about 4%: a host measured again lands on the same spec, so the on-disk
 # memo of estimates (keyed by the whole spec) keeps its entries between runs
 _STEPS_PER_OCTAVE = 16
@@ -73,7 +78,7 @@ def _probe_model(device: Any) -> tuple[Any, Any]:
     return model, ids
 
 
-def probe_op_seconds(device: Any = None, *, iters: int = 5, repeats: int = 3) -> float:
+def probe_op_seconds(device: Any = None, *, iters: int = 8, repeats: int = 3) -> float:
     """Host seconds per kernel-launching op of the probe's training step (forward and backward under bf16
     autocast, gradients dropped) on ``device`` (default: the current CUDA device): the fastest of ``repeats``
     timings of ``iters`` steps, so that a moment of host noise does not count. The RNG states are restored."""
@@ -95,6 +100,11 @@ def probe_op_seconds(device: Any = None, *, iters: int = 5, repeats: int = 3) ->
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         best, ops = _time_steps(device, Count, iters, repeats)
     if device.type == "cuda":
+        # cuBLAS keeps its workspaces in the caching allocator: held, they would fix the allocator's segment mode
+        # before the plan chooses it (measured: every plan of the first probe run fell back to the default mode)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()  # the probe's few MB back to the device before the plan's allocator settings apply
     return best / (iters * max(ops, 1))
 
@@ -131,10 +141,10 @@ def _time_steps(device: Any, count_mode: Any, iters: int, repeats: int) -> tuple
 @cache
 def host_scale() -> float:
     """This host's seconds per op over the fitted host's (``REFERENCE_OP_S``), in steps of about 4% and within
-    [0.25, 4]; 1.0 without a GPU or with ``MEMOPT_HOST_PROBE=0``. Measured once per process."""
+    [0.25, 4], measured once per process with ``MEMOPT_HOST_PROBE=1``; 1.0 otherwise or without a GPU."""
     import torch
 
-    if os.environ.get("MEMOPT_HOST_PROBE", "1") == "0" or not torch.cuda.is_available():
+    if os.environ.get("MEMOPT_HOST_PROBE", "0") != "1" or not torch.cuda.is_available():
         return 1.0
     return scale_for(probe_op_seconds())
 

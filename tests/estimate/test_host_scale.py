@@ -84,12 +84,12 @@ def test_scales_come_in_steps_and_within_bounds():
     assert scale_for(REFERENCE_OP_S / 100) == 0.25
 
 
-def test_no_gpu_or_the_switch_off_means_the_fitted_host(monkeypatch):
+def test_no_gpu_or_the_probe_not_asked_for_means_the_fitted_host(monkeypatch):
     host_scale.cache_clear()
-    monkeypatch.setenv("MEMOPT_HOST_PROBE", "0")
-    assert host_scale() == 1.0
+    monkeypatch.delenv("MEMOPT_HOST_PROBE", raising=False)
+    assert host_scale() == 1.0  # off by default: the probe did not track the host cost of real rows
     host_scale.cache_clear()
-    monkeypatch.delenv("MEMOPT_HOST_PROBE")
+    monkeypatch.setenv("MEMOPT_HOST_PROBE", "1")
     if not torch.cuda.is_available():
         assert host_scale() == 1.0
     host_scale.cache_clear()
@@ -100,3 +100,13 @@ def test_the_probe_keeps_the_random_streams_and_measures_something():
     op_s = probe_op_seconds("cpu", iters=1, repeats=1)
     assert torch.equal(state, torch.get_rng_state())
     assert 0 < op_s < 0.01  # seconds per op: microseconds on any host, not a whole step
+
+
+def test_a_config_sets_the_scale_by_hand_and_a_bad_one_fails_validation():
+    from memopt.config.compose import compose_plan_config
+    from memopt.config.validate import validate
+
+    good = compose_plan_config(["model=gpt2", "budget=8GiB", "hardware=h200", "+hardware.extra.host_scale=1.3"])
+    assert validate(good) == []
+    bad = compose_plan_config(["model=gpt2", "budget=8GiB", "hardware=h200", "+hardware.extra.host_scale=-1"])
+    assert len(validate(bad)) == 1 and "extra.host_scale must be a positive number" in validate(bad)[0]
