@@ -11,7 +11,6 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,11 +18,10 @@ from torch import nn
 
 from memopt import progress
 from memopt.apply.batch_shape_watch import ShapeWatch, watch_for
-from memopt.apply.checkpoint_path import CHECKPOINT_FILE, checkpoint_file
-from memopt.apply.checkpoint_state import read_checkpoint, restore_training_state, training_state, write_checkpoint
 from memopt.apply.step_checks import StepChecks
 from memopt.apply.wrap_checks import WRAPPED_BY, check_model, micro_batch_warning
 from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse_unfit
+from memopt.apply.wrapped_checkpoints import WrappedCheckpoints
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
 from memopt.guard.runtime import RuntimeGuard
@@ -50,7 +48,7 @@ from memopt.units import format_bytes
 __all__ = ["Wrapped"]
 
 
-class Wrapped:
+class Wrapped(WrappedCheckpoints):
     """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
 
     def __init__(self, model: nn.Module, *, budget: Any, sample: Any, plan: Plan | None, optimizer: Any,
@@ -352,11 +350,14 @@ class Wrapped:
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for a hand-written loop; under an fp16 plan the gradients it leaves are unscaled (the
+        true ones), so clipping or logging them before ``optimizer_step`` needs no ``unscale_``."""
         self._require_prepared()
-        self._prepared.step.backward(loss)
+        self._prepared.step.backward_unscaled(loss)
 
     def optimizer_step(self) -> None:
-        """Unscale (fp16), clip, step, copy master weights back (bf16_master), clear gradients."""
+        """Clip, step (skipped, as GradScaler skips it, when an fp16 backward overflowed), copy master weights back
+        (bf16_master), clear gradients."""
         self._require_prepared()
         self._prepared.step.optimizer_step()
 
@@ -387,39 +388,6 @@ class Wrapped:
             self._checks.unwrapped = True
         self._user_model.__dict__.pop(WRAPPED_BY, None)
         return self._user_model
-
-    # -- checkpoints -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        self._require_prepared()
-        return training_state(self._user_model, self._prepared, steps_done=self.steps_done,
-                              items_seen=self.items_seen, plan=self.plan.to_dict() if self.plan is not None else None)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._require_prepared()
-        restore_training_state(self._user_model, self._prepared, state)
-        self.steps_done = state.get("steps_done", 0)
-        self.items_seen = state.get("items_seen", 0)
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """A checkpoint of the model, optimizer, step and data position; returns where it is. ``path`` is a file,
-        or a folder (one that exists, or written with a trailing slash) to hold ``CHECKPOINT_FILE``: the offload
-        engines write folders, so a script that saves to a folder works under either kind of plan."""
-        if self._sharded is not None:
-            return self._sharded.save(path)
-        out = checkpoint_file(path)
-        write_checkpoint(out, self.state_dict())
-        return out
-
-    def load(self, path: str | os.PathLike[str]) -> None:
-        """Resume from ``save``'s checkpoint."""
-        if self._sharded is not None:
-            self._sharded.load(path)
-            return
-        file = checkpoint_file(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"no memopt checkpoint at {file}: pass the path wrapped.save returned (a file, or "
-                                    f"the folder holding {CHECKPOINT_FILE})")
-        self.load_state_dict(read_checkpoint(file))
 
     def describe(self) -> str:
         if self.plan is None:
