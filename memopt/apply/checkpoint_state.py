@@ -104,6 +104,7 @@ def restore_training_state(model: nn.Module, prepared: Prepared, state: dict[str
             raise ValueError(f"this checkpoint's {what} does not load into this wrap ({type(exc).__name__}: "
                              f"{reason}), so nothing of it was loaded: resume from a checkpoint saved by a wrap made "
                              "with the same model, optimizer, lr_scheduler and precision") from exc
+    step.scheduler_watch.forget()  # the schedule's position is the checkpoint's now, not a step of the script's
 
 
 def random_state() -> dict[str, Any]:

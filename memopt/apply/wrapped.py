@@ -350,13 +350,15 @@ class Wrapped(WrappedCheckpoints):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for a hand-written loop; under an fp16 plan the gradients it leaves are unscaled (the
+        true ones), so clipping or logging them before ``optimizer_step`` needs no ``unscale_``."""
         self._require_prepared()
-        self._prepared.step.backward(loss)
+        self._prepared.step.backward_unscaled(loss)
 
     def optimizer_step(self) -> None:
-        """Unscale (fp16), clip, step, copy master weights back (bf16_master), clear gradients. Checked as ``step``
-        is, and counted in ``steps_done`` as it is; ``items_seen`` counts only the batches ``step`` was given, as
-        the hand-written loop's batches are never seen here."""
+        """Clip, step (skipped, as GradScaler skips it, when an fp16 backward overflowed), copy master weights back
+        (bf16_master), clear gradients. Checked as ``step`` is, and counted in ``steps_done`` as it is; ``items_seen``
+        counts only the batches ``step`` was given, as the hand-written loop's batches are never seen here."""
         self._require_prepared()
         self._checks.before_step(self._prepared.optimizer, self._prepared.step.master, stacklevel=3)
         step = self._prepared.step

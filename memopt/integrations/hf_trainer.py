@@ -12,8 +12,9 @@ GPU fixes it: memopt then plans for the mode in force (a warning says so) rather
 cannot be set.
 
 The global batch is the Trainer's per-device batch x gradient accumulation (x processes), as the user
-configured it; memopt keeps it and chooses how to split it. The sample it plans that batch on is read from the
-Trainer's own data: ``memopt.integrations.trainer_sample``.
+configured it; memopt keeps it and chooses how to split it, and each optimizer step trains on the script's rows,
+with ``dataloader_drop_last`` too (``memopt.integrations.trainer_data``). The sample it plans that batch on is read
+from the Trainer's own data: ``memopt.integrations.trainer_sample``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from memopt import progress
 from memopt.guard.attribution_hooks import TrainerStepAttribution
 from memopt.guard.transaction import StepTransaction
+from memopt.integrations.trainer_data import keep_script_rows
 from memopt.integrations.trainer_loss import trainer_loss
 from memopt.integrations.trainer_optim import TRAINER_OPTIM, kept_optimizer, script_optimizer
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
@@ -238,6 +240,7 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
     set_expandable_segments(plan.strategy.expandable_segments)
     world = max(1, getattr(trainer.args, "world_size", 1))
+    script_batch = getattr(trainer, "_train_batch_size", None) or trainer.args.train_batch_size
     for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world,
                                         memopt_checkpointing=True).items():
         if value is None and key == "gradient_checkpointing_kwargs":
@@ -247,6 +250,7 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
         setattr(trainer.args, key, value)
     if hasattr(trainer, "_train_batch_size"):  # the Trainer copies the batch size at init; its loader reads the copy
         trainer._train_batch_size = trainer.args.train_batch_size
+    keep_script_rows(trainer, script_batch)  # what dataloader_drop_last drops stays what the script's loader drops
     set_trainer_precision(trainer, plan.strategy.precision)
     for note in fit_evaluation(trainer, plan.strategy.micro_batch_size):
         progress.report(note)

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from memopt.step import batch as _batch
+from memopt.step.grad_scaling import forget_unscale, grads_unscaled, rescale_
 from memopt.step.loss_reduction import LossReduction, measure_reduction, micro_batch_weights, reduction_sample
 from memopt.step.right_padding import PaddingCut, padding_invariant
+from memopt.step.scheduler_watch import SchedulerWatch
 from memopt.strategy import Strategy
 from memopt.techniques.activation_offload import ActivationOffload
 from memopt.techniques.attention import sdpa_restricted
@@ -102,6 +104,8 @@ class TrainStep:
     padding: PaddingCut | None = None
     steps_done: int = 0
     last_micro_losses: list[float] = field(default_factory=list)
+    # lr_scheduler stepped by the script too, between memopt's steps of it: warned of once
+    scheduler_watch: SchedulerWatch = field(default_factory=SchedulerWatch)
 
     def _phase(self, name: str) -> None:
         if self.on_phase is not None:
@@ -142,13 +146,25 @@ class TrainStep:
             else:
                 loss.backward()
 
+    def backward_unscaled(self, loss: torch.Tensor) -> None:
+        """The hand-written loop's backward (``Wrapped.backward``): under a GradScaler the gradients it leaves are the
+        true ones, as after torch's ``scaler.unscale_(optimizer)``, so the loop's own clipping or logging before
+        ``optimizer_step`` reads what it would without scaling (``memopt.step.grad_scaling``)."""
+        if self.scaler is None:
+            self.backward(loss)
+            return
+        if grads_unscaled(self.scaler, self.optimizer):
+            rescale_(self.scaler, self.optimizer)  # a second backward of the step: add in the scaled units
+        self.backward(loss)
+        self.scaler.unscale_(self.optimizer)
+
     def optimizer_step(self) -> None:
-        """Unscale, clip, step, copy master weights back, clear gradients."""
+        """Unscale (unless ``backward_unscaled`` did), clip, step, copy master weights back, clear gradients."""
         self._phase("optimizer")
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.master is not None:
             self.master.grads_to_masters()
-        if self.scaler is not None:
+        if self.scaler is not None and not grads_unscaled(self.scaler, self.optimizer):
             self.scaler.unscale_(self.optimizer)
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -167,8 +183,10 @@ class TrainStep:
         # cannot leave a step taken but not counted
         self.steps_done += 1
         if self.lr_scheduler is not None:
+            self.scheduler_watch.before_step(self.lr_scheduler)
             try:
                 self.lr_scheduler.step()
+                self.scheduler_watch.after_step(self.lr_scheduler)
             except Exception as exc:
                 raise SchedulerStepFailed(
                     f"step {self.steps_done} updated the weights and is counted, but lr_scheduler.step() then "
@@ -181,6 +199,8 @@ class TrainStep:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if self.scaler is not None:
+            forget_unscale(self.scaler, self.optimizer)  # what a hand-written backward unscaled went with them
         if self.master is not None:
             for p in self.master.params:
                 p.grad = None
@@ -256,6 +276,9 @@ def discard_accumulation(step: Any) -> None:
     for group in step.optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+    scaler = getattr(step, "scaler", None)
+    if scaler is not None:
+        forget_unscale(scaler, step.optimizer)
     model = getattr(step, "model", None)
     if model is not None:
         model.zero_grad(set_to_none=True)

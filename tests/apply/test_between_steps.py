@@ -272,6 +272,52 @@ def test_steps_of_the_hand_written_loop_are_counted_and_saved(tmp_path):
     _assert_same(fresh, ref)
 
 
+def _step_lr(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+
+def test_a_scheduler_passed_to_wrap_and_still_stepped_by_the_loop_is_warned_of_once(tmp_path):
+    """The loop moved onto wrapped.step, lr_scheduler=sched added, and sched.step() left in it: the schedule would run
+    twice per step. The step after such a call says so, once, in one line; the loop without it trains as the plain
+    one, and a checkpoint loaded at a later position is no step of the script's."""
+    batches = _labelled(4)
+    ref = _mlp()
+    opt, sched = _step_lr(ref)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        sched.step()
+
+    model = _mlp()
+    opt, sched = _step_lr(model)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, lr_scheduler=sched, loss_fn=_ce, **KW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in batches:
+            w.step(batch)
+        later = w.save(tmp_path / "later.pt")
+    _assert_same(model, ref)
+    assert sched.get_last_lr() == [0.1 * 0.5 ** 4]
+
+    model = _mlp()
+    opt, sched = _step_lr(model)
+    w = memopt.wrap(model, sample=batches[0], optimizer=opt, lr_scheduler=sched, loss_fn=_ce, **KW)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        w.step(batches[0])
+        w.load(later)  # the schedule jumps 3 steps ahead: memopt's own doing
+        w.step(batches[0])
+        assert not [x for x in seen if "lr_scheduler" in str(x.message)]
+        for batch in batches:
+            w.step(batch)
+            sched.step()
+    said = [str(x.message) for x in seen if "lr_scheduler" in str(x.message)]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "was also stepped outside it" in said[0] and "stop calling sched.step()" in said[0], said
+
+
 def test_a_closed_wrapper_refuses_to_step_and_still_saves(tmp_path):
     """close() ends the run (telemetry flushed, calibration stored, OOM recovery released): a step after it is
     refused in one line; the training state can still be saved and the model unwrapped."""
