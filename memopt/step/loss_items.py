@@ -30,6 +30,7 @@ from torch import nn
 from memopt.step import batch as _batch
 from memopt.step.batch_samples import batch_size
 from memopt.step.batch_tree import is_fake, tree_map
+from memopt.step.loss_reduction import LossNotSplittable
 from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
@@ -82,9 +83,7 @@ def num_items_normalises(model: nn.Module, batch: Mapping, loss_fn: Any, *, prec
                          device_type: str) -> bool:
     """Whether the loss of ``batch`` (a micro-batch on the device that carries :data:`NUM_ITEMS` and loss items)
     divides by that count: its loss halves when the count doubles. False when the count changes nothing; raises
-    :class:`memopt.step.loss_reduction.LossNotSplittable` when it changes the loss otherwise."""
-    from memopt.step.loss_reduction import LossNotSplittable
-
+    :class:`LossNotSplittable` when it changes the loss otherwise."""
     given = batch[NUM_ITEMS]
     with side_effects_undone(model), forward_context(precision, device_type):
         once, twice = (float(_batch.compute_loss(model, _with_count(batch, given, k), loss_fn)) for k in (1, 2))
