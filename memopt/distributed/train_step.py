@@ -25,7 +25,7 @@ engine's; the model runs in the engine's 16-bit weights, without autocast.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from memopt.step import batch as _batch
 from memopt.step.batch_samples import batch_size
+from memopt.step.loss_items import NUM_ITEMS
 from memopt.step.loss_reduction import (
     classify_reduction,
     first_labelled,
@@ -130,6 +131,10 @@ class DistributedTrainStep(TrainStep):
         if self.kind != "deepspeed":
             self.clear_grads()
         micro = split_batch(batch, self.strategy.micro_batch_size)
+        if isinstance(batch, Mapping) and NUM_ITEMS in batch and len(micro) * self.world_size > 1:
+            # each rank would divide by the same count and then be weighted again by its labels
+            raise ValueError(f"a batch carrying {NUM_ITEMS} cannot be split over micro-batches and ranks exactly: "
+                             f"leave {NUM_ITEMS} out of the batch (memopt weighs each part by its own labels)")
         counts = loss_item_counts(micro, self.causal_lm)
         samples = batch_size(batch)
         total_items, total_samples = self._all_reduce([float(sum(counts)), float(samples)])

@@ -54,6 +54,7 @@ from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss
+from memopt.step.loss_items import first_label_decides, measure_label_shift
 from memopt.step.loss_reduction import (
     LossNotSplittable,
     classify_reduction,
@@ -138,6 +139,7 @@ class MicroBatchedTrainingStep:
         self.transaction = transaction
         self.optimizer_step: TransactionalOptimizerStep | None = None
         self._loss_takes_num_items: bool | None = None
+        self._shift_measured = False
         self._own_mode: str | None = None  # how the model's own loss reduces: measured at the first split batch
         self.padding = PaddingCut()  # trailing padding cut off each micro-batch, decided at the first split batch
 
@@ -204,6 +206,7 @@ class MicroBatchedTrainingStep:
         if len(micro) == 1:
             return self._original(model, inputs, num_items_in_batch)
         tr = self.trainer
+        self._settle_shift(inputs)
         # the loss is already a share of the whole batch's when it is divided by the batch's loss tokens: by the
         # user's compute_loss_func, or by a model whose loss takes num_items_in_batch. The Trainer assumes the
         # latter of every model whose forward takes **kwargs; T5 and other hand-written losses take the
@@ -231,6 +234,22 @@ class MicroBatchedTrainingStep:
             total = loss if total is None else total + loss
         assert total is not None
         return total
+
+    def _settle_shift(self, inputs: dict[str, Any]) -> None:
+        """``causal_lm`` measured on the first batch whose count depends on it (``memopt.step.loss_items``), with the
+        model's own loss; in one process only (a forward on one rank alone would wait on the others' collectives),
+        and not for a script's loss (the class's word stands for those)."""
+        if self._shift_measured or not first_label_decides(inputs):
+            return
+        self._shift_measured = True
+        if getattr(self.trainer.args, "world_size", 1) != 1 or script_loss(self.trainer):
+            return
+        with _full_precision_forward(self.trainer.model):
+            measured = measure_label_shift(self.trainer.model, inputs, None, precision="fp32",
+                                           device_type=self.trainer.args.device.type,
+                                           device=self.trainer.args.device)
+        if measured is not None:
+            self.causal_lm = measured
 
     def _own_loss_mode(self, model: torch.nn.Module, micro: list[Any], counts: list[int], normalized: bool) -> str:
         """"mean" or "sum": how the loss reduces over the samples, measured once where it is not a task head's

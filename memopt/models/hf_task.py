@@ -99,7 +99,9 @@ _REMOTE_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face causal LM: it shifts its labels inside, so the first label of each row carries no loss. Under
+    """A Hugging Face causal LM, which as a rule shifts its labels inside, so the first label of each row carries no
+    loss. Only the rule: some heads in the mapping do not shift (XLNet's) and some outside it do (BLIP's captioning),
+    so a training step measures the shift on its first batch that can tell (``memopt.step.loss_items``). Under
     peft's prompt or p-tuning the virtual tokens are put before each row (their labels -100), so the first label is
     predicted from the last of them and carries a loss like the others: the labels count unshifted there."""
     return hf_task(model) == "causal_lm" and not _virtual_tokens_first(model)

@@ -63,9 +63,13 @@ class LossNotSplittable(ValueError):
 class LossReduction:
     """``mode``: "mean" or "sum", or "auto" until the first step that splits a batch measures it. One object is
     shared by every train step a wrapped model builds (the plan's, the autotune's candidates, the guard's re-plans),
-    so what was measured once holds for all of them."""
+    so what was measured once holds for all of them. ``shifted``: whether the loss shifts its token labels by one,
+    once measured (``memopt.step.loss_items``); ``num_items``: whether it divides by a ``num_items_in_batch`` the
+    batch carries, once measured."""
 
     mode: str = "mean"
+    shifted: bool | None = None
+    num_items: bool | None = None
 
     def __post_init__(self) -> None:
         check_reduction(self.mode)

@@ -24,7 +24,14 @@ from torch import nn
 
 from memopt.step import batch as _batch
 from memopt.step.grad_scaling import forget_unscale, grads_unscaled, rescale_
-from memopt.step.loss_reduction import LossReduction, measure_reduction, micro_batch_weights, reduction_sample
+from memopt.step.loss_items import NUM_ITEMS, first_label_decides, measure_label_shift, num_items_normalises
+from memopt.step.loss_reduction import (
+    LossReduction,
+    first_labelled,
+    measure_reduction,
+    micro_batch_weights,
+    reduction_sample,
+)
 from memopt.step.right_padding import PaddingCut, padding_invariant
 from memopt.step.scheduler_watch import SchedulerWatch
 from memopt.strategy import Strategy
@@ -96,7 +103,9 @@ class TrainStep:
     max_grad_norm: float | None = None
     lr_scheduler: Any = None
     on_phase: Callable[[str], None] | None = None
-    causal_lm: bool = False  # labels are shifted inside the model (Hugging Face *ForCausalLM)
+    # labels are shifted inside the model: the class's word (Hugging Face *ForCausalLM) until a batch measures it
+    # (memopt.step.loss_items)
+    causal_lm: bool = False
     # how the loss reduces over samples (memopt.step.loss_reduction); None: a mean, not measured (traces, simulations)
     reduction: LossReduction | None = None
     # trailing padding cut off each micro-batch where measured exact (memopt.step.right_padding); None: never cut
@@ -216,6 +225,29 @@ class TrainStep:
                                                     device_type=self.device_type, causal=self.causal_lm)
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
+    def _settle_shift(self, batch: Any) -> None:
+        """``causal_lm`` as measured on the first batch whose count depends on it (a label at position 0), shared
+        with every step of the same wrapped model through ``reduction``."""
+        if self.reduction is None:
+            return
+        if self.reduction.shifted is None and first_label_decides(batch):
+            measured = measure_label_shift(self.model, batch, self.loss_fn, precision=self.strategy.precision,
+                                           device_type=self.device_type, device=self.device)
+            self.reduction.shifted = self.causal_lm if measured is None else measured
+        if self.reduction.shifted is not None:
+            self.causal_lm = self.reduction.shifted
+
+    def _normalised_by_batch(self, batch: Any, micro: list[Any], counts: list[int]) -> bool:
+        """Whether the loss divides by a ``num_items_in_batch`` the batch carries (each micro-batch gets the whole
+        batch's): measured once, on the first micro-batch with loss items."""
+        if self.reduction is None or not isinstance(batch, Mapping) or NUM_ITEMS not in batch:
+            return False
+        if self.reduction.num_items is None:
+            self.reduction.num_items = num_items_normalises(self.model, first_labelled(micro, counts, micro[0]),
+                                                            self.loss_fn, precision=self.strategy.precision,
+                                                            device_type=self.device_type)
+        return self.reduction.num_items
+
     def _padding_verdict(self, sample: Any) -> tuple[bool, str]:
         """Whether the loss of ``sample`` (a micro-batch, moved to the device here) is unchanged by right padding,
         measured in fp32 without autocast (a bf16 forward differs by more than the check's 2e-6 between sequence
@@ -231,6 +263,7 @@ class TrainStep:
         over ``batch``, and what another step left on them (a GAN generator's loss backpropagates into the
         discriminator) is not this batch's."""
         self.clear_grads()
+        self._settle_shift(batch)
         micro = split_batch(batch, self.strategy.micro_batch_size)
         if self.padding is not None and len(micro) > 1:
             counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, self._padding_verdict)
@@ -240,7 +273,9 @@ class TrainStep:
         if total_items == 0:
             raise ValueError("the batch has no tokens that carry loss (every label is -100)")
         micro = _stage(micro, self.device)
-        weights = micro_batch_weights(counts, self._reduction_mode(micro, counts))
+        # a loss divided by the batch's own count is each micro-batch's share of the whole: added, not weighted
+        summed = len(micro) > 1 and self._normalised_by_batch(batch, micro, counts)
+        weights = micro_batch_weights(counts, "sum" if summed else self._reduction_mode(micro, counts))
         total = 0.0
         self.last_micro_losses = []
         try:
