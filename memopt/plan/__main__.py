@@ -71,26 +71,36 @@ def _save_path(save_plan: str | None, multirun: bool, job_dir: Path | None) -> P
 
 
 def run(cfg: Any) -> int:
-    """Plan one composed config and print the report; returns the exit status. Bad input -> 2, no fit -> 3."""
+    """Plan one composed config and print the report; returns the exit status. Bad input -> 2, no fit -> 3.
+    Nothing escapes to Hydra, whose job runner would print its own "Error executing job" line before ours."""
     multirun, job_dir, label = _job_context()
-    out, err = make_console(), make_console(stderr=True)
+    err = make_console(stderr=True)
     title = f"invalid input ({label})" if label else "invalid input"
+    model = None
     try:
-        request = resolve(cfg)
-    except ConfigError as exc:
-        render_errors([in_cli_terms(p) for p in exc.problems], console=err, title=title)
-        return EXIT_BAD_INPUT
-    try:
-        plan = request.plan()
-    except ValueError as exc:
-        problems = getattr(exc, "problems", None) or [str(exc)]
-        render_errors([in_cli_terms(p) for p in problems], console=err, title=title)
-        return EXIT_BAD_INPUT
+        try:
+            request = resolve(cfg)
+        except ConfigError as exc:
+            render_errors([in_cli_terms(p) for p in exc.problems], console=err, title=title)
+            return EXIT_BAD_INPUT
+        model = request.model
+        try:
+            plan = request.plan()
+        except ValueError as exc:
+            problems = getattr(exc, "problems", None) or [str(exc)]
+            render_errors([in_cli_terms(p) for p in problems], console=err, title=title)
+            return EXIT_BAD_INPUT
+        return _report(request, plan, multirun, job_dir, label, err, title)
     except Exception as exc:  # never a traceback: one line, and how to report it
         if os.environ.get("MEMOPT_DEBUG"):
             raise
-        render_errors([model_build_error(exc, request.model) or unexpected(exc)], console=err, title=title)
+        render_errors([model_build_error(exc, model) or unexpected(exc)], console=err, title=title)
         return EXIT_BAD_INPUT
+
+
+def _report(request: Any, plan: Any, multirun: bool, job_dir: Path | None, label: str, err: Any, title: str) -> int:
+    """Save and print a plan as the request asks; returns the exit status."""
+    out = make_console()
     path = _save_path(request.save_plan, multirun, job_dir)
     if path is not None:
         try:

@@ -266,7 +266,7 @@ def check_checkpoint_pins(pins: Mapping[str, Any] | None, profile: Any, problems
     pinned block count must not exceed what a stack has."""
     pins = pins or {}
     mode, blocks = pins.get("checkpointing"), pins.get("checkpoint_blocks")
-    if mode in (None, "none") and blocks is None:
+    if mode in (None, "none") and not blocks:  # 0 blocks is no checkpointing, which every model can do
         return
     total = max(profile.full_block_counts, default=0)
     if total == 0:

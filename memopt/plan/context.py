@@ -6,7 +6,7 @@ from typing import Any
 
 from memopt.errors import InputError
 from memopt.hardware import HardwareSpec, load_hardware
-from memopt.plan.policy import Policy
+from memopt.plan.policy import Policy, attention_backends
 from memopt.profile.profile import Profile
 from memopt.profile.sample_axis_probe import random_draws_refusal
 from memopt.techniques.adapters import peft_installed
@@ -86,9 +86,7 @@ def search_context(profile: Profile, hw: HardwareSpec, global_batch: int, policy
     vocab = profile.vocab_size
     if vocab is None:  # a profile saved before the vocabulary was recorded: ask its model, if one is at hand
         vocab = getattr(getattr(profile._model, "config", None), "vocab_size", None)
-    # PyTorch's own choice ("auto") is searched; a named backend only when pinned: on the GPUs modelled the
-    # other kernels allocate at least as much and run no faster than the one SDPA picks
-    backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
+    backends = attention_backends(policy)
     liger = liger_ce_unavailable(profile, hw)
     if liger and policy.pins.get("ce_kernel") == "liger":
         raise InputError([f"pin ce_kernel='liger' cannot be honoured: {liger}; pin ce_kernel='memopt' or drop it"])

@@ -19,7 +19,7 @@ from memopt.plan.footprint import Estimates, level_fits
 from memopt.plan.model_keys import check_model_keys
 from memopt.plan.plan_build import alternative_plans, build_plan
 from memopt.plan.policy import Policy
-from memopt.plan.policy_room import check_policy_room
+from memopt.plan.policy_room import check_micro_batch_room, check_policy_room
 from memopt.plan.schema import Plan
 from memopt.plan.search import search
 from memopt.plan.sharded import plan_sharded, world_of
@@ -221,6 +221,11 @@ def _checked_args(model: Any, sample: Any, *, budget: Any, hardware: Any, policy
     if isinstance(sample, dict) and pol is not None:
         checks.check_global_batch_pins(pol.pins, sample.get("batch_size"), problems, key="pins.micro_batch_size",
                                        batch_key="sample batch_size")
+    if pol is not None and hw is not None:
+        batch = sample.get("batch_size") if isinstance(sample, dict) else None
+        if batch is None and spec is not None:  # the spec's typical sample fills what the sample leaves out
+            batch = spec.sample.get("batch_size")
+        _check_micro_batch_room(pol, batch, world_size if isinstance(world_size, int) else world_of(hw)[0], problems)
     checks.raise_problems(problems, "arguments")
     assert hw is not None and budget_bytes is not None and pol is not None
     return hw, budget_bytes, pol
@@ -246,6 +251,17 @@ def _check_batch(pol: Policy, global_batch: int, world: Any) -> None:
     checks.check_global_batch_pins(pol.pins, per_rank, problems,
                                    batch_key="the batch per GPU" if per_rank != global_batch else "batch_size")
     checks.raise_problems(problems, "pins")
+    _check_micro_batch_room(pol, global_batch, world, problems)
+    checks.raise_problems(problems, "policy")
+
+
+def _check_micro_batch_room(pol: Policy, batch: Any, world: Any, problems: list[str]) -> None:
+    """The policy's micro-batch sizes against the batch of one GPU (the global batch split over ``world`` ranks
+    where it splits; a batch that does not is reported by the sharded planner)."""
+    if isinstance(batch, int) and isinstance(world, int) and world > 1 and batch % world == 0:
+        check_micro_batch_room(pol, batch // world, problems, batch_key="the batch per GPU")
+    else:
+        check_micro_batch_room(pol, batch, problems)
 
 
 def host_copy_bytes(model: Any) -> int:

@@ -36,11 +36,13 @@ from typing import Any
 
 from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS
 from memopt.techniques.adapters import DEFAULT_ADAPTER_RANK
+from memopt.techniques.attention import SDPA_BACKENDS
 from memopt.techniques.optimizers import OPTIMIZER_NAMES
 from memopt.techniques.registry import BY_NAME, LEVELED
 from memopt.units import GiB, MiB, parse_bytes
 
-__all__ = ["ALLOWANCES", "DEFAULT_ADAPTER_RANK", "FIDELITY_PRESETS", "PINNABLE", "Policy", "fidelity_of"]
+__all__ = ["ALLOWANCES", "DEFAULT_ADAPTER_RANK", "FIDELITY_PRESETS", "PINNABLE", "Policy", "attention_backends",
+           "fidelity_of"]
 
 ALLOWANCES = ("exact", "bf16_autocast", "mixed_precision", "8bit_optimizer", "lossy", "adapters",
               "quantized_weights")
@@ -101,7 +103,14 @@ class Policy:
         """Validate everything and report every problem at once (``ValueError``)."""
         problems: list[str] = []
         allow: set[str] = set()
-        names = [fidelity] if isinstance(fidelity, str) else list(fidelity)
+        if isinstance(fidelity, str):
+            names: list[Any] = [fidelity]
+        elif isinstance(fidelity, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in fidelity):
+            names = list(fidelity)
+        else:
+            names = []
+            problems.append(f"fidelity must be a preset ({', '.join(FIDELITY_PRESETS)}) or a list of allowances "
+                            f"({', '.join(ALLOWANCES)}), got {fidelity!r}")
         for name in names:
             if name in FIDELITY_PRESETS:
                 allow.update(FIDELITY_PRESETS[name])
@@ -190,6 +199,18 @@ class Policy:
         return {"allow": sorted(self.allow), "pins": self.pins, "forbid": {k: list(v) for k, v in self.forbid.items()},
                 "margin_fraction": self.margin_fraction, "margin_bytes": self.margin_bytes,
                 "max_micro_batch": self.max_micro_batch}
+
+
+def attention_backends(policy: Policy) -> tuple[str, ...]:
+    """The attention backends the search weighs. PyTorch's own choice ("auto"), a named backend only when pinned: on
+    the GPUs modelled the other kernels allocate at least as much and run no faster than the one SDPA picks. Where
+    the policy forbids "auto", SDPA's named backends it leaves are the choice instead (each restricts SDPA to one
+    kernel), so a forbid narrows the search rather than emptying it."""
+    if "attention" in policy.pins:
+        return (policy.pins["attention"],)
+    if policy.allows("attention", "auto"):
+        return ("auto",)
+    return tuple(b for b in SDPA_BACKENDS if policy.allows("attention", b))
 
 
 def _check_choice(kind: str, key: str, value: Any) -> list[str]:

@@ -3,7 +3,8 @@ value the policy forbids (or the fidelity does not allow) leaves no candidate at
 model and then report that nothing fits, naming a strategy the policy forbids. Each technique's values are taken
 from its registry entry under the most permissive model (a causal LM with blocks to checkpoint, every optional
 package present where the hardware runs it), so a technique refused here has no value for any model; a value the
-model later refuses is the planner's to report."""
+model later refuses is the planner's to report. Packages are taken as installed here (a backend of a package that
+is missing is no value the search could use)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,32 @@ from typing import Any
 
 from memopt.hardware import HardwareSpec
 from memopt.plan.policy import Policy, fidelity_of
+from memopt.techniques.attention import SDPA_BACKENDS, flash_attn_available
 from memopt.techniques.optimizers import bnb_installed
 from memopt.techniques.protocol import SearchContext
 from memopt.techniques.registry import TECHNIQUES
 
-__all__ = ["check_policy_room"]
+__all__ = ["check_micro_batch_room", "check_policy_room"]
 
-# the micro-batch sizes depend on the batch, which the batch pins' own check covers
+# the micro-batch sizes depend on the batch: check_micro_batch_room weighs them once the batch is known
 _SKIPPED = ("micro_batch_size",)
 
 
 def _widest_context(hw: HardwareSpec, policy: Policy, user_optimizer: bool) -> SearchContext:
-    backends = ("auto",) if "attention" not in policy.pins else (policy.pins["attention"],)
+    # every backend the search may fall back on (memopt.plan.policy.attention_backends), so that forbidding them
+    # all is named here
+    backends = ("auto", *SDPA_BACKENDS) if "attention" not in policy.pins else (policy.pins["attention"],)
     return SearchContext(global_batch=1, block_counts=(8,), supports_bf16=hw.supports_bf16, causal_lm=True,
-                         vocab_size=None, bnb_available=bnb_installed(), flash_attn_available=True,
+                         vocab_size=None, bnb_available=bnb_installed(), flash_attn_available=flash_attn_available(),
                          user_optimizer=user_optimizer, attention_backends=backends, liger_ce=True)
 
 
 def _allowed(policy: Policy, name: str, value: Any) -> bool:
     """As the search filters the entry's options (``memopt.plan.search.candidates``)."""
     if name == "checkpointing":
-        mode = policy.pins.get("checkpointing")
-        return (mode is None or value.mode == mode) and value.mode not in policy.forbid.get("checkpointing", ())
+        mode, blocks = policy.pins.get("checkpointing"), policy.pins.get("checkpoint_blocks")
+        return ((mode is None or value.mode == mode) and value.mode not in policy.forbid.get("checkpointing", ())
+                and (blocks is None or (blocks == 0) == (value.mode == "none")))
     return policy.allows(name, value)
 
 
@@ -62,3 +67,19 @@ def check_policy_room(policy: Policy, hw: HardwareSpec, problems: list[str], *, 
         problems.append(f"the policy leaves no {tech.name} to plan on {hw.name}: of {', '.join(named)} it forbids "
                         f"{', '.join(forbidden) or 'nothing'}, and the fidelity ({', '.join(sorted(policy.allow))}) "
                         f"allows no other; un-forbid one" + (f", or widen the fidelity ({widen})" if widen else ""))
+
+
+def check_micro_batch_room(policy: Policy, batch: Any, problems: list[str], *, batch_key: str = "batch_size") -> None:
+    """One line when the policy leaves no micro-batch size for ``batch`` (the batch of one GPU): the sizes that divide
+    it, at most ``max_micro_batch``, are all forbidden. A pinned size is checked against the batch elsewhere
+    (``memopt.plan.checks.check_global_batch_pins``)."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1 or "micro_batch_size" in policy.pins:
+        return
+    sizes = [b for b in range(1, batch + 1) if batch % b == 0
+             and (policy.max_micro_batch is None or b <= policy.max_micro_batch)]
+    if any(policy.allows("micro_batch_size", b) for b in sizes):
+        return
+    cap = f" up to max_micro_batch={policy.max_micro_batch}" if policy.max_micro_batch is not None else ""
+    problems.append(f"the policy leaves no micro_batch_size for the batch of {batch} ({batch_key}): it forbids every "
+                    f"size that divides it{cap} ({', '.join(map(str, sizes)) or 'none'}); un-forbid one"
+                    + (", or raise max_micro_batch" if cap else "") + ", or change the batch")

@@ -40,7 +40,7 @@ from memopt.strategy import Checkpointing, Strategy
 from memopt.techniques.protocol import SearchContext
 from memopt.techniques.registry import TECHNIQUES, extras_ladder
 
-__all__ = ["bisect_blocks", "candidates", "evaluate", "extras_levels", "search"]
+__all__ = ["bisect_blocks", "candidates", "checkpointed_blocks", "evaluate", "extras_levels", "search"]
 
 def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, Any], ...]]:
     """The ``Strategy.extras`` levels the policy admits, highest fidelity first: none (full fine-tuning), LoRA,
@@ -49,6 +49,14 @@ def extras_levels(ctx: SearchContext, policy: Policy) -> list[tuple[tuple[str, A
     (0: unquantized) select levels; the rank is the pinned one or ``DEFAULT_ADAPTER_RANK``. Raises
     ``ValueError`` when a pin asks for adapters or quantization that is not installed."""
     return extras_ladder(ctx, policy)
+
+
+def checkpointed_blocks(ck: Checkpointing, block_counts: tuple[int, ...]) -> int:
+    """The block count a ``checkpoint_blocks`` pin names for ``ck``: 0 for no checkpointing (a pin of 0 blocks
+    is the plan that checkpoints none), else its own count or every block of the largest stack."""
+    if ck.mode == "none":
+        return 0
+    return ck.num_blocks if ck.num_blocks is not None else max(block_counts, default=0)
 
 
 def candidates(ctx: SearchContext, policy: Policy,
@@ -64,7 +72,7 @@ def candidates(ctx: SearchContext, policy: Policy,
             blocks = policy.pins.get("checkpoint_blocks")
             forbidden = set(policy.forbid.get("checkpointing", ()))
             values = [v for v in values if (mode is None or v.mode == mode) and v.mode not in forbidden
-                      and (blocks is None or (v.num_blocks or max(ctx.block_counts, default=0)) == blocks)]
+                      and (blocks is None or checkpointed_blocks(v, ctx.block_counts) == blocks)]
             if mode in ("full", "selective") and blocks is not None and not values:
                 values = [Checkpointing(mode=mode, num_blocks=blocks)]
         else:

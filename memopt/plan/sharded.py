@@ -37,7 +37,7 @@ from memopt.hardware import HardwareSpec
 from memopt.plan.context import micro_batch_refusal_for
 from memopt.plan.policy import Policy
 from memopt.plan.schema import Plan
-from memopt.plan.search import bisect_blocks
+from memopt.plan.search import bisect_blocks, checkpointed_blocks
 from memopt.plan.sharded_cap import capped_if_needed
 from memopt.profile.engine_facts import ModelFacts, facts_of_profile
 from memopt.strategy import Checkpointing, Strategy
@@ -55,6 +55,11 @@ __all__ = ["HOST_RAM_USABLE", "ShardedCandidate", "launch_note", "plan_sharded",
 # name the checkpointing entry's coarse grid)
 _CHECKPOINTING: Any = BY_NAME["checkpointing"]
 _MICRO_BATCH: Any = BY_NAME["micro_batch_size"]
+
+# what a sharded plan runs but does not choose (the engine's own kernels and allocator setting), as its Strategy
+# leaves them: a policy that forbids one leaves no sharded plan
+_FIXED: dict[str, Any] = {name: getattr(Strategy(), name) for name in
+                          ("activation_offload", "attention", "chunked_ce", "ce_kernel", "expandable_segments")}
 
 #: the fraction of a node's RAM the offloaded states may take (the rest: the OS, data loaders, the ranks' Python)
 HOST_RAM_USABLE = 0.9
@@ -127,6 +132,19 @@ def _micro_batches_of(ctx: SearchContext, policy: Policy) -> list[int]:
     not split whatever its size, and the sharded planner has always capped that too."""
     return [b for b in sorted(_MICRO_BATCH.options(ctx), reverse=True) if policy.allows("micro_batch_size", b)
             and not (policy.max_micro_batch and b > policy.max_micro_batch)]
+
+
+def _checkpointings_of(n_blocks: int, policy: Policy) -> list[Checkpointing]:
+    """The checkpointing entry's coarse grid as the policy allows it; a ``checkpoint_blocks`` pin allows only its
+    own count (as in the single-GPU search: 0 is no checkpointing)."""
+    grid = [ck for ck in _CHECKPOINTING.coarse(n_blocks) if policy.allows("checkpointing", ck.mode)]
+    blocks = policy.pins.get("checkpoint_blocks")
+    if blocks is None:
+        return grid
+    pinned = [ck for ck in grid if checkpointed_blocks(ck, (n_blocks,)) == blocks]
+    if not pinned and blocks > 0 and policy.allows("checkpointing", "full"):
+        pinned = [Checkpointing(mode="full", num_blocks=blocks)]
+    return pinned
 
 
 class _SharedWork:
@@ -233,6 +251,10 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     if SHARDING.optimizer in policy.forbid.get("optimizer", ()):
         raise ValueError(f"sharded and offloaded plans run the engines' AdamW (memopt's {SHARDING.optimizer}), which "
                          "forbid excludes: drop it from forbid, or plan for one GPU without offload")
+    for name, value in _FIXED.items():
+        if value in policy.forbid.get(name, ()):
+            raise ValueError(f"sharded and offloaded plans run {name}={value!r}, which forbid excludes: drop it from "
+                             "forbid, or plan for one GPU without offload")
     global_batch = int(profile.sample["batch_size"])
     if global_batch % world_size:
         raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "
@@ -260,7 +282,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     n_blocks = len(facts.unit_params)
     micro_batches = _micro_batches_of(
         _rank_context(per_rank, n_blocks, hw, policy, micro_batch_refusal_for(profile, policy)), policy)
-    checkpointings = [ck for ck in _CHECKPOINTING.coarse(n_blocks) if policy.allows("checkpointing", ck.mode)]
+    checkpointings = _checkpointings_of(n_blocks, policy)
 
     def evaluate(setting: ShardingSetting, mb: int, ck: Checkpointing) -> ShardedCandidate:
         strategy = Strategy(precision=SHARDING.precision, checkpointing=ck, micro_batch_size=mb,
@@ -286,7 +308,7 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     for c in candidates:
         if c.fits:
             timed(c)
-    if policy.allows("checkpointing", "full"):
+    if policy.allows("checkpointing", "full") and policy.pins.get("checkpoint_blocks") is None:
         # the coarse grid checkpoints all, 3/4, 1/2 or 1/4 of the blocks: between the fewest that fit and the next
         # fewer that do not, the fewest that fit (memory falls as blocks are checkpointed), by bisection; once for
         # fitting outright and once for fitting under the cap (with allocator retries). Only for the engine and

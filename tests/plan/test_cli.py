@@ -112,6 +112,17 @@ def test_a_policy_that_forbids_every_candidate_exits_2_before_planning(cli_env, 
     assert "the policy leaves no optimizer to plan on h100_80gb" in err and "need '8bit_optimizer'" in err
 
 
+def test_a_mistyped_policy_is_one_line_naming_the_key_without_hydras_line(cli_env, tmp_path):
+    for args, expected in ((["policy.fidelity=5"], "policy: fidelity must be a preset"),
+                           (["model=tiny_gpt2", "training.batch_size=2", "policy.forbid.micro_batch_size=[1,2]"],
+                            "the policy leaves no micro_batch_size for the batch of 2")):
+        proc = run_cli(args, cli_env, tmp_path)
+        _no_traceback(proc)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "Error executing job" not in proc.stderr and "unexpected error" not in proc.stderr, proc.stderr
+        assert expected in " ".join(proc.stderr.split()), proc.stderr
+
+
 def test_contradictions_tiny_budgets_and_bad_shapes_exit_2(cli_env, tmp_path):
     proc = run_cli(["policy=mixed", "policy.pins.precision=fp16_autocast", "policy.forbid.loss_scaling=[grad_scaler]",
                     "budget=500MB", "training.seq_len=4096", "training.batchsize=8"], cli_env, tmp_path)
