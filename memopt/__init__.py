@@ -2,7 +2,10 @@
 
     >>> import memopt
     >>> prof = memopt.profile("llama3_8b", sample={"batch_size": 8, "seq_len": 4096}, hardware="h100_80gb")
-    >>> est = memopt.estimate(prof, memopt.Strategy(precision="bf16_autocast"))
+    >>> est = memopt.estimate(prof, memopt.Strategy(precision="bf16_autocast", micro_batch_size=4, grad_accum_steps=2))
+
+A profile is of its sample's global batch; a ``Strategy`` says how that batch is split (``micro_batch_size x
+grad_accum_steps`` must be it: ``memopt.estimate`` refuses any other split in one line).
 
 Every entry point (``memopt.plan``, ``memopt.profile``, ``memopt.wrap``, ``python -m memopt.plan``) checks its
 input with one validation layer (``memopt.plan.checks``) and raises ``InputError`` (a ``ValueError``), one line

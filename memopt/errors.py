@@ -3,7 +3,10 @@ caller (the CLI, ``memopt.plan``, a saved plan's loader) reports all of them at 
 
 from __future__ import annotations
 
-__all__ = ["InputError", "UserArgumentError", "raise_problems"]
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["InputError", "UserArgumentError", "as_input_errors", "raise_problems"]
 
 
 class InputError(ValueError):
@@ -29,3 +32,17 @@ class UserArgumentError(InputError):
 def raise_problems(problems: list[str], what: str = "input") -> None:
     if problems:
         raise InputError(problems, what)
+
+
+@contextmanager
+def as_input_errors() -> Iterator[None]:
+    """Around an entry point's reading of what the user passed (a model name, a sample, a hardware name, a plan
+    file), and nothing else: every ``ValueError`` raised there is about that input, whichever layer's check said
+    so, and leaves as an ``InputError`` with the same message. The work that follows (tracing, the search) stays
+    outside, so a ``ValueError`` that is memopt's own bug is not reported as the user's."""
+    try:
+        yield
+    except InputError:
+        raise
+    except ValueError as exc:
+        raise InputError([str(exc)]) from exc

@@ -8,17 +8,20 @@ bandwidth, and the memory the CUDA runtime holds outside PyTorch's allocator.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from memopt.errors import InputError
 from memopt.host_speed import host_scale
 from memopt.resources import config_names, configs_dir
 from memopt.units import MiB, parse_bytes
 
 __all__ = ["DEFAULT_HARDWARE", "HardwareSpec", "default_hardware_note", "detect_hardware", "hardware_names",
-           "load_hardware"]
+           "hardware_problems", "load_hardware"]
 
 #: what every entry point (``memopt.plan``, ``memopt.profile``, ``memopt.wrap``) plans for when ``hardware`` is
 #: not given and no GPU is visible; ``hardware="auto"`` insists on the local GPU instead
@@ -47,6 +50,13 @@ class HardwareSpec:
     host_memory_bytes: int = 0  # host RAM per node
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # every way a spec is made (a shipped YAML, a dict, with_overrides) passes here: a negative FLOP/s made a
+        # negative step time the search preferred, a zero one divided by zero deep inside the clock
+        problems = hardware_problems(self)
+        if problems:
+            raise InputError(problems, "hardware")
 
     @property
     def supports_bf16(self) -> bool:
@@ -78,6 +88,51 @@ class HardwareSpec:
         return f"sm{self.sm}"
 
 
+# (field, must be > 0 rather than >= 0, what it is): the ones at 0 by default mean "not given" (num_sms, the links
+# between GPUs and nodes, host RAM: the machine's)
+_POSITIVE = (("memory_bytes", "bytes of GPU memory"), ("hbm_bandwidth", "bytes/s"),
+             ("host_link_bandwidth", "bytes/s"), ("gpus_per_node", "GPUs"), ("num_nodes", "nodes"))
+_NON_NEGATIVE = (("runtime_overhead_bytes", "bytes"), ("num_sms", "0: unknown"),
+                 ("intra_node_bandwidth", "bytes/s, 0: unknown"), ("inter_node_bandwidth", "bytes/s, 0: unknown"),
+                 ("host_memory_bytes", "bytes per node, 0: this machine's"))
+_COUNTS = frozenset({"memory_bytes", "runtime_overhead_bytes", "num_sms", "gpus_per_node", "num_nodes",
+                     "host_memory_bytes"})
+
+
+def _number_problem(key: str, value: Any, positive: bool, meaning: str, integer: bool) -> str | None:
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok and (value > 0 if positive else value >= 0):
+        return None
+    what = "an integer" if integer else "a finite number"
+    return f"hardware.{key}={value!r} must be {what} {'> 0' if positive else '>= 0'} ({meaning})"
+
+
+def hardware_problems(spec: HardwareSpec) -> list[str]:
+    """One line per numeric field of ``spec`` that no estimate can use, naming the field and what is valid."""
+    problems = []
+    for fields, positive in ((_POSITIVE, True), (_NON_NEGATIVE, False)):
+        for key, meaning in fields:
+            line = _number_problem(key, getattr(spec, key), positive, meaning, key in _COUNTS)
+            if line:
+                problems.append(line)
+    cc = spec.compute_capability
+    if not (isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                           for x in cc)):
+        shown = list(cc) if isinstance(cc, tuple) else cc
+        problems.append(f"hardware.compute_capability={shown!r} must be a pair of integers [major, minor], e.g. "
+                        "[9, 0] for an H100")
+    if not isinstance(spec.peak_flops, dict) or not spec.peak_flops:
+        problems.append(f"hardware.peak_flops={spec.peak_flops!r} must map compute dtypes (bf16, fp16, tf32, fp32) "
+                        "to FLOP/s, e.g. {bf16: 989.0e12, fp32: 67.0e12}")
+    else:
+        for dtype, value in spec.peak_flops.items():
+            line = _number_problem(f"peak_flops.{dtype}", value, True, "dense FLOP/s", False)
+            if line:
+                problems.append(line)
+    return problems
+
+
 def _from_dict(data: dict[str, Any]) -> HardwareSpec:
     known = {f.name for f in dataclasses.fields(HardwareSpec)}
     unknown = sorted(set(data) - known)
@@ -87,12 +142,31 @@ def _from_dict(data: dict[str, Any]) -> HardwareSpec:
     for key in ("memory_bytes", "runtime_overhead_bytes", "host_memory_bytes"):
         if key in data and isinstance(data[key], str):
             data[key] = parse_bytes(data[key], what=key)
-    data["compute_capability"] = tuple(int(x) for x in data["compute_capability"])
-    data["peak_flops"] = {k: float(v) for k, v in data["peak_flops"].items()}
+    # converted where they are numbers; anything else is left for the spec's own check to name with the rest
+    cc = data["compute_capability"]  # a KeyError names the missing field (memopt.plan.checks.check_hardware)
+    if isinstance(cc, (list, tuple)):
+        data["compute_capability"] = tuple(int(x) if _whole(x) else x for x in cc)
+    if isinstance(data["peak_flops"], dict):
+        data["peak_flops"] = {k: _real(v) for k, v in data["peak_flops"].items()}
     for key in ("hbm_bandwidth", "host_link_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
         if key in data:
-            data[key] = float(data[key])
+            data[key] = _real(data[key])
     return HardwareSpec(**data)
+
+
+def _whole(v: Any) -> bool:
+    return (isinstance(v, numbers.Integral) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+def _real(v: Any) -> Any:
+    """A number (or YAML's string of one: ``1.555e12`` has no sign in its exponent) as a float; anything else as
+    it is, for the spec's check to name."""
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        return float(v)
+    try:
+        return float(v) if isinstance(v, str) else v
+    except ValueError:
+        return v
 
 
 def hardware_names() -> list[str]:

@@ -30,7 +30,7 @@ from torch import nn
 from memopt.apply.step_checks import refuse_inference_mode
 from memopt.apply.wrap_checks import is_trainer, refuse_plan_overrides, refuse_trainer_ignored
 from memopt.apply.wrapped import Wrapped
-from memopt.errors import InputError
+from memopt.errors import InputError, as_input_errors
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.context import resolve_hardware
 from memopt.plan.schema import Plan
@@ -121,14 +121,16 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
     loss_fn = as_loss(loss_fn, training_step)
     optimizer, lr_scheduler = _from_instances(target, optimizer, lr_scheduler, kwargs)
     loaded = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
-    check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer, optimizer_kwargs=kwargs,
-                    hardware=hardware, pins=pins, transaction=transaction, calibration=calibration,
-                    allow_plan_mismatch=allow_plan_mismatch, loss_reduction=loss_reduction,
-                    max_grad_norm=max_grad_norm, device=device, run_dir=run_dir, lr_scheduler=lr_scheduler)
-    if loaded is not None:
-        refuse_plan_overrides(loaded, {name: value for name, value in (
-            ("budget", budget), ("optimizer", None if optimizer == "adamw" or callable(optimizer) else optimizer),
-            ("policy", policy), ("fidelity", fidelity), ("pins", pins), ("forbid", forbid)) if value is not None})
+    with as_input_errors():  # the arguments against each other and against a saved plan: each refusal is the user's
+        check_wrap_args(target, budget=budget, sample=sample, plan=loaded, optimizer=optimizer,
+                        optimizer_kwargs=kwargs, hardware=hardware, pins=pins, transaction=transaction,
+                        calibration=calibration, allow_plan_mismatch=allow_plan_mismatch,
+                        loss_reduction=loss_reduction, max_grad_norm=max_grad_norm, device=device, run_dir=run_dir,
+                        lr_scheduler=lr_scheduler)
+        if loaded is not None:
+            refuse_plan_overrides(loaded, {name: value for name, value in (
+                ("budget", budget), ("optimizer", None if optimizer == "adamw" or callable(optimizer) else optimizer),
+                ("policy", policy), ("fidelity", fidelity), ("pins", pins), ("forbid", forbid)) if value is not None})
     if is_trainer(target):
         # lazy: keeps memopt.integrations (Trainer support) out of import memopt
         from memopt.integrations.hf_trainer import wrap_trainer
@@ -142,10 +144,10 @@ def wrap(target: Any, budget: str | int | float | None = None, *, sample: Any = 
 
         target = model_skeleton(target)
     if not isinstance(target, nn.Module):
-        raise ValueError(f"memopt.wrap takes a torch.nn.Module or a transformers Trainer (or, with checkpoint=, a "
-                         f"model spec), got {type(target).__name__}")
+        raise InputError([f"memopt.wrap takes a torch.nn.Module or a transformers Trainer (or, with checkpoint=, a "
+                          f"model spec), got {type(target).__name__}"])
     if loaded is None and budget is None:
-        raise ValueError("memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan=")
+        raise InputError(["memopt.wrap needs budget= (e.g. '40GB', '40GiB', '80%') or a saved plan="])
     # lazy: keeps memopt.distributed.wrapped (offload/sharded engines) out of import memopt
     from memopt.distributed.wrapped import ShardedWrapped, is_sharded_plan
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from memopt.config.omegaconf_errors import explain_omegaconf_error
 from memopt.config.schema import OUTPUTS, PlanConfig
+from memopt.errors import InputError
 from memopt.hardware import hardware_names, load_hardware
 from memopt.models import SampleSpec, load_model_spec, model_names
 from memopt.plan import checks
@@ -245,6 +246,9 @@ def _hardware(node: dict[str, Any], problems: list[str]) -> Any:
                             f"(hardware=h100_80gb hardware.memory_bytes=...) or give every field")
             return None
         return checks.check_hardware_timing(load_hardware(given), problems)
+    except InputError as exc:  # one line per field, each naming it already
+        problems.extend(exc.problems)
+        return None
     except (ValueError, TypeError) as exc:
         problems.append(f"hardware: {exc}")
         return None

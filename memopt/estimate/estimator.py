@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from memopt.categories import MemoryCategory
+from memopt.errors import InputError
 from memopt.estimate.allocator import simulate_allocator
 from memopt.estimate.allocator_config import AllocatorConfig
 from memopt.estimate.compose import pass_layout
@@ -192,9 +193,9 @@ def estimate_strategy(profile: Profile, strategy: Strategy, *, hardware: str | H
     policy = kernel_policy_for(hw).cache_key
     if hardware is not None and profile.kernel_policy and policy != profile.kernel_policy:
         # another GPU generation picks other attention kernels and workspaces: the traces are not its step's
-        raise ValueError(f"the profile was traced for {profile.hardware} ({profile.kernel_policy.split('-')[0]}), "
-                         f"not for {hw.name} ({policy.split('-')[0]}): its kernels and workspaces differ; profile the "
-                         f"model for {hw.name} (memopt.profile(model, sample, hardware={hw.name!r}))")
+        raise InputError([f"the profile was traced for {profile.hardware} ({profile.kernel_policy.split('-')[0]}), "
+                          f"not for {hw.name} ({policy.split('-')[0]}): its kernels and workspaces differ; profile "
+                          f"the model for {hw.name} (memopt.profile(model, sample, hardware={hw.name!r}))"])
     timing = timing or timing_for(hw)
     sp = step_plan(profile, strategy)
     traces = {k: profile.variant(k, strategy.micro_batch_size) for k in sp.variants}

@@ -158,6 +158,9 @@ def check_hardware(hardware: Any, problems: list[str]) -> Any:
         problems.append(f"hardware dict lacks {exc.args[0]!r}: give each of {', '.join(needed)}, or a shipped name "
                         f"({', '.join(hardware_names())})")
         return None
+    except InputError as exc:  # one line per field, each naming it already
+        problems.extend(exc.problems)
+        return None
     except (ValueError, TypeError) as exc:
         problems.append(f"hardware: {str(exc).splitlines()[0]}")
         return None

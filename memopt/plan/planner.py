@@ -88,10 +88,10 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
     if hw_note:
         notes.append(hw_note)
     if budget_bytes <= hw.runtime_overhead_bytes:
-        raise ValueError(
+        checks.raise_problems([
             f"budget {format_bytes(budget_bytes)} is below what the CUDA runtime alone holds on {hw.name} "
             f"({format_bytes(hw.runtime_overhead_bytes)} outside PyTorch's allocator); give at least "
-            f"{format_bytes(hw.runtime_overhead_bytes + pol.margin(budget_bytes) + (1 << 30))}")
+            f"{format_bytes(hw.runtime_overhead_bytes + pol.margin(budget_bytes) + (1 << 30))}"], "budget")
     if budget_bytes > hw.memory_bytes:  # a plan for memory the device does not have would not run on it
         notes.append(f"the budget {format_bytes(budget_bytes)} is more than {hw.name} has "
                      f"({format_bytes(hw.memory_bytes)}): planned for the device's {format_bytes(hw.memory_bytes)}")

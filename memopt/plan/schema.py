@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memopt.errors import InputError
+from memopt.errors import InputError, as_input_errors
 from memopt.strategy import ATTENTION_BACKENDS, CE_KERNELS, PRECISIONS, Strategy
 from memopt.techniques.optimizers import OPTIMIZER_NAMES
 
@@ -94,6 +95,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        with as_input_errors():  # the plan's JSON is the user's input: every refusal of it is theirs to fix
+            return cls._from_dict(data)
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any]) -> Plan:
         version = data.get("schema_version")
         if version != PLAN_SCHEMA_VERSION:
             raise ValueError(f"plan schema version {version!r} is not the supported {PLAN_SCHEMA_VERSION}; "
@@ -121,6 +127,11 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        with as_input_errors():  # the path and the file are the user's input
+            return cls._load(path)
+
+    @classmethod
+    def _load(cls, path: str | os.PathLike[str]) -> Plan:
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -133,6 +144,44 @@ class Plan:
             raise ValueError(f"{path} holds a JSON {type(data).__name__}, not a memopt plan (an object with fits, "
                              "strategy, budget_bytes, ...): pass a file plan.save(path) wrote")
         return cls.from_dict(data)
+
+
+_BYTES = ("peak_allocated_bytes", "peak_reserved_bytes", "runtime_bytes", "total_bytes")
+_SECONDS = ("step_time_s", "forward_s", "backward_s", "optimizer_s")
+# what Plan.to_dict copies from the prediction to the top level, for a reader; the prediction is what is applied
+_COPIES = (*_BYTES, "step_time_s", "breakdown", "peak_at")
+
+
+def _prediction_problems(data: dict[str, Any]) -> list[str]:
+    """The prediction's figures: present, in range, adding up, agreeing with ``fits`` and with the top level's
+    copies of them (a hand edit of either copy would otherwise be ignored or applied without a word)."""
+    pred = data["prediction"]
+    problems = []
+    for key in _BYTES:
+        if not _is_int(pred.get(key)):
+            problems.append(f"prediction.{key}={pred.get(key)!r} must be a non-negative integer of bytes")
+    for key in [k for k in _SECONDS if k in pred or k == "step_time_s"] + [k for k in pred if k.endswith("_per_s")]:
+        if not _is_seconds(pred.get(key)):
+            problems.append(f"prediction.{key}={pred.get(key)!r} must be a finite number >= 0")
+    if problems:
+        return problems
+    reserved, runtime, total = pred["peak_reserved_bytes"], pred["runtime_bytes"], pred["total_bytes"]
+    if total != reserved + runtime:
+        problems.append(f"prediction.total_bytes={total} is not peak_reserved_bytes {reserved} + runtime_bytes "
+                        f"{runtime} = {reserved + runtime}")
+    budget = data.get("budget_bytes")
+    if data.get("fits") is True and _is_int(budget, 1) and total > budget:
+        problems.append(f"fits=true, but prediction.total_bytes={total} is over budget_bytes={budget}: a plan over "
+                        "its budget does not fit")
+    for key in _COPIES + tuple(k for k in pred if k.endswith("_per_s")):
+        if key in data and data[key] != pred.get(key):
+            problems.append(f"{key}={data[key]!r} disagrees with prediction.{key}={pred.get(key)!r} (the figure "
+                            "applied): edit neither, or make the plan again")
+    return problems
+
+
+def _is_seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def _is_int(v: Any, low: int = 0) -> bool:
@@ -156,10 +205,8 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     for key in ("prediction", "model", "policy"):
         if not isinstance(data.get(key), dict):
             problems.append(f"{key} must be a JSON object, got {type(data.get(key)).__name__}")
-    pred = data.get("prediction") if isinstance(data.get("prediction"), dict) else {}
-    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "total_bytes", "runtime_bytes"):
-        if key in pred and not _is_int(pred[key]):
-            problems.append(f"prediction.{key}={pred[key]!r} must be a non-negative integer of bytes")
+    if isinstance(data.get("prediction"), dict):
+        problems += _prediction_problems(data)
     t = data.get("techniques")
     if not isinstance(t, dict):
         return [*problems, f"techniques must be a JSON object, got {type(t).__name__}"]

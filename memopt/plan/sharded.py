@@ -33,6 +33,7 @@ from memopt.distributed.estimate import ShardedEstimate, compute_estimate, predi
 from memopt.distributed.host_tier import machine_host_memory_bytes, machine_host_taken_bytes
 from memopt.distributed.memory import fit_advice
 from memopt.distributed.timeline import activation_timeline, timeline_grads
+from memopt.errors import InputError
 from memopt.hardware import HardwareSpec
 from memopt.plan.context import micro_batch_refusal_for
 from memopt.plan.policy import Policy
@@ -246,19 +247,19 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     """
     notes = list(notes or [])
     if not policy.allows("precision", SHARDING.precision) or not hw.supports_bf16:
-        raise ValueError("sharded and offloaded plans run the engines' bf16 mixed precision (fp32 master weights): "
-                         "allow bf16 (fidelity 'default' on a GPU with bf16), or plan for one GPU")
+        raise InputError(["sharded and offloaded plans run the engines' bf16 mixed precision (fp32 master weights): "
+                          "allow bf16 (fidelity 'default' on a GPU with bf16), or plan for one GPU"])
     if SHARDING.optimizer in policy.forbid.get("optimizer", ()):
-        raise ValueError(f"sharded and offloaded plans run the engines' AdamW (memopt's {SHARDING.optimizer}), which "
-                         "forbid excludes: drop it from forbid, or plan for one GPU without offload")
+        raise InputError([f"sharded and offloaded plans run the engines' AdamW (memopt's {SHARDING.optimizer}), "
+                          "which forbid excludes: drop it from forbid, or plan for one GPU without offload"])
     for name, value in _FIXED.items():
         if value in policy.forbid.get(name, ()):
-            raise ValueError(f"sharded and offloaded plans run {name}={value!r}, which forbid excludes: drop it from "
-                             "forbid, or plan for one GPU without offload")
+            raise InputError([f"sharded and offloaded plans run {name}={value!r}, which forbid excludes: drop it "
+                              "from forbid, or plan for one GPU without offload"])
     global_batch = int(profile.sample["batch_size"])
     if global_batch % world_size:
-        raise ValueError(f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that is "
-                         f"a multiple of {world_size}, or fewer GPUs")
+        raise InputError([f"the global batch {global_batch} does not split over {world_size} GPUs: use a batch that "
+                          f"is a multiple of {world_size}, or fewer GPUs"])
     host_ram = host_memory_bytes or hw.host_memory_bytes or machine_host_memory_bytes()
     host_taken = 0
     if not (host_memory_bytes or hw.host_memory_bytes):
@@ -269,8 +270,8 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
     nvme_free = None
     if nvme_path:
         if not os.path.isdir(nvme_path):
-            raise ValueError(f"nvme_path {nvme_path!r} is not a directory: create it on a local NVMe drive or leave "
-                             "it unset (no NVMe offload)")
+            raise InputError([f"nvme_path {nvme_path!r} is not a directory: create it on a local NVMe drive or "
+                              "leave it unset (no NVMe offload)"])
         nvme_free = shutil.disk_usage(nvme_path).free
     facts = facts_of_profile(profile)
     margin = policy.margin(budget_bytes)
@@ -330,6 +331,10 @@ def plan_sharded(profile: Any, hw: HardwareSpec, budget_bytes: int, policy: Poli
             if c.fits and c.prediction.step_time_s is None:
                 timed(c)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: c.step_time_s)
+    if not fitting and candidates:
+        # the plan that does not fit is the smallest candidate, and carries its step time as the one-GPU planner's
+        # does: a plan's prediction always has one (Plan.step_time_s, its JSON, the CLI's exit code read it)
+        timed(min(candidates, key=lambda c: c.total_bytes))
     plan = _plan_of(profile, hw, budget_bytes, policy, fitting, candidates, notes, host_ram, nvme_path, facts)
     plan.search["host_memory_source"] = ("host_memory" if host_memory_bytes else "hardware.host_memory_bytes"
                                          if hw.host_memory_bytes else "this machine's RAM")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from memopt.blocks import scripted_stacks
-from memopt.errors import InputError
+from memopt.errors import InputError, as_input_errors
 from memopt.hardware import HardwareSpec, load_hardware
 from memopt.models import ModelSpec, build_model, load_model_spec
 from memopt.models.hf_task import hf_task
@@ -219,23 +219,23 @@ def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | No
                    use_cache: bool, variants: list[VariantKey] | None, training_step: Any) -> Profile:
     if training_step is not None:  # (model, batch) -> loss: the batch contract of memopt.step.batch
         loss_fn = as_loss(loss_fn, training_step)
-    hw = load_hardware(hardware)
-    policy = kernel_policy_for(hw)
-    spec = _shipped_spec(model)
     source: nn.Module | Callable[[], nn.Module]
-    if spec is not None:
-        build = _lazy_builder(spec)
-        name = spec.name
-        factory, sample_dict, tokens = spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
-        key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key,
-                                                **_loss_part(loss_fn)})
-        source = build
-    else:
-        module, spec, name = resolve_model(model)
-        factory, sample_dict, tokens = batch_factory_for(spec, sample, module)
-        key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key,
-                                     **getattr(factory, "key_part", {}), **_loss_part(loss_fn)})
-        source = module
+    with as_input_errors():  # what the user passed, read: a ValueError here names their model, sample or GPU
+        hw = load_hardware(hardware)
+        policy = kernel_policy_for(hw)
+        spec = _shipped_spec(model)
+        if spec is not None:
+            build = _lazy_builder(spec)
+            name = spec.name
+            factory, sample_dict, tokens = spec_batch_factory(spec, sample, lambda: getattr(build(), "config", None))
+            key = spec_key(spec, {"sample": sample_dict, "policy": policy.cache_key, **_loss_part(loss_fn)})
+            source = build
+        else:
+            module, spec, name = resolve_model(model)
+            factory, sample_dict, tokens = batch_factory_for(spec, sample, module)
+            key = structure_key(module, {"sample": sample_dict, "policy": policy.cache_key,
+                                         **getattr(factory, "key_part", {}), **_loss_part(loss_fn)})
+            source = module
     path = cache_dir() / "profiles" / f"{key}.json"
     prof = _load_cached(path) if use_cache and path.exists() else None
     if prof is None:

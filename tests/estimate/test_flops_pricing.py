@@ -42,8 +42,8 @@ def test_fp16_autocast_is_priced_at_fp16s_peak_on_a_gpu_without_bf16():
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
     sample = (torch.randn(64, 1024), torch.randn(64, 1024))
     prof = memopt.profile(model, sample=sample, hardware=t4, loss_fn=lambda out, b: (out - b[1]).pow(2).mean())
-    half = memopt.estimate(prof, memopt.Strategy(precision="fp16_autocast"), hardware=t4)
-    full = memopt.estimate(prof, memopt.Strategy(precision="fp32"), hardware=t4)
+    half = memopt.estimate(prof, memopt.Strategy(precision="fp16_autocast", micro_batch_size=64), hardware=t4)
+    full = memopt.estimate(prof, memopt.Strategy(precision="fp32", micro_batch_size=64), hardware=t4)
     assert half.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp16") == \
         pytest.approx(full.detail["time_terms"]["forward"]["matmul"] * t4.flops("fp32"), rel=1e-6)
 
@@ -56,5 +56,5 @@ def test_a_profile_traced_for_one_gpu_generation_is_not_estimated_for_another():
     sample = {"batch_size": 2, "seq_len": 32}
     t4 = memopt.profile("tiny_gpt2", sample=sample, hardware="t4")
     with pytest.raises(ValueError, match=r"traced for t4 \(sm75\), not for h100_80gb \(sm90\).*hardware='h100_80gb'"):
-        memopt.estimate(t4, memopt.Strategy(), hardware="h100_80gb")
-    assert memopt.estimate(t4, memopt.Strategy(), hardware="t4").peak_allocated_bytes > 0
+        memopt.estimate(t4, memopt.Strategy(micro_batch_size=2), hardware="h100_80gb")
+    assert memopt.estimate(t4, memopt.Strategy(micro_batch_size=2), hardware="t4").peak_allocated_bytes > 0

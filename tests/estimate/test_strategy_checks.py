@@ -35,3 +35,31 @@ def test_every_problem_is_on_the_one_line(prof) -> None:
                        r"Strategy.grad_accum_steps=0 .*; Strategy.precision='bf32' is not one of fp32"):
         memopt.estimate(prof, Strategy(micro_batch_size=0, grad_accum_steps=0, precision="bf32"))  # type: ignore[arg-type]
     assert memopt.estimate(prof, Strategy(micro_batch_size=4, grad_accum_steps=2)).total_bytes > 0
+
+
+@pytest.mark.parametrize(("strategy", "total"), [(Strategy(precision="bf16_autocast"), 1),
+                                                  (Strategy(micro_batch_size=16), 16),
+                                                  (Strategy(micro_batch_size=3, grad_accum_steps=5), 15)])
+def test_a_strategy_of_another_batch_than_the_profiles_is_refused(prof, strategy, total):
+    """The profile is of 8 samples: a strategy of 1 (the defaults), 16 or 15 was estimated for that many, silently
+    (the package docstring's own example reported the peak of one sample)."""
+    split = r"micro_batch_size x grad_accum_steps = 8 \(8 x 1, 4 x 2, 2 x 4, 1 x 8\)"
+    with pytest.raises(memopt.InputError, match=rf"= {total} samples per step, but the profile is of a batch of 8 .*"
+                                                rf"{split}"):
+        memopt.estimate(prof, strategy)
+    assert memopt.estimate(prof, Strategy(micro_batch_size=2, grad_accum_steps=4)).items_per_step == 8 * 32
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda p: memopt.estimate(p, Strategy(micro_batch_size=8, checkpointing="full")),  # type: ignore[arg-type]
+     r"Strategy.checkpointing='full' must be a memopt.Checkpointing"),
+    (lambda p: memopt.estimate(p, Strategy(micro_batch_size=8, optimizer="adam")),
+     r"Strategy.optimizer='adam' is not one of adamw_fused"),
+    (lambda p: memopt.estimate("tiny_gpt2", Strategy(micro_batch_size=8)), r"profile must be a memopt.Profile"),
+    (lambda p: memopt.estimate(p, Strategy(micro_batch_size=8), hardware="h100"), r"unknown hardware 'h100'"),
+    (lambda p: memopt.estimate(p, Strategy(micro_batch_size=8), hardware="t4"), r"traced for h100_80gb"),
+])
+def test_bad_input_to_estimate_is_an_input_error(prof, call, message):
+    """An AttributeError ('str' object has no attribute 'mode') or a plain ValueError escaped before."""
+    with pytest.raises(memopt.InputError, match=message):
+        call(prof)

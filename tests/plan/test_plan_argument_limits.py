@@ -71,3 +71,47 @@ def test_a_policy_that_leaves_a_technique_nothing_is_refused_before_tracing(hard
         memopt.plan(_NeverTraced(), (torch.randn(4, 4),), budget="8GB", hardware=hardware, fidelity=fidelity,
                     forbid=forbid, loss_fn=lambda out, b: out.sum())
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ({"peak_flops": {"bf16": -1.0}}, r"hardware.peak_flops.bf16=-1.0 must be a finite number > 0"),
+    ({"peak_flops": {"bf16": 0.0}}, r"hardware.peak_flops.bf16=0.0 must be a finite number > 0"),
+    ({"memory_bytes": -5}, r"hardware.memory_bytes=-5 must be an integer > 0"),
+    ({"hbm_bandwidth": 0}, r"hardware.hbm_bandwidth=0(.0)? must be a finite number > 0"),
+    ({"compute_capability": [99]}, r"hardware.compute_capability=\[99\] must be a pair of integers"),
+    ({"num_sms": -3}, r"hardware.num_sms=-3 must be an integer >= 0"),
+])
+def test_a_hardware_field_out_of_range_is_refused_naming_it(override, line):
+    """A negative FLOP/s planned at a negative step time, zeros divided by zero, a one-number compute capability
+    raised IndexError: each field is checked, as a dict, as a spec's override and on the command line's path."""
+    spec = dataclasses.asdict(memopt.load_hardware("h100_80gb"))
+    spec.update(override)
+    with pytest.raises(InputError, match=line):
+        memopt.load_hardware(spec)
+    with pytest.raises(InputError, match=line):
+        memopt.plan("tiny_gpt2", SAMPLE, budget="4GB", hardware=spec)
+    if "compute_capability" not in override:
+        with pytest.raises(InputError, match=line):
+            memopt.load_hardware("h100_80gb").with_overrides(**override)
+
+
+def test_bad_input_to_the_entry_points_is_an_input_error(tmp_path):
+    """Each was a plain ValueError, which ``except memopt.InputError`` missed (it stays a ValueError)."""
+    cases = [(lambda: memopt.plan("tiny_gpt2", SAMPLE, budget="500MB", hardware="h100_80gb"), "below what the CUDA"),
+             (lambda: memopt.plan("tiny_gtp2", SAMPLE, budget="4GB", hardware="h100_80gb"), "unknown model"),
+             (lambda: memopt.plan("tiny_gpt2", {"batch_size": 2, "seqlen": 32}, budget="4GB", hardware="h100_80gb"),
+              "unknown keys"),
+             (lambda: memopt.plan("tiny_gpt2", SAMPLE, budget="4GB", hardware="h100_80gb", world_size=4),
+              "does not split over 4 GPUs"),
+             (lambda: memopt.profile("tiny_gpt2", SAMPLE, hardware="h100"), "unknown hardware 'h100'"),
+             (lambda: memopt.Plan.load(tmp_path / "none.json"), "no plan file"),
+             (lambda: memopt.wrap(torch.nn.Linear(4, 4), plan=tmp_path / "none.json"), "no plan file")]
+    for call, message in cases:
+        with pytest.raises(InputError, match=message) as info:
+            call()
+        assert isinstance(info.value, ValueError)
+    plan = memopt.plan("tiny_gpt2", SAMPLE, budget="4GB", hardware="h100_80gb")
+    with pytest.raises(InputError, match=r"fidelity='exact' would plan otherwise"):
+        memopt.wrap(torch.nn.Linear(4, 4), plan=plan, fidelity="exact", allow_plan_mismatch=True)
+    with pytest.raises(InputError, match="schema version 7"):
+        memopt.Plan.from_dict({**plan.to_dict(), "schema_version": 7})

@@ -1,6 +1,7 @@
 """The planner against brute force, and its promises: pins, forbids, budgets, infeasibility, round-trips."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -89,6 +90,26 @@ def test_plan_round_trips(tmp_path, prof):
     bad.write_text('{"schema_version": 99}')
     with pytest.raises(ValueError, match="schema version"):
         Plan.load(bad)
+
+
+@pytest.mark.parametrize(("edit", "line"), [
+    (lambda d: d.update(total_bytes="big"), r"total_bytes='big' disagrees with prediction.total_bytes"),
+    (lambda d: d.update(step_time_s=-1.0), r"step_time_s=-1.0 disagrees with prediction.step_time_s"),
+    (lambda d: d["prediction"].update(step_time_s=-1.0), r"prediction.step_time_s=-1.0 must be a finite number >= 0"),
+    (lambda d: d.update(total_bytes=10**12, prediction={**d["prediction"], "total_bytes": 10**12}),
+     r"fits=true, but prediction.total_bytes=1000000000000 is over budget_bytes"),
+    (lambda d: d["prediction"].update(peak_reserved_bytes=d["prediction"]["peak_reserved_bytes"] + 1),
+     r"prediction.total_bytes=\d+ is not peak_reserved_bytes"),
+])
+def test_a_plan_whose_fields_are_out_of_range_or_disagree_is_refused_on_load(tmp_path, prof, edit, line):
+    """The top-level copies of the figures were ignored whatever they said; a negative step time, or fits with a
+    total 250x the budget, were loaded and applied."""
+    data = memopt.plan(SPEC, SAMPLE, budget="40GB", hardware=HW, profile=prof).to_dict()
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(memopt.InputError, match=line):
+        Plan.load(path)
 
 
 def test_policy_reports_every_problem_at_once():

@@ -227,3 +227,13 @@ def test_one_rank_engines_count_nccl_and_deepspeed_outside_the_allocator() -> No
     assert abs(runtime + ds.nccl - 1708 * MiB) < 8 * MiB
     two = sharded_memory(10**8, engine="fsdp2", stage=3, world_size=2, sb=state_bytes("fsdp2"))
     assert abs(runtime + two.nccl - 1600 * MiB) < 8 * MiB
+
+
+def test_a_sharded_plan_that_does_not_fit_has_a_step_time(tmp_path) -> None:
+    """It raised KeyError: 'step_time_s' (Plan.step_time_s, to_dict, save; the CLI exited 2 'unexpected error'):
+    the smallest candidate, which it is, was never timed. It carries that one's, as a one-GPU plan does."""
+    import memopt
+
+    plan = make_plan("tiny_gpt2", {"batch_size": 4, "seq_len": 32}, budget="1GB", hardware="h100_80gb", world_size=2)
+    assert not plan.fits and plan.step_time_s > 0
+    assert memopt.Plan.load(plan.save(tmp_path / "p.json")).to_dict() == plan.to_dict()
