@@ -114,9 +114,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         checks.raise_problems([f"pin optimizer={pol.pins['optimizer']!r} cannot be honoured: {pinned_optimizer}; "
                                + (f"pin {instead!r} (the same update) or drop the pin" if instead else
                                   "drop the pin")], "pins")
-    if pol.pins.get("chunked_ce") and prof.chunked_ce_refusal:
-        checks.raise_problems([f"pin chunked_ce={pol.pins['chunked_ce']} cannot be honoured: chunked cross-entropy "
-                               f"would not be exact for this model ({prof.chunked_ce_refusal}); drop the pin"], "pins")
+    if pol.pins.get("chunked_ce") and (refusal := _chunked_ce_pin_refusal(prof)):
+        checks.raise_problems([f"pin chunked_ce={pol.pins['chunked_ce']} cannot be honoured: {refusal}; drop the pin"],
+                              "pins")
     notes.extend(refused_optimizer_notes(ctx, pol))
     if ctx.adapters_refusal is not None and pol.allow & {"adapters", "quantized_weights"}:
         notes.append(f"adapters refused: {ctx.adapters_refusal}")
@@ -240,6 +240,18 @@ def _spec_of(model: Any) -> Any:
             return load_model_spec(model)
         except (ValueError, TypeError, OSError):
             return None  # profile_model reports it
+    return None
+
+
+def _chunked_ce_pin_refusal(prof: Profile) -> str | None:
+    """Why chunked cross-entropy cannot be planned for this model (None: it can): it replaces a Hugging Face causal
+    LM's own head and loss, so any other model (a seq2seq or masked LM, a plain module with its own loss) has
+    nothing it applies to, and a causal LM whose head it would not reproduce exactly is refused by the profile."""
+    if prof.family != "causal_lm":
+        return (f"{prof.model_class} is not a Hugging Face causal LM, and chunked cross-entropy fuses the head and "
+                "loss of one (a *ForCausalLM model computing its own loss from labels)")
+    if prof.chunked_ce_refusal:
+        return f"chunked cross-entropy would not be exact for this model ({prof.chunked_ce_refusal})"
     return None
 
 

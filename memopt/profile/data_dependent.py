@@ -16,6 +16,10 @@ loop over the hit experts can read each one's number.
 ``bincount`` (largest value + 1 bins) and ``repeat_interleave`` (the sum of the repeats) have no largest output
 over values nobody knows, except for 8- and 16-bit integers, whose largest value bounds them: elsewhere the trace
 stops with :class:`UnboundedOutput`, which says what would make the size known.
+
+CTC's ``_ctc_loss`` keeps ``log_alpha`` (batch, time, 2 * longest target + 1) for its backward: the longest target
+is the target lengths' largest value, from their shadow (a CTC head computes them from the batch's labels), else
+bounded by the targets themselves.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ _UNIQUE_OPS = frozenset({aten._unique.default, aten._unique2.default, aten.uniqu
                          aten.unique_consecutive.default, aten.unique_dim_consecutive.default})
 _CONSECUTIVE = frozenset({aten.unique_consecutive.default, aten.unique_dim_consecutive.default})
 
+# CTC's forward keeps log_alpha, (batch, time, 2 * longest target + 1): its size is the target lengths' largest value
+_CTC_OPS = frozenset({aten._ctc_loss.default, aten._ctc_loss.Tensor})
+
 BOUNDED_OPS = frozenset({aten.nonzero.default, aten.masked_select.default, aten.index.Tensor,
                          aten.argwhere.default, aten._pack_padded_sequence.default, aten.bincount.default,
-                         aten.repeat_interleave.Tensor, *_UNIQUE_OPS})
+                         aten.repeat_interleave.Tensor, *_UNIQUE_OPS, *_CTC_OPS})
 
 
 class UnboundedOutput(RuntimeError):
@@ -92,6 +99,8 @@ def sized_output(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], shado
         return _bincount(_arguments(func, args, kwargs), shadow)
     if func is aten.repeat_interleave.Tensor:
         return _repeated(_arguments(func, args, kwargs), shadow)
+    if func in _CTC_OPS:
+        return _ctc(_arguments(func, args, kwargs), shadow)
     if func is aten.masked_select.default:
         x, mask = args[0], args[1]
         shape = torch.broadcast_shapes(x.shape, mask.shape)
@@ -257,3 +266,26 @@ def _repeated(named: dict[str, Any], shadow: Shadow) -> tuple[Any, bool, None]:
             "the step runs; pass output_size= (the largest total your batches need), or repeats computed from the "
             "batch's own integers alone")
     return torch.empty(held[1] * repeats.numel(), dtype=repeats.dtype, device=repeats.device), False, None
+
+
+def _ctc(named: dict[str, Any], shadow: Shadow) -> tuple[Any, bool, None]:
+    """``_ctc_loss``: ``(neg_log_likelihood (batch,), log_alpha (batch, time, 2 * longest target + 1))``, as the CPU
+    and CUDA kernels allocate them; the longest target from the target lengths (a list, or a tensor's shadow), else
+    the targets' own bound: their width (a padded ``(batch, longest)`` tensor) or every target in one (concatenated
+    ones)."""
+    log_probs, targets, lengths = named["log_probs"], named["targets"], named["target_lengths"]
+    exact = True
+    if isinstance(lengths, torch.Tensor):
+        real = shadow(lengths)
+        if real is None:
+            exact = False
+            longest = int(targets.shape[1]) if targets.dim() == 2 else int(targets.numel())
+        else:
+            with real_values():
+                longest = int(real.max()) if real.numel() else 0
+    else:
+        longest = max((int(n) for n in lengths), default=0)
+    batch, steps = int(log_probs.shape[1]), int(log_probs.shape[0])
+    nll = torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device)
+    alpha = torch.empty((batch, steps, 2 * longest + 1), dtype=log_probs.dtype, device=log_probs.device)
+    return (nll, alpha), exact, None

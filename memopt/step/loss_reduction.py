@@ -14,7 +14,8 @@ not a Hugging Face model returning its own loss): the loss of ``k`` samples is c
 ``k`` samples given twice. A mean gives the same number, a sum twice it, and anything else couples the samples. A
 mean is then checked against its weights: the micro-batch's loss must equal its two halves' losses weighted by their
 loss items, or the mean is over items the batch's values select otherwise (a mask of the user's own), which no
-weighting of micro-batches reproduces. The forwards (at most five) run without gradients, in eval mode (dropout off,
+weighting of micro-batches reproduces. The forwards (at most five) run without gradients (with them, kept off the
+parameters, where the loss needs them: a gradient penalty), in eval mode (dropout off,
 so duplicated samples give the same values), each on a copy of at most the micro-batch's own number of samples (two
 for a micro-batch of one); the modules' training flags, the buffers and the random generators are put back as they
 were, so training is unchanged by the check (the model's forward hooks do see its forwards).
@@ -22,9 +23,10 @@ were, so training is unchanged by the check (the model's forward hooks do see it
 A part whose loss is 0 (every item masked, a margin already met) tells nothing, so the next part is taken. Where the
 halves' losses are too close to tell the labels' weights from those of a mask that leaves labelled positions out (a
 fresh model's, every token's loss about the same), the split is refused rather than guessed; so is a Hugging Face
-pre-training head's own loss (terms over different items), without measuring. A loss that draws random numbers even
-in eval mode (noise or timesteps a diffusion training step samples) gives the same samples another loss each time,
-so no comparison can tell: it is accumulated as a mean, with a warning that names the draws.
+pre-training head's own loss (terms over different items), without measuring, and a CTC head's mean (each sample's
+loss over its own target length, then over samples: weighted by samples, not labels). A loss that draws random
+numbers even in eval mode (noise or timesteps a diffusion training step samples) gives the same samples another loss
+each time, so no comparison can tell: it is accumulated as a mean, with a warning that names the draws.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
 __all__ = ["REDUCTIONS", "LossNotSplittable", "LossReduction", "classify_reduction", "first_labelled",
-           "measure_reduction", "micro_batch_weights", "own_loss_terms", "own_loss_unknown", "reduction_sample",
+           "measure_reduction", "micro_batch_weights", "own_ctc_mean", "own_loss_terms", "own_loss_unknown",
+           "reduction_sample",
            "settle", "starting_mode"]
 
 REDUCTIONS = ("auto", "mean", "sum")
@@ -108,6 +111,20 @@ def own_loss_terms(model: nn.Module) -> str | None:
     if is_hf_model(inner) and name.endswith("ForPreTraining"):
         return (f"{name}'s own pre-training loss adds terms averaged over different items (masked tokens, samples) "
                 "or averages over the attention mask rather than the labels")
+    return None
+
+
+def own_ctc_mean(model: nn.Module) -> str | None:
+    """Why a Hugging Face CTC head's own loss is not weighted as memopt weights micro-batches (None: it is, or the
+    model has none): under ``ctc_loss_reduction="mean"`` each sample's loss is divided by its own target length
+    before the mean over samples, so the exact weights are the samples, where memopt counts the labels other than
+    -100. A batch whose targets are all as long cannot show it, so it is known rather than measured."""
+    inner = peft_unwrapped(model)
+    name = type(inner).__name__
+    if is_hf_model(inner) and name.endswith("ForCTC") and \
+            getattr(getattr(inner, "config", None), "ctc_loss_reduction", None) == "mean":
+        return (f"{name}'s own CTC loss (config.ctc_loss_reduction='mean') divides each sample's loss by its target "
+                "length before averaging over the samples")
     return None
 
 
@@ -176,17 +193,21 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
     """(verdict, why): how the loss of ``micro_batch`` (on the device) reduces over its samples. The verdict is
     "mean", "sum", "coupled" (neither: ``why`` says what was measured), "masked" (a mean, but not over the items
     memopt weights micro-batches by: :func:`_weighting_mismatch`), "terms" (a model's own loss known to add terms
-    no weighting reproduces: :func:`own_loss_terms`; nothing is measured) or "unknown" (the check cannot tell: the
+    no weighting reproduces: :func:`own_loss_terms`; nothing is measured), "per_sample" (a CTC head's mean over
+    samples of per-sample means: :func:`own_ctc_mean`; nothing is measured) or "unknown" (the check cannot tell: the
     loss is 0 on every part it tried or not finite, or the forward fails in eval mode). ``causal``: the labels are
     shifted inside the model."""
     terms = own_loss_terms(model) if loss_fn is None else None
     if terms is not None:
         return "terms", terms
+    per_sample = own_ctc_mean(model) if loss_fn is None else None
+    if per_sample is not None:
+        return "per_sample", per_sample
     m = batch_size(micro_batch)
     parts = _batch.split(micro_batch, max(1, m // 2))
-    draws = DrawLog()
-    try:
-        with side_effects_undone(model), forward_context(precision, device_type):
+    def measured(grad: bool) -> tuple[float, float, Any, set[str], str | None]:
+        draws = DrawLog()
+        with side_effects_undone(model, grad=grad), forward_context(precision, device_type):
             with draws:
                 known: dict[int, float] = {}
                 # the first part whose loss is not 0 (a sample with every item masked, a hinge already met): a
@@ -200,17 +221,36 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
                                  records=lambda r: r + r, record_ids=record_ids(head))
                 doubled = float(_loss_of_copy(model, twice, loss_fn))
             if draws.seen:
-                # the same samples meet other numbers in each forward: no comparison of losses can tell
-                return "unknown", (f"its loss draws random numbers even in eval mode ({', '.join(sorted(draws.seen))}: "
-                                   "noise or timesteps sampled in the training step?), so the same samples give "
-                                   "another loss each time")
+                return once, doubled, head, draws.seen, None
             mismatch = (_weighting_mismatch(model, micro_batch, parts, known, loss_fn, precision, causal)
                         if len(parts) == 2 and abs(doubled - once) <= _TOLERANCE * max(abs(once), abs(doubled))
                         else None)
+        return once, doubled, head, set(), mismatch
+
+    try:
+        try:
+            once, doubled, head, seen, mismatch = measured(grad=False)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as without:
+            # a step that differentiates inside itself (a gradient penalty's autograd.grad) needs gradients even
+            # to compute its loss: measured again with them, none left on the parameters
+            try:
+                once, doubled, head, seen, mismatch = measured(grad=True)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as within:  # a model whose eval forward differs: the check only informs
+                first, second = (f"{type(e).__name__}: {e}" for e in (without, within))
+                return "unknown", (f"its forward in eval mode failed: {first}" if first == second else
+                                   f"its forward in eval mode failed without gradients ({first}) and with them "
+                                   f"({second})")
+        if seen:
+            # the same samples meet other numbers in each forward: no comparison of losses can tell
+            return "unknown", (f"its loss draws random numbers even in eval mode ({', '.join(sorted(seen))}: "
+                               "noise or timesteps sampled in the training step?), so the same samples give "
+                               "another loss each time")
     except torch.cuda.OutOfMemoryError:
         return "unknown", "the check's forward ran out of memory"
-    except Exception as exc:  # a model whose eval forward differs: the check only informs
-        return "unknown", f"its forward in eval mode failed: {type(exc).__name__}: {exc}"
     finally:
         if device_type == "cuda":
             # the check's blocks go back to the device: cached, their sizes could stand in the way of the step's
@@ -233,7 +273,7 @@ def classify_reduction(model: nn.Module, micro_batch: Any, loss_fn: Any, *, prec
 def _loss_of_copy(model: nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
     """The loss of a copy of ``batch``: a forward that writes into its inputs (``x.sub_(mean)``) would otherwise change
     the batch the step then trains on, and the check's next forward."""
-    return _batch.compute_loss(model, tree_map(lambda t: t.clone(), batch), loss_fn)
+    return _batch.compute_loss(model, tree_map(lambda t: t.clone(), batch), loss_fn).detach()
 
 
 def _weighting_mismatch(model: nn.Module, whole: Any, halves: list[Any], known: dict[int, float], loss_fn: Any,
@@ -334,6 +374,11 @@ def settle(verdict: str, why: str) -> str:
         raise LossNotSplittable(
             f"{why}, so no weighting of micro-batches reproduces the whole batch's gradient; give a budget that fits "
             "the whole batch, or pass loss_reduction='mean' to split it anyway")
+    if verdict == "per_sample":
+        raise LossNotSplittable(
+            f"{why}, so micro-batches weighted by their labels other than -100 would not reproduce the whole batch's "
+            "gradient; give a budget that fits the whole batch, or set ctc_loss_reduction='sum' in the model's config "
+            "(a sum splits exactly)")
     if verdict == "unknown":
         return _unknown(why)
     return verdict

@@ -39,18 +39,25 @@ def preserved_random_state() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def side_effects_undone(model: nn.Module) -> Iterator[None]:
+def side_effects_undone(model: nn.Module, *, grad: bool = False) -> Iterator[None]:
     """Eval mode, no gradients; every module's training flag, every buffer, every public number attribute (a call
-    counter) and the random generators restored."""
+    counter) and the random generators restored. ``grad``: with gradients enabled instead, for a loss that needs
+    them (a gradient penalty's ``torch.autograd.grad(..., create_graph=True)``); whatever gradient a forward leaves
+    on the parameters is put back as it was."""
     flags = [(m, m.training) for m in model.modules()]
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
                if b is not None]
     numbers = [(m, attr, value) for _, m, attr, value in number_attributes(model)]
+    grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()] if grad else []
     try:
-        with preserved_random_state(), torch.no_grad():
+        with preserved_random_state(), torch.set_grad_enabled(grad):
             model.eval()
             yield
     finally:
+        for p, g, saved in grads:
+            p.grad = g
+            if g is not None:
+                g.copy_(saved)  # a backward inside the step accumulates into it in place
         for m, training in flags:
             m.training = training
         for m, attr, value in numbers:

@@ -34,6 +34,42 @@ def test_chunked_cross_entropy_pinned_on_a_head_with_a_bias_names_the_reason():
         memopt.plan(model, SAMPLE, budget="8GB", hardware="h100_80gb", pins={"chunked_ce": 4})
 
 
+class _PlainLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(2))
+        self.head = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _bert_mlm() -> torch.nn.Module:
+    return transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                                num_attention_heads=2, intermediate_size=64))
+
+
+@pytest.mark.parametrize("offload", [None, False])
+@pytest.mark.parametrize("which", ["bert_mlm", "plain"])
+def test_chunked_cross_entropy_pinned_on_a_model_that_is_not_a_causal_lm_says_so(which, offload):
+    """Without a causal LM's head the search had no candidate: the planner fell through to an offload plan's pin
+    check, or to "no candidate could be estimated", with no word of why."""
+    ids = torch.randint(0, 64, (4, 8))
+    if which == "bert_mlm":
+        model, sample, kw, name = _bert_mlm(), {"input_ids": ids, "labels": ids}, {}, "BertForMaskedLM"
+    else:
+        model, sample, name = _PlainLM(), (ids, ids), "_PlainLM"
+        kw = {"loss_fn": lambda out, b: torch.nn.functional.cross_entropy(out.flatten(0, 1), b[1].flatten())}
+    pins = {"chunked_ce": 4} | ({} if offload is None else {"offload": offload})
+    with pytest.raises(InputError, match=rf"^pin chunked_ce=4 cannot be honoured: {name} is not a Hugging "
+                                         r"Face causal LM, .*; drop the pin$"):
+        memopt.plan(model, sample, budget="16GB", hardware="h100_80gb", pins=pins, **kw)
+
+
 def test_a_hardware_dict_missing_a_field_names_the_fields_it_needs():
     full = dataclasses.asdict(resolve_hardware("h100_80gb"))
     partial = {"name": "mygpu", "memory_bytes": 80 * 10**9}
