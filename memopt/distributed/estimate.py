@@ -34,6 +34,7 @@ from memopt.distributed.model_states import state_bytes
 from memopt.distributed.timeline import TimelinePoint, activation_timeline, timeline_grads
 from memopt.distributed.timing import sharded_step_time
 from memopt.estimate.estimator import estimate_strategy, step_plan
+from memopt.estimate.timing import timing_for
 from memopt.profile.engine_facts import ModelFacts
 from memopt.profile.tracker import ALLOC
 from memopt.strategy import Strategy
@@ -238,7 +239,8 @@ def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelF
                  compute: Any = None) -> Any:
     """The step's ``memopt.distributed.timing.ShardedTime``: memopt's single-GPU compute per micro-batch (forward,
     backward with recomputation; ``compute``: ``compute_estimate``'s result, when the caller has it) with the
-    engine's collectives, host copies, CPU optimizer and fixed work."""
+    engine's collectives, host copies, CPU optimizer and fixed work. Each rank's host issues its own micro-batches'
+    kernels as on one GPU: a host-bound pass is no faster for the GPUs beside it."""
     s = run.setting
     est = compute if compute is not None else compute_estimate(profile, strategy, hw)
     m = run.grad_accum
@@ -253,4 +255,5 @@ def sharded_time(profile: Any, strategy: Strategy, run: EngineRun, facts: ModelF
                              reduce_bytes=4 if fsdp else 2, root_params=facts.root_params, root_forward_s=fwd / n,
                              root_backward_s=bwd / n, micro_batches=m, replicate_size=s.replicate_size,
                              offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
-                             param_tensors=facts.num_tensors)
+                             param_tensors=facts.num_tensors, host_issue_s=est.detail.get("host_s", 0.0) / m,
+                             tm=timing_for(hw))

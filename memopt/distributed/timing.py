@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from memopt.estimate.timing import DEFAULT_TIMING, TimingModel, pass_time
 from memopt.hardware import HardwareSpec
 
 __all__ = [
@@ -243,13 +244,21 @@ def engine_overhead_time(engine: str, param_tensors: int, micro_batches: int,
     return per_micro * max(1, micro_batches)
 
 
+def _host_detail(gpu_pass_s: float, host_issue_s: float, micro_batches: int) -> dict[str, float]:
+    """The host's share of the passes, as the single-GPU clock reports it (``host_s`` over all micro-batches)."""
+    if not host_issue_s:
+        return {}
+    return {"host_s": host_issue_s * micro_batches, "host_bound": float(host_issue_s > gpu_pass_s)}
+
+
 def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, hw: HardwareSpec,
                       unit_params: Sequence[int], forward_s: Sequence[float], backward_s: Sequence[float],
                       optimizer_s: float, compute_bytes: int = 2, param_bytes: int = 4, reduce_bytes: int = 4,
                       root_params: int = 0, root_forward_s: float = 0.0, root_backward_s: float = 0.0,
                       micro_batches: int = 1, replicate_size: int = 1, offload_optimizer: str = "none",
                       offload_params: str = "none", prefetch: int = 1, reshard_after_forward: bool = True,
-                      param_tensors: int = 0, tp: TimingParams = DEFAULT_PARAMS) -> ShardedTime:
+                      param_tensors: int = 0, tp: TimingParams = DEFAULT_PARAMS, host_issue_s: float = 0.0,
+                      tm: TimingModel = DEFAULT_TIMING) -> ShardedTime:
     """Step time of one rank: ``micro_batches`` forward/backward passes over the units, then the update.
 
     ``unit_params[i]``, ``forward_s[i]``, ``backward_s[i]``: parameters and single-GPU compute seconds
@@ -259,7 +268,9 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
     the CPU optimizer). Byte sizes per element: ``compute_bytes`` (gathered params), ``param_bytes``
     (stored shards, what CPU offload copies in), ``reduce_bytes`` (gradient reduction). ``param_tensors``:
     the model's parameter tensors, for the engine's fixed work per micro-batch (``engine_overhead_time``;
-    0 leaves it out).
+    0 leaves it out). ``host_issue_s``: the host seconds to issue one micro-batch pass's kernels (the single-GPU
+    clock's ``host_s`` per micro-batch): each rank's host issues its own pass, so a pass takes the longer of it and
+    the GPU's (:func:`memopt.estimate.timing.pass_time` with ``tm``), as on one GPU; 0 leaves it out.
     """
     if len(unit_params) != len(forward_s) or len(unit_params) != len(backward_s):
         raise ValueError("unit_params, forward_s and backward_s need one entry per unit")
@@ -295,7 +306,7 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
         # the last bucket's reduction is exposed; the rest overlaps backward
         last_bucket = red / max(1, len(units))
         bwd = max(bwd_compute, red - last_bucket) + last_bucket
-        per_micro = fwd + bwd
+        per_micro = pass_time(fwd + bwd, host_issue_s, tm)
         # ZeRO-1 reduces once per step (at the boundary); ZeRO-2/DDP per micro-batch unless no_sync
         comm_total = red * micro_batches + gather
         passes = per_micro * micro_batches
@@ -313,6 +324,7 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
         overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp, stage=stage,
                                         params=-(-total_params // shard))
         step = passes + opt + gather + overhead
+        detail.update(_host_detail(fwd + bwd, host_issue_s, micro_batches))
         return ShardedTime(step_s=step, forward_s=fwd * micro_batches, backward_s=bwd * micro_batches,
                            optimizer_s=opt, exposed_comm_s=exposed, comm_s=comm_total, host_transfer_s=host_s,
                            cpu_optimizer_s=cpu_opt, nvme_s=nvme, engine_overhead_s=overhead, detail=detail)
@@ -365,9 +377,11 @@ def sharded_step_time(*, engine: str, stage: int, world_size: int, nodes: int, h
             tp.fsdp2_offload_grad_accumulate_bandwidth
     overhead = engine_overhead_time(engine, param_tensors, micro_batches, tp, stage=stage)
     compute = (sum(fwd_c) + sum(bwd_c)) * micro_batches
-    passes = (fwd + bwd) * micro_batches
+    exposed = (fwd + bwd) * micro_batches - compute
+    passes = pass_time(fwd + bwd, host_issue_s, tm) * micro_batches
     step = passes + opt + overhead + accumulate
+    detail.update(_host_detail(fwd + bwd, host_issue_s, micro_batches))
     return ShardedTime(step_s=step, forward_s=fwd * micro_batches, backward_s=bwd * micro_batches, optimizer_s=opt,
-                       exposed_comm_s=passes - compute, comm_s=comm_total, host_transfer_s=host_s,
+                       exposed_comm_s=exposed, comm_s=comm_total, host_transfer_s=host_s,
                        cpu_optimizer_s=cpu_opt, nvme_s=nvme, engine_overhead_s=overhead,
                        host_grad_accumulate_s=accumulate, detail=detail)
