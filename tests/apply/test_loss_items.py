@@ -15,6 +15,7 @@ from torch import nn
 
 import memopt
 from memopt.step.loss_items import measure_label_shift
+from tests.reference_loop import losses_of_plain_loop
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,14 +67,7 @@ def _assert_trains_as_unwrapped(build: Callable[[], nn.Module], batches: list[di
                           pins={"micro_batch_size": 2, "precision": "fp32", "checkpointing": "none"},
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
     got = [wrapped.step(dict(b)) for b in batches]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    want = []
-    for b in batches:
-        loss = ref(**b).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(float(loss.detach()))
+    want = losses_of_plain_loop(ref, batches, lambda m, b: m(**b).loss, torch.optim.SGD(ref.parameters(), lr=0.5))
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(wrapped.model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
