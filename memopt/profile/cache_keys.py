@@ -52,9 +52,7 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.kern
 #     a classifier's task head trains (memopt.techniques.adapter_merge.task_heads)
 # 18: a grouped GEMM's weight gradient counts 2 x m x n x (all groups' rows) FLOPs, not that times the groups over
 #     the rows (memopt.profile.costs); each module traces in the mode the user left it in
-# 19: a random op that draws one number for 1 sample and more for 2 (drop path's torch.rand(B, 1)) is a per-sample
-#     draw, which refuses micro-batching under fidelity "exact" (memopt.profile.sample_axis_probe)
-TRACE_REVISION = 19
+TRACE_REVISION = 18
 
 
 def cache_dir() -> Path:
