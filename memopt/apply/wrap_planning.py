@@ -11,7 +11,7 @@ from memopt import progress
 from memopt.errors import InputError
 from memopt.plan.schema import Plan
 from memopt.step.hard_cap import allocator_mode_in_force, warn_allocator_mode_fixed
-from memopt.techniques.optimizers import optimizer_choice
+from memopt.techniques.optimizers import optimizer_choice, pinned_variant_refusal
 from memopt.units import format_bytes
 
 __all__ = ["plan_for_room_left", "planning_pins", "refuse_unfit"]
@@ -19,9 +19,13 @@ __all__ = ["plan_for_room_left", "planning_pins", "refuse_unfit"]
 
 def planning_pins(optimizer: Any, pins: dict[str, Any] | None, loss_fn: Any) -> tuple[dict[str, Any], Any]:
     """(the planner's pins, the user's optimizer callable or None): the optimizer argument's pins under the user's
-    own; no chunked cross-entropy for a loss of the user's (it replaces the model's own loss); the allocator mode
-    already in force when CUDA holds memory (it can no longer change), with a warning."""
+    own (an optimizer pin beside the user's optimizer: a variant of its algorithm, built from its groups, else
+    refused in one line); no chunked cross-entropy for a loss of the user's (it replaces the model's own loss); the
+    allocator mode already in force when CUDA holds memory (it can no longer change), with a warning."""
     optimizer_pins, user_opt = optimizer_choice(optimizer)
+    refusal = pinned_variant_refusal(user_opt, (pins or {}).get("optimizer"))
+    if refusal is not None:
+        raise InputError([refusal], "pins")
     merged = {**optimizer_pins, **(pins or {})}
     if loss_fn is not None:
         merged.setdefault("chunked_ce", 0)

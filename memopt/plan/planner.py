@@ -28,7 +28,7 @@ from memopt.profile.profile import Profile
 from memopt.step.batch import as_loss
 from memopt.techniques.adapter_merge import task_heads
 from memopt.techniques.optimizer_instance import is_optimizer, optimizer_factory
-from memopt.techniques.optimizers import VARIANTS, optimizer_choice
+from memopt.techniques.optimizers import VARIANTS, optimizer_choice, pinned_variant_refusal
 from memopt.units import format_bytes, parse_bytes
 
 __all__ = ["make_plan"]
@@ -72,6 +72,9 @@ def make_plan(model: Any, sample: Any = None, *, budget: str | int | float, hard
         loss_fn = as_loss(loss_fn, training_step)
     if is_optimizer(optimizer) and isinstance(model, nn.Module):  # one the user built: the recipe it gives
         optimizer = optimizer_factory(optimizer, model)
+    if callable(optimizer) and not isinstance(optimizer, str) and isinstance(pins, dict):
+        refusal = pinned_variant_refusal(optimizer, pins.get("optimizer"))
+        checks.raise_problems([refusal] if refusal else [], "pins")
     if isinstance(optimizer, str) and optimizer in checks.OPTIMIZER_NAMES:  # a name, as wrap takes it: a pin or none
         pins = {**optimizer_choice(optimizer)[0], **(pins or {})}
         optimizer = None

@@ -176,11 +176,21 @@ def _loss_part(loss_fn: Any) -> dict[str, str]:
 
 def _note_user_hooks(prof: Profile, module: nn.Module) -> None:
     """A note when the model carries forward hooks: they run in the trace too, on fake tensors (their memory counts),
-    so a hook that keeps what it sees would keep tensors without values."""
+    so a hook that keeps what it sees would keep tensors without values; and one when its parameters carry gradient
+    hooks, which micro-batching runs per micro-batch."""
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
     if hooks:
         note = (f"the model's {hooks} forward hook(s) ran on fake tensors (no values) while memopt traced the step; "
                 "a hook that keeps what it sees (features, logged values) can skip while memopt.is_tracing()")
+        if note not in prof.notes:
+            prof.notes.append(note)
+    hooked = [name for name, p in module.named_parameters() if getattr(p, "_backward_hooks", None)]
+    if hooked:
+        # a hook sees each micro-batch's gradient before they are summed: h(g1) + h(g2) is h(g1 + g2) only for a
+        # linear h, which memopt cannot tell from a clip
+        note = (f"{len(hooked)} parameter(s) ({', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}) carry "
+                "gradient hooks (register_hook): under micro-batching each runs on every micro-batch's gradient, "
+                "which is exact for a linear hook (scaling, masking) but not for one that clips or normalizes")
         if note not in prof.notes:
             prof.notes.append(note)
 

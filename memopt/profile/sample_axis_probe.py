@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -151,6 +151,7 @@ class _Forward:
     draws: set[str]
     written: list[str]
     error: Exception | None = None
+    single_draws: set[str] = field(default_factory=set)  # random ops that drew one number (``DrawLog.single``)
 
 
 def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> _Forward:
@@ -217,7 +218,7 @@ def _forward(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -
             draws.seen.add(f"{type(layer).__name__.lower()}(dropout={layer.dropout:g})")
     after = state_buffers(clone)
     rebound = [name for name, b in before.items() if after.get(name) is not b and name not in draws.written]
-    return _Forward(seen, draws.seen, draws.written + rebound + written_attrs, error)
+    return _Forward(seen, draws.seen, draws.written + rebound + written_attrs, error, draws.single)
 
 
 def state_counters(model: nn.Module) -> dict[str, float]:
@@ -244,6 +245,18 @@ def _axis_refusal(model: nn.Module, one: dict[str, int], two: dict[str, int]) ->
     return None
 
 
+def _per_sample_draws(one: _Forward, two: _Forward | None, model: nn.Module, batch_factory: Any,
+                      loss_fn: Any) -> set[str]:
+    """The random ops that drew one number for 1 sample but more for 2: a draw per sample (drop path's
+    ``torch.rand(B, 1)``), which micro-batches draw apart. A forward that draws no single number is not run again,
+    and a per-step decision (LayerDrop's ``torch.rand(())``) draws one number at any batch size."""
+    if not one.single_draws:
+        return set()
+    if two is None:
+        two = _forward(model, batch_factory, loss_fn, 2)
+    return two.draws & one.single_draws
+
+
 def runs_whole_batch_only(model: nn.Module, batch_factory: Any, loss_fn: Any, samples: int) -> bool:
     """Whether the model's forward runs on the whole batch of ``samples`` but not on one sample of it: its batch's
     first dimension is not independent samples (a whole graph: its nodes' features and their adjacency)."""
@@ -265,8 +278,9 @@ def probe_batch(model: nn.Module, batch_factory: Any, loss_fn: Any = None,
     one = _forward(model, batch_factory, loss_fn, 1)
     two = _forward(model, batch_factory, loss_fn, 2) if one.seen else None
     if one.error is None and (two is None or two.error is None):
+        per_sample = _per_sample_draws(one, two, model, batch_factory, loss_fn)
         return BatchProbe(axis_refusal=_axis_refusal(model, one.seen, two.seen if two is not None else {}),
-                          random_ops=tuple(sorted(one.draws)), state_refusal=state_refusal(one.written))
+                          random_ops=tuple(sorted(one.draws | per_sample)), state_refusal=state_refusal(one.written))
     if one.error is None or two is None or samples is None or samples < 2:
         return None
     axis = _axis_refusal(model, one.seen, two.seen)

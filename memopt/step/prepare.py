@@ -162,6 +162,9 @@ def _optimizer(strategy: Strategy, params: list[nn.Parameter], spec: OptimizerSp
         if not callable(spec):
             raise ValueError("strategy.optimizer='user' needs optimizer=<callable taking the parameters>")
         return user_optimizer(spec, params)
+    rebuild = getattr(spec, "as_variant", None)
+    if rebuild is not None and stand_ins is None:  # a pinned variant of the user's instance: its groups, its values
+        return rebuild(lambda groups: build_optimizer(strategy.optimizer, groups, **kwargs), params)
     # in a fake-tensor trace, the variant's stand-in where the real optimizer needs real values
     return build_optimizer(strategy.optimizer, params, trace_on=host_device if stand_ins is not None else None,
                            **kwargs)

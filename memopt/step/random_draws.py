@@ -38,16 +38,31 @@ def _drawn_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: A
     return None
 
 
+def _one_number_drawn(func: Any, args: tuple[Any, ...], out: Any) -> str | None:
+    """The name of the random op ``func`` is when it drew exactly one number (None otherwise)."""
+    packet = getattr(func, "_overloadpacket", None)
+    name = packet.__name__ if packet is not None else str(func)
+    if name not in _RANDOM_OPS:
+        return None
+    drawn = out if isinstance(out, torch.Tensor) else next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return name if drawn is not None and drawn.numel() == 1 else None
+
+
 class DrawLog(TorchDispatchMode):
-    """Records, in ``seen``, the random ops the code run under it draws with (:func:`_drawn_with`)."""
+    """Records, in ``seen``, the random ops the code run under it draws with (:func:`_drawn_with`), and in
+    ``single`` those that drew one number: a per-step decision, or a per-sample draw (timm's drop path,
+    ``torch.rand(B, 1)``) on a batch of one sample, which only a forward of more samples tells apart."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: set[str] = set()
+        self.single: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = _drawn_with(func, args, kwargs or {}, out)
         if name is not None:
             self.seen.add(name)
+        elif (one := _one_number_drawn(func, args, out)) is not None:
+            self.single.add(one)
         return out

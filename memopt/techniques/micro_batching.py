@@ -2,7 +2,9 @@
 the gradients accumulated exactly (``memopt.step.train_step``). The split is exact only where a sample's loss and
 gradients do not depend on the other samples of its forward: BatchNorm in training normalizes with the statistics of
 the batch it sees, so on a micro-batch it computes other activations and updates its running statistics more often.
-Such a model is not micro-batched unless the user pins a micro-batch size (the plan and ``memopt.wrap`` say so).
+Such a model is not micro-batched unless the user pins a micro-batch size (the plan and ``memopt.wrap`` say so). The
+same goes for a parameter with a post-accumulate-grad hook: it sees ``.grad`` after each micro-batch's backward, a
+partial sum, where the unwrapped loop's hook sees the whole batch's gradient once.
 
 A BatchNorm layer that sees one value per channel of each sample (``BatchNorm1d`` over ``(batch, features)``, a
 ``1x1`` map) cannot train on a micro-batch of one sample at all (torch refuses statistics of one value):
@@ -22,7 +24,8 @@ from torch import nn
 
 from memopt.blocks import hookable
 
-__all__ = ["MicroBatchTooSmall", "batch_coupled_modules", "batch_statistics_guard", "micro_batch_refusal"]
+__all__ = ["MicroBatchTooSmall", "batch_coupled_modules", "batch_statistics_guard", "micro_batch_refusal",
+           "post_accumulate_hooked"]
 
 
 class MicroBatchTooSmall(ValueError):
@@ -43,11 +46,25 @@ def batch_coupled_modules(model: nn.Module) -> list[str]:
 def micro_batch_refusal(model: nn.Module) -> str | None:
     """Why splitting a batch into micro-batches would not be exact for ``model`` (None: it would be)."""
     names = batch_coupled_modules(model)
-    if not names:
-        return None
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"its BatchNorm layers ({shown}) normalize with the statistics of the batch they see, so micro-batches "
-            "would change training")
+    if names:
+        return (f"its BatchNorm layers ({_shown(names)}) normalize with the statistics of the batch they see, so "
+                "micro-batches would change training")
+    hooked = post_accumulate_hooked(model)
+    if hooked:
+        return (f"its parameters {_shown(hooked)} carry post-accumulate-grad hooks (register_post_accumulate_grad_hook:"
+                " per-parameter clipping, an optimizer step in backward), which would run once per micro-batch on a "
+                "part of the gradient instead of once on the whole")
+    return None
+
+
+def post_accumulate_hooked(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` that carry a post-accumulate-grad hook: it runs each time a backward has
+    accumulated into ``.grad``, so once per micro-batch, on a partial sum."""
+    return [name for name, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 @contextmanager

@@ -34,5 +34,5 @@ VARIANTS = (
     OptimizerVariant("adamw", "torch AdamW, one tensor at a time", "exact", _adamw(foreach=False),
                      per_tensor_states(2), per_tensor_floor(2), 2.0, sharded_states=2, trainer_optim="adamw_torch"),
     OptimizerVariant("sgd", "torch SGD with momentum", "exact", _sgd, per_tensor_states(1), per_tensor_floor(1), 1.0,
-                     sharded_states=1, trainer_optim="sgd"),
+                     sharded_states=1, trainer_optim="sgd", algorithm="sgd"),
 )

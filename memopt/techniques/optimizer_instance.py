@@ -26,8 +26,12 @@ from torch import nn
 
 from memopt.errors import InputError, UserArgumentError
 
-__all__ = ["closure_refusal", "has_unpassed_scheduler", "is_optimizer", "is_scheduler", "optimizer_factory",
-           "scheduler_factory", "scheduler_refusal", "step_argument", "torch_optimizer", "user_optimizer"]
+#: param-group flags of torch's optimizers that pick a kernel, not the update
+KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+__all__ = ["KERNEL_FLAGS", "closure_refusal", "has_unpassed_scheduler", "is_optimizer", "is_scheduler",
+           "optimizer_factory", "scheduler_factory", "scheduler_refusal", "step_argument", "torch_optimizer",
+           "user_optimizer"]
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -97,6 +101,12 @@ def _is_fake(p: torch.Tensor) -> bool:
     return p.device.type == "meta" or type(p).__name__ == "FakeTensor"
 
 
+def _other_parameters(planned: int, built_over: int) -> ValueError:
+    return ValueError(f"the plan trains {planned} parameter tensors but the optimizer passed to memopt.wrap was built "
+                      f"over the model's {built_over} (adapters or quantization replace them): pass "
+                      "optimizer='adamw' or a callable params -> optimizer")
+
+
 def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[[list[nn.Parameter]], Any]:
     """``params -> optimizer`` that rebuilds ``opt`` (class, groups, hyper-parameters, state) over the parameters
     memopt passes: the model's trainable parameters, in ``model.parameters()`` order. An optimizer wrapper's
@@ -132,16 +142,33 @@ def optimizer_factory(opt: torch.optim.Optimizer, model: nn.Module) -> Callable[
             if not params or _is_fake(params[0]):
                 # a trace of part of the model (a few blocks): the state it allocates is what matters
                 return construct([{**widest, "params": params}])
-            raise ValueError(f"the plan trains {len(params)} parameter tensors but the optimizer passed to "
-                             f"memopt.wrap was built over the model's {len(trainable)} (adapters or quantization "
-                             "replace them): pass optimizer='adamw' or a callable params -> optimizer")
+            raise _other_parameters(len(params), len(trainable))
         at = dict(zip(trainable, params))
         new = construct([{**hp, "params": [at[i] for i in idx if i in at]} for hp, idx in groups])
         if state is not None and every_param_trained and not _is_fake(params[0]):
             new.load_state_dict(state)
         return new
 
+    def as_variant(make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer], params: Any
+                   ) -> torch.optim.Optimizer:
+        """The optimizer ``make(param_groups)`` builds (a pinned variant of the same algorithm) over ``opt``'s
+        groups and hyper-parameters, less the flags that pick a kernel (the variant picks its own), with ``opt``'s
+        state loaded where it has one."""
+        params = list(params)
+        if len(params) != len(trainable):
+            raise _other_parameters(len(params), len(trainable))
+        at = dict(zip(trainable, params))
+        new = make([{**{k: v for k, v in hp.items() if k not in KERNEL_FLAGS},
+                     "params": [at[i] for i in idx if i in at]} for hp, idx in groups])
+        if state is not None and every_param_trained:
+            # a loaded group replaces the built one whole: keep the kernel the variant chose
+            saved = {**state, "param_groups": [{**g, **{k: v for k, v in built.items() if k in KERNEL_FLAGS}}
+                                               for g, built in zip(state["param_groups"], new.param_groups)]}
+            new.load_state_dict(saved)
+        return new
+
     build.built_from = opt  # type: ignore[attr-defined]  # a script may keep writing into it: wrap warns, once
+    build.as_variant = as_variant  # type: ignore[attr-defined]  # an optimizer pin of the same algorithm
     return build
 
 

@@ -61,6 +61,9 @@ class OptimizerVariant:
     param_dtypes: frozenset[str] | None = None
     # the variant planned in its place where it is refused for a model (the same update, another kernel)
     instead: str | None = None
+    # the update rule it runs: variants of one algorithm differ only in kernel or state storage, so a user's
+    # optimizer of that algorithm can be rebuilt as any of them with its groups and hyper-parameters
+    algorithm: str = "adamw"
 
     def installed(self) -> bool:
         """Whether its package is installed, without importing it (bitsandbytes' import compiles kernels)."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memopt
+from memopt.errors import InputError
 from memopt.techniques.optimizer_instance import optimizer_factory
 
 
@@ -62,6 +63,50 @@ def test_a_built_optimizer_and_scheduler_train_as_the_unwrapped_loop(micro):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert [g["lr"] for g in w.optimizer.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
     assert type(w.optimizer) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("pin", ["adamw_fused", "adamw"])
+def test_an_optimizer_pin_of_the_instances_algorithm_keeps_its_groups_and_state(pin):
+    """Pinning the fused (or one-tensor) AdamW beside the user's AdamW builds that kernel from the user's groups,
+    hyper-parameters and moments, not a fresh optimizer at memopt's defaults."""
+    batches = _batches()
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=0.01, betas=(0.8, 0.95), eps=1e-6)
+    opt = torch.optim.AdamW(_groups(model), lr=0.01, betas=(0.8, 0.95), eps=1e-6)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        F.cross_entropy(m(batches[0][0]), batches[0][1]).backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+
+    w = memopt.wrap(model, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=opt, loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
+                    pins={"optimizer": pin, "precision": "fp32", "micro_batch_size": 8})
+    assert w.plan.strategy.optimizer == pin
+    groups = w.optimizer.param_groups
+    assert [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in groups] == \
+        [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in ref_opt.param_groups]
+    assert all(bool(g["fused"]) == (pin == "adamw_fused") for g in groups)
+    for b in batches[1:]:
+        F.cross_entropy(ref(b[0]), b[1]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        w.step(b)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_pin_of_another_algorithm_than_the_users_is_one_line():
+    model = _mlp()
+    common = {"budget": "4GB", "sample": _batches(1)[0], "hardware": "h100_80gb", "device": "cpu", "use_cache": False,
+              "loss_fn": lambda out, b: F.cross_entropy(out, b[1]), "pins": {"optimizer": "sgd"}}
+    with pytest.raises(InputError, match="conflicts with the AdamW passed as optimizer=") as err:
+        memopt.wrap(model, optimizer=torch.optim.AdamW(_groups(model), lr=0.01), **common)
+    assert "\n" not in str(err.value).strip()
+    with pytest.raises(InputError, match="conflicts with the optimizer callable"):
+        memopt.wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), **common)
+    with pytest.raises(InputError, match="conflicts with the AdamW passed as optimizer="):
+        memopt.plan(model, common["sample"], budget="4GB", hardware="h100_80gb", pins={"optimizer": "sgd"},
+                    optimizer=torch.optim.AdamW(_groups(model), lr=0.01), loss_fn=common["loss_fn"])
 
 
 def test_what_an_instance_cannot_follow_is_one_line():

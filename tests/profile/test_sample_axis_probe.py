@@ -191,6 +191,29 @@ def test_a_single_number_drawn_per_step_is_not_a_mask() -> None:
     assert probe_batch(LayerDrop(), lambda b, device: torch.randn(b, 8, device=device)).random_ops == ()
 
 
+class DropPathMLP(DropoutMLP):
+    """timm-style stochastic depth: each sample keeps or drops a block's residual, drawn with torch.rand(B, 1, 1),
+    one number for a batch of one sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            keep = (torch.rand(x.shape[0], 1, 1) > 0.2).to(x.dtype) / 0.8 if self.training else 1.0
+            x = x + block(x) * keep
+        return self.head(x.mean(1))
+
+
+def test_a_per_sample_draw_is_a_random_draw_though_one_sample_draws_one_number() -> None:
+    probe = probe_batch(DropPathMLP(0.0), lambda b, device: torch.randn(b, 4, 512, device=device),
+                        lambda out, batch: out.mean())
+    assert probe is not None and probe.random_ops == ("rand",)
+    model = DropPathMLP(0.0)
+    x, y = torch.randn(64, 128, 512), torch.randint(0, 10, (64,))
+    exact = memopt.make_plan(model, (x, y), budget="1.5GB", hardware="h100_80gb", loss_fn=_cls_loss,
+                             fidelity="exact", use_cache=False)
+    refused = [n for n in exact.notes if "micro-batching refused under fidelity 'exact'" in n]
+    assert exact.strategy.micro_batch_size == 64 and refused and "rand" in refused[0]
+
+
 def test_a_pinned_split_of_sequence_first_batches_warns_where_it_runs() -> None:
     model = SeqFirstLSTM()
     x, y = torch.randint(0, V, (T, B)), torch.randint(0, V, (T, B))

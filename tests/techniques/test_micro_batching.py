@@ -113,3 +113,69 @@ def test_a_micro_batch_too_small_for_batchnorm_is_refused_naming_the_layer():
     with pytest.raises(ValueError, match="each micro-batch needs at least 2 samples"):
         memopt.plan(PooledBN(), _batch(1), budget="8GB", hardware="h200", loss_fn=_loss,
                     pins={"precision": "fp32"}, use_cache=False)
+
+
+class _WideMLP(nn.Module):
+    """Activations dominate a 1.5 GB budget at 64 samples of (128, 512): only micro-batches fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                                    for _ in range(4))
+        self.head = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+
+def _clip_in_backward(p: torch.Tensor) -> None:
+    """Per-parameter norm clip as soon as the gradient is accumulated: not linear in the gradient."""
+    n = p.grad.norm()
+    if n > 0.05:
+        p.grad.mul_(0.05 / n)
+
+
+def _ce(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, batch[1])
+
+
+def test_post_accumulate_grad_hooks_refuse_micro_batching_and_train_as_the_plain_loop() -> None:
+    """A post-accumulate hook sees .grad after each backward: on a micro-batch's partial sum it would clip (or step)
+    once per micro-batch. The plan keeps the batch whole, and training is the plain loop's."""
+    model = _WideMLP()
+    model.head.weight.register_post_accumulate_grad_hook(_clip_in_backward)
+    assert "post-accumulate-grad hooks" in micro_batch_refusal(model)
+    x, y = torch.randn(64, 128, 512), torch.randint(0, 10, (64,))
+    plan = memopt.make_plan(model, (x, y), budget="1.5GB", hardware="h100_80gb", loss_fn=_ce, use_cache=False)
+    assert plan.strategy.micro_batch_size == 64
+    assert any("post-accumulate-grad hooks" in n and "head.weight" in n for n in plan.notes)
+
+    small, ref = (nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)) for _ in range(2))
+    ref.load_state_dict(small.state_dict())
+    for p, q in zip(small.parameters(), ref.parameters()):
+        p.register_post_accumulate_grad_hook(_clip_in_backward)
+        q.register_post_accumulate_grad_hook(_clip_in_backward)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    w = memopt.wrap(small, budget="4GB", sample=batches[0], hardware="h100_80gb", device="cpu", use_cache=False,
+                    guard=False, optimizer=torch.optim.SGD(small.parameters(), lr=0.5), loss_fn=_ce,
+                    pins={"precision": "fp32"})
+    for b in batches:
+        _ce(ref(b[0]), b).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        w.step(b)
+    for p, q in zip(small.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_hooks_on_parameters_are_noted() -> None:
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    model[2].weight.register_hook(lambda grad: grad * 10)
+    prof = memopt.profile(model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), hardware="h100_80gb", loss_fn=_ce,
+                          use_cache=False)
+    assert any("2.weight" in n and "gradient hooks (register_hook)" in n for n in prof.notes)
