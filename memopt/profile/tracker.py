@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from memopt.categories import MemoryCategory
 from memopt.profile.data_dependent import BOUNDED_OPS, sized_output
+from memopt.profile.operand_checks import check_operands
 from memopt.profile.scalar_values import MAX_INDEX_ELEMENTS, ScalarShadows
 from memopt.units import allocator_size
 
@@ -288,7 +289,7 @@ class MemoryTracker(TorchDispatchMode):
                 if known is not None:
                     self.shadows.adopt(*known)
         if out is NotImplemented:
-            _check_matmul_operands(func, args)
+            check_operands(func, args)  # the dtype checks of the GPU's kernels, which meta functions skip
             out = func(*args, **(kwargs or {}))
         self.shadows.observe(func, args, kwargs or {}, out)
         label = None
@@ -304,20 +305,3 @@ class MemoryTracker(TorchDispatchMode):
             hook(func, args, out)
         return out
 
-
-# the two matrix operands of each matmul, by position: eager kernels refuse an integer matrix times a float one, where
-# the meta functions fake tensors run return a result (token ids fed to an nn.Linear traced and "fit")
-_MATMUL_OPERANDS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.bmm.default: (0, 1),
-                    torch.ops.aten.mv.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
-                    torch.ops.aten.baddbmm.default: (1, 2), torch.ops.aten.addmv.default: (1, 2)}
-
-
-def _check_matmul_operands(func: Any, args: tuple) -> None:
-    at = _MATMUL_OPERANDS.get(func)
-    if at is None or len(args) <= max(at):
-        return
-    a, b = args[at[0]], args[at[1]]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point() != b.is_floating_point():
-        raise RuntimeError(f"{func.__name__}: expected both matrices to have the same dtype, but got {a.dtype} and "
-                           f"{b.dtype} (an integer tensor, token ids or labels, fed to a float layer such as "
-                           "nn.Linear?)")

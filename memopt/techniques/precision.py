@@ -87,6 +87,7 @@ def _convert(model: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype | 
             if id(p) not in converted:
                 with torch.no_grad():
                     converted[id(p)] = nn.Parameter(p.detach().to(dtype_of(p)), requires_grad=p.requires_grad)
+                _share_hooks(p, converted[id(p)])
             module._parameters[name] = converted[id(p)]
         for name, b in list(module._buffers.items()):
             if b is None or dtype_of(b) is None:
@@ -94,6 +95,23 @@ def _convert(model: nn.Module, dtype_of: Callable[[torch.Tensor], torch.dtype | 
             if id(b) not in converted:
                 converted[id(b)] = b.to(dtype_of(b))
             module._buffers[name] = converted[id(b)]
+
+
+# where torch keeps the hooks a user registers on a tensor: ``register_hook`` and
+# ``register_post_accumulate_grad_hook``; assigning one of these dicts to a tensor registers its hooks with autograd
+_PARAM_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _share_hooks(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Have ``target`` (the converted parameter that trains in ``source``'s place) run ``source``'s hooks.
+
+    The very dicts are shared, not copies: a hook the user registers on, or removes from (its handle), the
+    original parameter later is one on the converted parameter too, as it would be on the one parameter of the
+    unwrapped loop. The originals keep their hooks, for the undo to put them back as they were."""
+    for attr in _PARAM_HOOKS:
+        hooks = getattr(source, attr, None)
+        if hooks is not None:
+            setattr(target, attr, hooks)
 
 
 def change_model(change: ModelChange) -> Undo:

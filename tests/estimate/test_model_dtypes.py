@@ -27,7 +27,9 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x)))).to(x.dtype)
+        # a norm kept in another dtype than the activations takes them in its own, as CUDA's layer_norm requires
+        h = self.norm(x.to(self.norm.weight.dtype)).to(x.dtype)
+        return x + self.down(F.gelu(self.up(h))).to(x.dtype)
 
 
 class Net(nn.Module):
@@ -53,7 +55,7 @@ def fp64_net() -> nn.Module:
 
 
 def bf16_net() -> nn.Module:
-    """Loaded in bf16 with its norms kept in fp32, as mixed checkpoints are."""
+    """Loaded in bf16 with its norms kept in fp32, as mixed checkpoints are (the norms cast what they are fed)."""
     model = Net().to(torch.bfloat16)
     for m in model.modules():
         if isinstance(m, nn.LayerNorm):
