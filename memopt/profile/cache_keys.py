@@ -52,7 +52,11 @@ SCHEMA_VERSION = 2  # 2: kernel counts without the metadata queries (memopt.kern
 #     a classifier's task head trains (memopt.techniques.adapter_merge.task_heads)
 # 18: a grouped GEMM's weight gradient counts 2 x m x n x (all groups' rows) FLOPs, not that times the groups over
 #     the rows (memopt.profile.costs); each module traces in the mode the user left it in
-TRACE_REVISION = 18
+# 19: a random op that draws one number for one sample is probed at two (a per-sample drop path refuses
+#     micro-batching under exact fidelity: memopt.profile.sample_axis_probe); the trace refuses the operand dtypes
+#     CUDA's kernels refuse (memopt.profile.operand_checks); CTC losses are traced (memopt.profile.data_dependent);
+#     every module beside a classifier's backbone is a task head under adapters
+TRACE_REVISION = 19
 
 
 def cache_dir() -> Path:
