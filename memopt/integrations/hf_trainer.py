@@ -14,7 +14,10 @@ cannot be set.
 The global batch is the Trainer's per-device batch x gradient accumulation (x processes), as the user
 configured it; memopt keeps it and chooses how to split it, and each optimizer step trains on the script's rows,
 with ``dataloader_drop_last`` too (``memopt.integrations.trainer_data``). The sample it plans that batch on is read
-from the Trainer's own data: ``memopt.integrations.trainer_sample``.
+from the Trainer's own data: ``memopt.integrations.trainer_sample``. A ``training_step`` of the script's own is run as
+the script wrote it, on the script's per-device batch and accumulation (memopt cannot weight what it backpropagates),
+so the plan fits that micro-batch. Checkpoints keep describing the script's batch:
+``memopt.integrations.trainer_checkpoint``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch
 from memopt import progress
 from memopt.guard.attribution_hooks import TrainerStepAttribution
 from memopt.guard.transaction import StepTransaction
+from memopt.integrations.trainer_checkpoint import ScriptBatch, save_as_script
 from memopt.integrations.trainer_data import keep_script_rows
-from memopt.integrations.trainer_loss import trainer_loss
+from memopt.integrations.trainer_loss import script_step, trainer_loss
 from memopt.integrations.trainer_optim import TRAINER_OPTIM, kept_optimizer, script_optimizer
 from memopt.integrations.trainer_recovery import MicroBatchedTrainingStep, trainer_escalator
 from memopt.integrations.trainer_sample import sample_from_trainer
@@ -52,6 +56,9 @@ from memopt.techniques.optimizers import USER
 from memopt.units import format_bytes
 
 __all__ = ["TRAINER_OPTIM", "TRAINER_PRECISIONS", "MemoptCallback", "trainer_arguments", "wrap_trainer"]
+
+#: the Trainer's arguments that shape its batches
+_BATCH_ARGUMENTS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 #: the precisions a Trainer's loop runs: fp32 weights, with or without autocast
 TRAINER_PRECISIONS = ("fp32", "bf16_autocast", "fp16_autocast")
@@ -187,6 +194,14 @@ def _plan_for_trainer(trainer: Any, *, budget: Any, sample: Any, plan: Plan | No
             # the script already splits its batch, and its BatchNorm statistics come from its own micro-batch: that
             # is the training to reproduce (memopt.techniques.micro_batching refuses any other split)
             trainer_pins["micro_batch_size"] = args.per_device_train_batch_size
+        own_step = script_step(trainer)
+        if own_step is not None:
+            per_device = args.per_device_train_batch_size
+            if trainer_pins.get("micro_batch_size", per_device) != per_device:
+                raise ValueError(f"pin micro_batch_size={trainer_pins['micro_batch_size']} cannot apply: the Trainer "
+                                 f"runs the script's {own_step}, which memopt cannot split, on the script's "
+                                 f"per_device_train_batch_size={per_device}; pin that or drop the pin")
+            trainer_pins["micro_batch_size"] = per_device  # the step the script wrote runs on the rows it expects
         step = trainer_loss(trainer)  # a subclass's compute_loss, a compute_loss_func, label smoothing
         sample = sample_from_trainer(trainer, sample, own_loss=step is not None)
         whole = indivisible(sample) if is_batch(sample) and tensors(sample) else None
@@ -238,18 +253,29 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
         progress.done("no Trainer configuration fits the budget")
         raise ValueError(f"no Trainer configuration fits the budget: "
                          f"{plan.infeasible['message'] if plan.infeasible else ''}")
+    own_step = script_step(trainer)
+    if own_step is not None and plan.strategy.micro_batch_size != trainer.args.per_device_train_batch_size:
+        raise ValueError(f"the plan's micro-batch of {plan.strategy.micro_batch_size} cannot apply: the Trainer runs "
+                         f"the script's {own_step}, which memopt cannot split, on the script's "
+                         f"per_device_train_batch_size={trainer.args.per_device_train_batch_size}")
     set_expandable_segments(plan.strategy.expandable_segments)
     world = max(1, getattr(trainer.args, "world_size", 1))
     script_batch = getattr(trainer, "_train_batch_size", None) or trainer.args.train_batch_size
-    for key, value in trainer_arguments(plan, micro_batches_inside=recover, world_size=world,
+    inside = recover and own_step is None
+    script = ScriptBatch(trainer)
+    for key, value in trainer_arguments(plan, micro_batches_inside=inside, world_size=world,
                                         memopt_checkpointing=True).items():
         if value is None and key == "gradient_checkpointing_kwargs":
             continue
+        if own_step is not None and key in _BATCH_ARGUMENTS:
+            continue  # the script's step runs on the script's batches, accumulated by the Trainer as the script set
         if key in ("bf16", "fp16"):
             continue  # set with the accelerator's precision below
         setattr(trainer.args, key, value)
     if hasattr(trainer, "_train_batch_size"):  # the Trainer copies the batch size at init; its loader reads the copy
         trainer._train_batch_size = trainer.args.train_batch_size
+    if own_step is None:  # memopt's batch arguments run; checkpoints keep describing the script's
+        save_as_script(trainer, script)
     keep_script_rows(trainer, script_batch)  # what dataloader_drop_last drops stays what the script's loader drops
     set_trainer_precision(trainer, plan.strategy.precision)
     for note in fit_evaluation(trainer, plan.strategy.micro_batch_size):
@@ -268,7 +294,11 @@ def wrap_trainer(trainer: Any, *, budget: Any, sample: Any = None, plan: Plan | 
     progress.done(f"planned: {plan.strategy.label()} (predicted {format_bytes(plan.total_bytes)} of "
                   f"{format_bytes(plan.budget_bytes)}, {plan.step_time_s:.3f} s/step); the Trainer is set up with it")
     trainer.memopt_recovery = None
-    if recover:
+    if own_step is not None:
+        plan.notes.append(f"the Trainer runs the script's {own_step}: memopt keeps the script's per-device batch and "
+                          "gradient accumulation (the step cannot be split into other micro-batches, nor retried "
+                          "after an out-of-memory error)")
+    elif recover:
         trainer.memopt_recovery = MicroBatchedTrainingStep(trainer, plan, escalate=trainer_escalator(profile),
                                                            transaction=transaction).install()
     return trainer

@@ -10,7 +10,12 @@ from torch import nn
 
 from memopt.profile.loss_key import loss_key
 
-__all__ = ["TrainerLoss", "script_loss", "trainer_loss"]
+__all__ = ["TrainerLoss", "script_loss", "script_step", "trainer_loss"]
+
+#: library steps that only wrap ``Trainer.training_step`` in a context (TRL's activation offload): their batch splits
+#: as the Trainer's does
+_CONTEXT_ONLY_STEPS = frozenset({"trl.trainer.sft_trainer.SFTTrainer", "trl.trainer.dpo_trainer.DPOTrainer",
+                                 "trl.trainer.reward_trainer.RewardTrainer"})
 
 
 class TrainerLoss:
@@ -40,4 +45,20 @@ def trainer_loss(trainer: Any) -> TrainerLoss | None:
     """The Trainer's loss where it differs from the model's own, else None (the profile then traces the model's)."""
     if script_loss(trainer) or getattr(trainer, "label_smoother", None) is not None:
         return TrainerLoss(trainer)
+    return None
+
+
+def script_step(trainer: Any) -> str | None:
+    """The name of the script's own ``training_step`` the Trainer runs (a subclass's, or one set on the instance),
+    or None where it is the Trainer's. Such a step may backpropagate terms of its own or a loss that is no
+    ``compute_loss``'s, which no weighting of micro-batches can reach: it runs on the batches the script gave it."""
+    from transformers import Trainer
+
+    if "training_step" in vars(trainer):
+        return "the instance's training_step"
+    for cls in type(trainer).__mro__:
+        if cls is Trainer:
+            return None
+        if "training_step" in vars(cls) and f"{cls.__module__}.{cls.__qualname__}" not in _CONTEXT_ONLY_STEPS:
+            return f"{cls.__qualname__}.training_step"
     return None

@@ -10,13 +10,14 @@ every optimizer step), so after an OOM anywhere in forward or backward they are 
 (a smaller micro-batch, then more checkpointing; precision and optimizer stay), and the same batch is retried:
 no sample is skipped or counted twice, and the step count is unchanged.
 
-Exactness: when the Trainer normalizes the loss by the number of loss tokens of the whole batch
-(``num_items_in_batch``, the default for Hugging Face models), every micro-batch's loss is already a share of the
-batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean loss is weighted by its
-share of the batch's loss tokens (samples, for per-sample labels) before backward. A loss of the script's own (a
-``compute_loss`` override) or one memopt does not know for a task head's is measured at the first split batch
-(``memopt.step.loss_reduction.classify_reduction``): a sum is accumulated unweighted, and a loss that no weighting of
-micro-batches reproduces (in-batch negatives, a mean weighted by a column of the batch) is refused.
+Exactness: when the loss is normalized by the number of loss tokens of the whole batch (``num_items_in_batch``, the
+default for Hugging Face models; measured once, for the model's loss or the script's), every micro-batch's loss is
+already a share of the batch's, and the gradients add up to the whole batch's. Otherwise each micro-batch's mean
+loss is weighted by its share of the batch's loss tokens (samples, for per-sample labels) before backward. A loss
+of the script's own (a ``compute_loss`` override) or one memopt does not know for a task head's is measured at the
+first split batch (``memopt.step.loss_reduction.classify_reduction``): a sum is accumulated unweighted, and a loss
+that no weighting of micro-batches reproduces (in-batch negatives, a mean weighted by a column of the batch) is
+refused.
 
 Padding: the collator padded the whole batch to its longest row, so a micro-batch carries columns that are padding
 in all of its rows, which a script accumulating by hand (its collator pads each micro-batch to its own longest
@@ -54,10 +55,11 @@ from memopt.integrations.trainer_setup import TrainerCheckpointing
 from memopt.models.hf_task import is_causal_lm
 from memopt.plan.schema import Plan
 from memopt.step.batch import as_loss
-from memopt.step.loss_items import first_label_decides, measure_label_shift
+from memopt.step.loss_items import divides_by_count, first_label_decides, measure_label_shift
 from memopt.step.loss_reduction import (
     LossNotSplittable,
     classify_reduction,
+    first_labelled,
     own_loss_unknown,
     reduction_sample,
     settle,
@@ -121,6 +123,11 @@ def _full_precision_forward(model: torch.nn.Module) -> Iterator[None]:
         finally:
             for m, wrapped, _ in swapped:
                 m.forward = wrapped
+
+
+def _copy(batch: Any) -> Any:
+    """A shallow copy of a batch dict (``compute_loss`` pops the labels out of the one it is given)."""
+    return dict(batch) if isinstance(batch, Mapping) else batch
 
 
 class MicroBatchedTrainingStep:
@@ -207,15 +214,17 @@ class MicroBatchedTrainingStep:
             return self._original(model, inputs, num_items_in_batch)
         tr = self.trainer
         self._settle_shift(inputs)
-        # the loss is already a share of the whole batch's when it is divided by the batch's loss tokens: by the
-        # user's compute_loss_func, or by a model whose loss takes num_items_in_batch. The Trainer assumes the
-        # latter of every model whose forward takes **kwargs; T5 and other hand-written losses take the
-        # micro-batch's mean instead, and would be summed over the micro-batches. In one process the weighted
-        # means below are exact for either kind; across processes the batch's token count spans all of them, so
-        # a model that uses it keeps it (asked once: _model_loss_uses_num_items)
-        normalized = num_items_in_batch is not None and (tr.compute_loss_func is not None or (
-            getattr(tr, "model_accepts_loss_kwargs", False) and self._model_loss_uses_num_items(model, micro[0])))
         counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, lambda s: self._verdict(model, s))
+        # the loss is already a share of the whole batch's when it is divided by the batch's loss tokens: by a
+        # model whose loss takes num_items_in_batch, or by the script's own loss. The Trainer assumes the former of
+        # every model whose forward takes **kwargs and the latter of every compute_loss_func; T5, other
+        # hand-written losses and a script's mean take the micro-batch's mean instead, and would be summed over the
+        # micro-batches. So it is measured (once: _loss_uses_num_items). In one process the weighted means below are
+        # exact for either kind; across processes the batch's token count spans all of them, so a loss that uses it
+        # keeps it
+        normalized = num_items_in_batch is not None and (
+            (script_loss(tr) or getattr(tr, "model_accepts_loss_kwargs", False))
+            and self._loss_uses_num_items(model, first_labelled(micro, counts, micro[0]), num_items_in_batch))
         own = self._own_loss_mode(model, micro, counts, normalized)
         summed = not normalized and own == "sum"
         note = self.padding.note()
@@ -299,20 +308,28 @@ class MicroBatchedTrainingStep:
         with _full_precision_forward(model):
             return padding_invariant(model, sample, loss_of)
 
-    def _model_loss_uses_num_items(self, model: torch.nn.Module, batch: dict[str, Any]) -> bool:
-        """Whether the model's loss divides by ``num_items_in_batch`` (asked once: one forward of ``batch`` in
-        eval mode without gradients, with two item counts; the random state and the train mode are restored)."""
+    def _loss_uses_num_items(self, model: torch.nn.Module, batch: Any, num_items: Any) -> bool:
+        """Whether the loss divides by ``num_items_in_batch`` (asked once: ``batch``'s loss in eval mode without
+        gradients, with two item counts; the random state and the train mode are restored). The script's loss
+        (its ``compute_loss``, its ``compute_loss_func``) through the Trainer's ``compute_loss``, given ``num_items``
+        and twice it: it must halve or stay, anything else is refused; else the model's own loss."""
         if self._loss_takes_num_items is None:
-            if not isinstance(batch, Mapping):  # a dict, or the collator's BatchEncoding
+            script = script_loss(self.trainer)
+            if not script and not isinstance(batch, Mapping):  # a dict, or the collator's BatchEncoding
                 self._loss_takes_num_items = False
                 return False
             was_training = model.training
             try:
                 with preserved_random_state(), torch.no_grad(), _full_precision_forward(model):
                     model.eval()
-                    one, two = (model(**batch, num_items_in_batch=torch.tensor(n)).loss for n in (1, 2))
-                self._loss_takes_num_items = bool(torch.isfinite(one).item() and
-                                                  not torch.allclose(one, two, rtol=1e-3, atol=0.0))
+                    if script:
+                        once, twice = (float(self.trainer.compute_loss(model, _copy(batch), num_items_in_batch=n))
+                                       for n in (num_items, num_items * 2))
+                        self._loss_takes_num_items = divides_by_count(once, twice)
+                    else:
+                        one, two = (model(**batch, num_items_in_batch=torch.tensor(n)).loss for n in (1, 2))
+                        self._loss_takes_num_items = bool(torch.isfinite(one).item() and
+                                                          not torch.allclose(one, two, rtol=1e-3, atol=0.0))
             except (TypeError, AttributeError):  # a forward that refuses it, or an output without .loss
                 self._loss_takes_num_items = False
             finally:

@@ -280,10 +280,20 @@ def _profile_model(model: Any, sample: Any, *, hardware: str | HardwareSpec | No
                     f"{name} trains on the whole batch of {batch} but not on one sample of it ({exc}): memopt profiles "
                     "the step at 1 and 2 samples along the first dimension of every batch tensor and scales it to the "
                     "batch, so it plans models whose batch's first dimension is independent samples, which this "
-                    "one's is not (a whole graph's nodes and their adjacency, say)") from exc
+                    "one's is not (a whole graph's nodes and their adjacency, say)"
+                    f"{_lists_hint(sample)}") from exc
             raise
     prof.trace_s = max(prof.trace_s, time.perf_counter() - start) if not prof.trace_s else prof.trace_s
     return prof
+
+
+def _lists_hint(sample: Any) -> str:
+    """Where the batch holds lists not as long as its samples (handed whole to every sample): their names."""
+    try:
+        lists = batch_samples.unsplit_lists(sample)
+    except ValueError:
+        return ""
+    return f"; or the batch's lists {', '.join(lists)} are not one item per sample" if lists else ""
 
 
 def _moe_facts(module: nn.Module) -> dict[str, Any] | None:

@@ -2,7 +2,9 @@
 
 Every tensor with at least one dimension holds the samples along dim 0, all the same number of them; 0-d tensors and
 non-tensor leaves go with every sample. A list of dicts inside the batch as long as those samples (a detection
-batch's targets, one dict per image) holds one record per sample, each with tensors of its own sizes. A batch whose
+batch's targets, one dict per image) holds one record per sample, each with tensors of its own sizes; so does a list
+or tuple of plain values as long as the samples (texts or ids a collator keeps beside the tensors), whose items pair
+with the rows. A batch whose
 tensors disagree on dim 0 (a graph: node features beside a ``(2, edges)`` edge index) is ``indivisible``: one
 sample, trained whole. Splitting into micro-batches, sharding over ranks (``memopt.step.batch``), the plan's global
 batch and the Trainer's batch size all count samples here, so they agree on what a sample is; the checks that only
@@ -16,16 +18,26 @@ from typing import Any
 
 import torch
 
-from memopt.step.batch_tree import fields, is_dataclass_batch, leaves
+from memopt.step.batch_tree import fields, is_dataclass_batch, is_namedtuple, leaves
 
-__all__ = ["TRAINED_WHOLE", "batch_size", "indivisible", "record_ids", "record_lists"]
+__all__ = ["TRAINED_WHOLE", "batch_size", "indivisible", "record_ids", "record_lists", "unsplit_lists"]
+
+
+def _is_record_list(node: Any) -> bool:
+    """A list of dicts (one per sample, each with its own tensors), or a list or tuple of values without tensors
+    (one text, id or list of ids per sample): a candidate for one record per sample."""
+    if not isinstance(node, (list, tuple)) or is_namedtuple(node) or not node:
+        return False
+    if type(node) is list and all(isinstance(r, Mapping) for r in node):
+        return True
+    return type(node) in (list, tuple) and not any(leaves(r) for r in node)
 
 
 def _record_candidates(batch: Any, path: str = "", top: bool = True) -> tuple[list[tuple[str, list]],
                                                                               list[tuple[str, torch.Tensor]]]:
-    """(lists of dicts below the batch's top, the tensors outside them): a detection batch's targets, one dict per
-    image, each holding its own number of boxes along its dim 0."""
-    if not top and type(batch) is list and batch and all(isinstance(r, Mapping) for r in batch):
+    """(lists of records below the batch's top, the tensors outside them): a detection batch's targets, one dict
+    per image, each holding its own number of boxes along its dim 0; a collator's texts, one per row."""
+    if not top and _is_record_list(batch):
         return [(path, batch)], []
     if isinstance(batch, torch.Tensor):
         return [], [(path or "batch", batch)]
@@ -55,6 +67,17 @@ def record_lists(batch: Any) -> list[tuple[str, list]]:
         return []
     sizes = {int(t.shape[0]) for _, t in outside if t.dim() > 0}
     return [(path, lst) for path, lst in lists if sizes == {len(lst)}]
+
+
+def unsplit_lists(batch: Any) -> list[str]:
+    """The batch's lists of plain values that are not as long as its samples, described by path and length: memopt
+    hands them whole to every micro-batch, which a loss pairing their items with the rows does not expect."""
+    lists, outside = _record_candidates(batch)
+    sizes = {int(t.shape[0]) for _, t in outside if t.dim() > 0}
+    if len(sizes) != 1:
+        return []
+    n = next(iter(sizes))
+    return [f"{path} ({len(lst)} items beside {n} samples)" for path, lst in lists if len(lst) != n]
 
 
 def record_ids(batch: Any) -> frozenset[int]:

@@ -34,7 +34,7 @@ from memopt.step.loss_reduction import LossNotSplittable
 from memopt.step.side_effects import side_effects_undone
 from memopt.techniques.precision import forward_context
 
-__all__ = ["NUM_ITEMS", "first_label_decides", "measure_label_shift", "num_items_normalises"]
+__all__ = ["NUM_ITEMS", "divides_by_count", "first_label_decides", "measure_label_shift", "num_items_normalises"]
 
 NUM_ITEMS = "num_items_in_batch"
 
@@ -87,6 +87,12 @@ def num_items_normalises(model: nn.Module, batch: Mapping, loss_fn: Any, *, prec
     given = batch[NUM_ITEMS]
     with side_effects_undone(model), forward_context(precision, device_type):
         once, twice = (float(_batch.compute_loss(model, _with_count(batch, given, k), loss_fn)) for k in (1, 2))
+    return divides_by_count(once, twice)
+
+
+def divides_by_count(once: float, twice: float) -> bool:
+    """From a loss given the item count (``once``) and twice that count (``twice``): whether it divides by the
+    count (it halves), or ignores it (it stays); raises :class:`LossNotSplittable` for any other change."""
     scale = max(abs(once), abs(twice))
     if math.isfinite(scale) and scale > 1e-12:
         if abs(once - twice) <= 1e-4 * scale:

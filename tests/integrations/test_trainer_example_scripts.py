@@ -193,5 +193,5 @@ def test_whether_a_models_loss_divides_by_num_items_in_batch_is_asked_of_the_mod
         model.train()
         step = MicroBatchedTrainingStep(trainer, plan=None)
         rng = torch.random.get_rng_state()
-        assert step._model_loss_uses_num_items(model, inputs) is expected
+        assert step._loss_uses_num_items(model, inputs, torch.tensor(5)) is expected
         assert model.training and torch.equal(torch.random.get_rng_state(), rng)
