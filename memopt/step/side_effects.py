@@ -38,6 +38,11 @@ def preserved_random_state() -> Iterator[None]:
             np.random.set_state(np_state)
 
 
+# bitsandbytes' 4-bit linear repacks its weight in place, for good, on its first forward in eval mode without
+# gradients on a CPU with AVX512-BF16 (a layout for inference): a check's forward would change the frozen base
+_REPACKED_IN_EVAL = ("bitsandbytes.",)
+
+
 @contextlib.contextmanager
 def side_effects_undone(model: nn.Module, *, grad: bool = False) -> Iterator[None]:
     """Eval mode, no gradients; every module's training flag, every buffer, every public number attribute (a call
@@ -52,6 +57,9 @@ def side_effects_undone(model: nn.Module, *, grad: bool = False) -> Iterator[Non
     try:
         with preserved_random_state(), torch.set_grad_enabled(grad):
             model.eval()
+            for m in model.modules():
+                if type(m).__module__.startswith(_REPACKED_IN_EVAL):
+                    m.training = True  # no dropout or statistics of their own: eval changes nothing else in them
             yield
     finally:
         for p, g, saved in grads:

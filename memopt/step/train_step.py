@@ -226,8 +226,9 @@ class TrainStep:
         return "mean" if self.reduction.mode == "auto" else self.reduction.mode
 
     def _settle_shift(self, batch: Any) -> None:
-        """``causal_lm`` as measured on the first batch whose count depends on it (a label at position 0), shared
-        with every step of the same wrapped model through ``reduction``."""
+        """``causal_lm`` as measured on the first split batch whose counts depend on it (a label at position 0),
+        shared with every step of the same wrapped model through ``reduction``. Unsplit batches keep the guess from
+        the class: their one pass is weighted 1 whatever the counts (only ``items_seen`` reads them)."""
         if self.reduction is None:
             return
         if self.reduction.shifted is None and first_label_decides(batch):
@@ -263,8 +264,9 @@ class TrainStep:
         over ``batch``, and what another step left on them (a GAN generator's loss backpropagates into the
         discriminator) is not this batch's."""
         self.clear_grads()
-        self._settle_shift(batch)
         micro = split_batch(batch, self.strategy.micro_batch_size)
+        if len(micro) > 1:  # one pass over the whole batch weighs nothing, whichever way the labels shift
+            self._settle_shift(batch)
         if self.padding is not None and len(micro) > 1:
             counts, micro = self.padding.counts_and_micro(micro, self.causal_lm, self._padding_verdict)
         else:

@@ -51,11 +51,14 @@ def test_load_peak_matches_the_tracked_load(checkpoint, setting):
     assert abs(tracker.peak_bytes - (predicted + largest_read)) <= 0.01 * tracker.peak_bytes
 
 
-@pytest.mark.parametrize("precision", ["bf16_autocast", "bf16_master"])
-def test_wrap_plans_then_loads_the_checkpoint_quantized_and_trains(checkpoint, precision):
+@pytest.mark.parametrize("precision, micro", [("bf16_autocast", None), ("bf16_master", None), ("bf16_master", 2)])
+def test_wrap_plans_then_loads_the_checkpoint_quantized_and_trains(checkpoint, precision, micro):
+    """Micro-batched too: the first split step measures the loss (label shift, reduction) in eval mode, where
+    bitsandbytes' CPU path would repack the frozen 4-bit weights in place."""
     path, model = checkpoint
+    pins = {"quant_bits": 4, "precision": precision, **({"micro_batch_size": micro} if micro else {})}
     w = memopt.wrap("tiny_llama", checkpoint=path, budget="2GB", sample=SAMPLE, hardware="h200", fidelity="qlora",
-                    pins={"quant_bits": 4, "precision": precision}, lr=1e-2, autotune=False)
+                    pins=pins, lr=1e-2, autotune=False)
     strategy = w.plan.strategy
     assert strategy.extra("quantization") is not None and strategy.extra("adapters") is not None
     assert any(n.startswith("Training method changed") for n in w.plan.notes)

@@ -73,7 +73,7 @@ LLAMA = {
     "bf16_accum": Strategy(precision="bf16_autocast", micro_batch_size=2, grad_accum_steps=2),
     "ckpt3": Strategy(precision="bf16_autocast", micro_batch_size=2, grad_accum_steps=2,
                       checkpointing=Checkpointing(mode="full", num_blocks=3)),
-    "bf16_master": Strategy(precision="bf16_master", optimizer="adamw_foreach"),
+    "bf16_master": Strategy(precision="bf16_master", optimizer="adamw_foreach", micro_batch_size=4),
 }
 
 
