@@ -21,6 +21,7 @@ from memopt.apply.batch_shape_watch import ShapeWatch, watch_for
 from memopt.apply.step_checks import StepChecks
 from memopt.apply.wrap_checks import WRAPPED_BY, WrappedBy, check_model, micro_batch_warning
 from memopt.apply.wrap_planning import plan_for_room_left, planning_pins, refuse_unfit
+from memopt.apply.wrapped_autotune import WrappedAutotune
 from memopt.apply.wrapped_checkpoints import WrappedCheckpoints
 from memopt.guard.escalation import PlanEscalator, step_down
 from memopt.guard.reapply import PreparedReplanner
@@ -38,7 +39,7 @@ from memopt.step.hard_cap import (
     set_expandable_segments,
 )
 from memopt.step.loss_reduction import LossReduction, starting_mode
-from memopt.step.prepare import Prepared, keeps_placement, prepare
+from memopt.step.prepare import Prepared, prepare
 from memopt.step.right_padding import PaddingCut
 from memopt.step.train_step import SchedulerStepFailed, count_loss_items
 from memopt.techniques.attention import sdpa_restricted
@@ -48,7 +49,7 @@ from memopt.units import format_bytes
 __all__ = ["Wrapped"]
 
 
-class Wrapped(WrappedCheckpoints):
+class Wrapped(WrappedCheckpoints, WrappedAutotune):
     """A model, optimizer and plan ready to train: ``step(batch)`` runs one optimizer step."""
 
     def __init__(self, model: nn.Module, *, budget: Any, sample: Any, plan: Plan | None, optimizer: Any,
@@ -204,43 +205,6 @@ class Wrapped(WrappedCheckpoints):
                 "max_grad_norm": self._max_grad_norm, "lr_scheduler": self._lr_scheduler_factory,
                 "move_to": self.device, "loss_reduction": self._reduction, "padding_cut": self._padding}
 
-    def _run_autotune(self, batch: Any) -> None:
-        """Measure the planner's choice against the plans its search could not tell apart from it (predicted within
-        ``ALTERNATIVES_WITHIN``) on this batch and keep the fastest (see memopt.apply.autotune); the choice and every
-        timing go into the plan's notes."""
-        # lazy: keeps memopt.apply.autotune out of import memopt
-        from memopt.apply.autotune import autotune, describe, frontier
-
-        self._autotune_pending = False
-        chosen = self.plan
-        candidates = frontier(chosen, chosen.alternatives)
-        if len(candidates) < 2:
-            return
-        if self.guard is not None:
-            self.guard.close()
-            self.guard = None
-        # the model stays on the device between candidates where it can (a round trip through host memory per
-        # candidate was most of the autotune's time on a 0.4B model); its move home goes to the plan kept
-        home = self._prepared.undo(keep_on_device=keeps_placement(chosen.strategy))
-        self._prepared = None
-        progress.report(f"autotune: timing {len(candidates)} candidate plans on the first batch")
-        try:
-            best, trials = autotune(self._user_model, candidates, batch, self._prepare_kwargs())
-        except BaseException:
-            if home is not None:
-                home()
-            raise
-        if best is not chosen:
-            # lazy: keeps memopt.estimate.attribution out of import memopt
-            from memopt.estimate.attribution import attach_to_plan
-
-            attach_to_plan(best, self._profile, self._hw)
-        best.notes.append(describe(trials, best))
-        self.autotune_trials = [t.to_dict() for t in trials]
-        self.plan = best
-        self._apply(best)
-        self._prepared.adopt_placement(home)
-
     def _install_guard(self, plan: Plan, prepare_kwargs: dict[str, Any]) -> None:
         """Telemetry, leak detection and OOM recovery (a re-plan on the same profile, the same batch retried)."""
         escalate = step_down
@@ -316,11 +280,10 @@ class Wrapped(WrappedCheckpoints):
         try:
             with record_wrapped_step(self, batch):  # one step's bytes by module, into run_dir
                 if self.guard is not None:
-                    loss = self.guard.step(batch)
-                    if self.guard.prepared is not None and self.guard.prepared is not self._prepared:
-                        self._prepared = self.guard.prepared  # an OOM led to a re-plan: the new pieces
-                    if self.guard.plan is not None:
-                        self.plan = self.guard.plan  # (a re-plan of the micro-batch alone keeps the pieces)
+                    try:
+                        loss = self.guard.step(batch)
+                    finally:
+                        self._follow_guard()
                 else:
                     loss = self._prepared.step.step(batch)
         except SchedulerStepFailed:
@@ -331,6 +294,15 @@ class Wrapped(WrappedCheckpoints):
             progress.done(f"first step trained: {self.plan.strategy.label()}")
         self._count_step(batch)
         return loss
+
+    def _follow_guard(self) -> None:
+        """Take the plan and pieces the guard applies now, whatever its step did: a re-plan after an OOM replaces
+        them (the old pieces are undone), also where recovery then gave up or was interrupted, so that ``save``,
+        ``unwrap`` and ``optimizer`` read what trains (a re-plan of the micro-batch alone keeps the pieces)."""
+        if self.guard.prepared is not None:
+            self._prepared = self.guard.prepared
+        if self.guard.plan is not None:
+            self.plan = self.guard.plan
 
     def _count_step(self, batch: Any) -> None:
         self.steps_done += 1

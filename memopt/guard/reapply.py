@@ -7,21 +7,18 @@ it; ``switch_micro_batch`` is the ``apply`` for strategies that change the micro
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from memopt.guard.escalation import ApplyFn, EscalateFn, EscalationFailed, Steppable, step_down
 from memopt.guard.oom import OOMMeasurement, release_cache
 from memopt.plan.schema import Plan
-from memopt.step.prepare import Prepared, prepare
+from memopt.step.carry_state import hold_state, prepare_holding
+from memopt.step.prepare import Prepared
 from memopt.strategy import Strategy
 
 __all__ = ["PreparedReplanner", "reprepare"]
-
-log = logging.getLogger(__name__)
 
 
 # -- re-applying a strategy --------------------------------------------------------------------------
@@ -29,20 +26,8 @@ def _batching_only(old: Strategy, new: Strategy) -> bool:
     return old.replace(micro_batch_size=new.micro_batch_size, grad_accum_steps=new.grad_accum_steps) == new
 
 
-def _to_host(obj: Any) -> Any:
-    """A state dict with its device tensors copied to host memory (host tensors are kept as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_host(v) for v in obj)
-    return obj
-
-
-def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
+def reprepare(prepared: Any, strategy: Strategy, *, on_restored: Callable[[Any], None] | None = None,
+              **prepare_kwargs: Any) -> Any:
     """``prepared`` (a ``memopt.step.prepare.Prepared``) under ``strategy``, training state carried over.
 
     Only the micro-batch changes: the train step's strategy is swapped in place (nothing to rebuild).
@@ -50,37 +35,29 @@ def reprepare(prepared: Any, strategy: Strategy, **prepare_kwargs: Any) -> Any:
     ``prepare`` got); the optimizer state (same optimizer kind), master weights (bf16_master on both sides),
     gradient scaler, LR scheduler and step counter are loaded into the new objects. Changing precision
     across bf16_master keeps what the weights hold (the masters' extra bits are lost).
+
+    All or nothing: when anything fails on the way (an OOM while the new plan is prepared, a Ctrl-C), the old
+    strategy is prepared again with the training state loaded back, ``on_restored`` gets that ``Prepared`` (the
+    old one's objects are undone), and the error is raised.
     """
     old = prepared.step
     if _batching_only(old.strategy, strategy):
         old.strategy = strategy
         return prepared
-    same_opt = old.strategy.optimizer == strategy.optimizer
-    # the old plan's states move to the host before the new plan is prepared, so that the device never holds
-    # both plans' optimizer states and master weights (the new ones load from the host copies)
-    opt_state = _to_host(prepared.optimizer.state_dict()) if same_opt else None
-    masters = ([m.detach().to("cpu", copy=True) for m in old.master.state_dict()["masters"]]
-               if old.master is not None else None)
-    prepared.optimizer.state.clear()
-    sched = old.lr_scheduler.state_dict() if old.lr_scheduler is not None else None
-    scaler = old.scaler.state_dict() if old.scaler is not None and hasattr(old.scaler, "state_dict") else None
-    steps_done = old.steps_done
-    prepared.undo()
-    release_cache()
-    new: Prepared = prepare(prepared.model, strategy, stacks=prepared.stacks, **prepare_kwargs)
-    if masters is not None and new.step.master is not None:
-        new.step.master.load_state_dict({"masters": masters})
-    if opt_state is not None:
-        new.optimizer.load_state_dict(opt_state)
-    else:
-        log.warning("optimizer changed from %s to %s: its state starts afresh", old.strategy.optimizer,
-                    strategy.optimizer)
-    if sched is not None and new.step.lr_scheduler is not None:
-        new.step.lr_scheduler.load_state_dict(sched)
-    if scaler is not None and new.step.scaler is not None and hasattr(new.step.scaler, "load_state_dict"):
-        new.step.scaler.load_state_dict(scaler)
-    new.step.steps_done = steps_done
-    return new
+    held = hold_state(prepared)
+    try:
+        prepared.undo()
+        release_cache()
+        return prepare_holding(prepared.model, strategy, held, stacks=prepared.stacks, **prepare_kwargs)
+    except BaseException:
+        # what the old plan's undo left (an interrupt inside it), then the old plan again: a model without its
+        # optimizer state would train on with its moments silently reset
+        prepared.undo()
+        release_cache()
+        back = prepare_holding(prepared.model, old.strategy, held, stacks=prepared.stacks, **prepare_kwargs)
+        if on_restored is not None:
+            on_restored(back)
+        raise
 
 
 @dataclass
@@ -95,9 +72,17 @@ class PreparedReplanner:
     def escalate(self, plan: Plan, measured: OOMMeasurement, attempt: int) -> Plan:
         return self.escalate_fn(plan, measured, attempt)
 
-    def apply(self, strategy: Strategy) -> Steppable:
-        self.prepared = reprepare(self.prepared, strategy, **self.prepare_kwargs)
+    @property
+    def step(self) -> Steppable:
+        """The train step in effect, also after an ``apply`` that failed (the old plan, prepared again)."""
         return self.prepared.step
+
+    def apply(self, strategy: Strategy) -> Steppable:
+        self.prepared = reprepare(self.prepared, strategy, on_restored=self._restored, **self.prepare_kwargs)
+        return self.prepared.step
+
+    def _restored(self, prepared: Prepared) -> None:
+        self.prepared = prepared
 
 
 def switch_micro_batch(step: Any) -> ApplyFn:

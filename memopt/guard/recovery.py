@@ -92,6 +92,7 @@ from memopt.guard.recovery_ranks import (
 )
 from memopt.guard.transaction import StepTransaction
 from memopt.plan.schema import Plan
+from memopt.step.train_step import SchedulerStepFailed
 from memopt.units import format_bytes
 
 __all__ = ["OOMGuard"]
@@ -195,8 +196,20 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
 
     # -- one step ------------------------------------------------------------------------------------
     def run(self, batch: Any) -> float:
-        """One optimizer step over ``batch``, retried under a smaller plan after an OOM."""
+        """One optimizer step over ``batch``, retried under a smaller plan after an OOM. A step that is abandoned
+        (recovery gave up, a leak, an error, an interrupt) leaves the random generators where it began, so that the
+        same batch stepped again draws the same dropout masks, as the guard's own retries do."""
         rng = _rng_state() if self.restore_rng else None
+        try:
+            return self._run(batch, rng)
+        except SchedulerStepFailed:
+            raise  # the weights moved before the scheduler raised: the step was taken, its draws with it
+        except BaseException:
+            if rng is not None:
+                _set_rng_state(rng)
+            raise
+
+    def _run(self, batch: Any, rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -> float:
         attempt = 0
         while True:
             attempt += 1
@@ -260,7 +273,7 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
             self.escalations += 1
             new_plan = self._escalate(self._worst(failure, rows, attempt, location))
             old = self.plan
-            self._swap(self.replanner.apply(new_plan.strategy))
+            self._apply(new_plan)
             self.plan = new_plan
             replan = {"attempt": self.escalations, "step": self.steps, "from": old.strategy.label(),
                       "to": new_plan.strategy.label(), **replan_prediction(new_plan)}
@@ -323,6 +336,27 @@ class OOMGuard(RankAgreementMixin, FailedAttemptMixin):
                 self.report.final = foreign_message(failure, self.plan, f"no smaller plan: {error}")
             raise MemoptOOMError(self.report.final, self.report)
         return plan
+
+    def _apply(self, new_plan: Plan) -> None:
+        """Apply ``new_plan``; when that fails, the replanner has put the old plan back (``reprepare`` is all or
+        nothing), and the guard trains on with the step it rebuilt. An OOM on the way is raised as
+        ``MemoptOOMError`` (the state is intact), anything else as it is."""
+        try:
+            step = self.replanner.apply(new_plan.strategy)
+        except BaseException as exc:
+            self.escalations -= 1  # no re-plan took effect
+            restored = getattr(self.replanner, "step", None)  # the old plan, prepared again
+            if restored is not None and restored is not self.step:
+                self._swap(restored)
+                self._event("restored", {"plan": self.plan})
+            if not (isinstance(exc, Exception) and self.is_oom(exc)):
+                raise
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            self.report.final = (f"out of memory while applying the smaller plan [{new_plan.strategy.label()}] "
+                                 f"({reason}); the plan [{self.plan.strategy.label()}], the model and the optimizer "
+                                 "state are as they were before the step: free memory and step the same batch again")
+            raise MemoptOOMError(self.report.final, self.report) from exc
+        self._swap(step)
 
     def _swap(self, step: Steppable) -> None:
         if step is not self.step:

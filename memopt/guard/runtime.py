@@ -136,6 +136,8 @@ class RuntimeGuard:
             self.telemetry.block_calibration("foreign memory")
         elif kind == "leak":
             self.telemetry.event("leak", **data)
+        elif kind == "restored":  # a re-plan that failed to apply: the old plan runs again, on a rebuilt step
+            self.telemetry.bind(self.oom.step)
         elif kind == "replan":
             plan = data["plan"]
             self.telemetry.bind(self.oom.step)

@@ -249,3 +249,41 @@ def test_startup_counts_from_wrap_to_the_start_of_the_first_step():
     assert wrapped_s <= startup <= first_end_s
     w.step(batch)
     assert w.startup_s == startup
+
+
+def test_a_load_before_the_first_step_survives_the_autotune(monkeypatch, tmp_path):
+    """A resume (wrap, load, step) with the autotune on trains on from the checkpoint: the optimizer state, step
+    count and schedule carry into the plan the autotune keeps, as in an uninterrupted run."""
+    import memopt.apply.autotune as at
+    import memopt.apply.wrapped as wrapped
+
+    real = at.frontier
+    monkeypatch.setattr(wrapped, "ALTERNATIVES_WITHIN", 10.0)  # candidates to measure on this tiny model
+    monkeypatch.setattr(at, "frontier", lambda chosen, others: real(chosen, others, tolerance=10.0))
+    batches = [make_batch(SPEC, SampleSpec.parse(SAMPLE, SPEC), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]
+
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+    def wrap(autotune, seed=0):
+        torch.manual_seed(seed)
+        return memopt.wrap(build_model(SPEC, device="cpu"), budget="16GB", sample=SAMPLE, hardware="h100_80gb",
+                           pins={"precision": "fp32", "optimizer": "adamw"}, lr=1e-3, lr_scheduler=schedule,
+                           autotune=autotune, guard=False)
+
+    ref = wrap(autotune=False)
+    for b in batches[:2]:
+        ref.step(b)
+    path = ref.save(tmp_path / "ck.pt")
+    for b in batches[2:]:
+        ref.step(b)
+    resumed = wrap(autotune=True, seed=1)
+    resumed.load(path)
+    for b in batches[2:]:
+        resumed.step(b)
+    assert len(resumed.autotune_trials) >= 2  # the autotune ran, and re-applied the plan it kept
+    assert resumed.steps_done == 4 and resumed.lr_scheduler.last_epoch == ref.lr_scheduler.last_epoch
+    assert [s["step"] for s in resumed.optimizer.state.values()] == [s["step"] for s in ref.optimizer.state.values()]
+    for (name, p), q in zip(resumed.model.named_parameters(), ref.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)  # the plan kept may split the batch: rounding, no more
