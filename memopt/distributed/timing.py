@@ -22,9 +22,10 @@ module adds what sharding costs and how the engines hide it:
 
 * the engines' fixed work per micro-batch (hooks, per-parameter fetch/release and gradient hand-off,
   launches) is charged per parameter tensor and micro-batch, not overlapped: ``TimingParams``'
-  ``deepspeed_tensor_overhead_s`` (2.13 ms at ZeRO-3: DeepSpeed's per-parameter Python work), at ZeRO-1/2
-  ``deepspeed_z12_tensor_overhead_s`` (0.62 ms) plus ``deepspeed_z12_param_overhead_s`` per parameter of the
-  rank's partition, and ``fsdp2_tensor_overhead_s`` (0.31 ms), fitted to the H200 rows of ``benchmarks/sharding``;
+  ``deepspeed_tensor_overhead_s`` (2.04 ms at ZeRO-3: DeepSpeed's per-parameter Python work), at ZeRO-1/2
+  ``deepspeed_z12_tensor_overhead_s`` (0.43 ms) plus ``deepspeed_z12_param_overhead_s`` per parameter of the
+  rank's partition, and ``fsdp2_tensor_overhead_s`` (0.31 ms), fitted to the H200 rows of ``benchmarks/sharding``
+  (refitted once each pass takes at least the host's time to issue its ops: ``scripts/fit_engine_overhead.py``);
 * FSDP2 with ``CPUOffloadPolicy`` accumulates gradients on the host from the second micro-batch on, a
   synchronous copy and a CPU add per unit (``fsdp2_offload_grad_accumulate_bandwidth``, 1.9 GB/s of fp32
   gradient shard, fitted to the one-GPU FSDP2 offload rows): each extra micro-batch costs a pass over all
@@ -88,14 +89,14 @@ class TimingParams:
     # (Python hooks, per-parameter fetch/release and gradient hand-off, small copies and launches).
     # DeepSpeed: fitted by ``scripts/fit_engine_overhead.py`` (benchmarks/sharding/engine_overhead_fit.md) to the 12
     # one-H200 offload rows memopt.wrap applied (torch 2.11, DeepSpeed 0.19.8; Llama-3.2-3B/1B, Qwen2.5-0.5B,
-    # Qwen2-1.5B): ZeRO-3 2.13 ms per tensor (its rows leave one model out within -11%..+17%, the spread of
-    # repeated runs; the two-GPU ZeRO-3 rows of session 5 showed 1.95 ms); ZeRO-1/2 0.62 ms per tensor plus
-    # 0.0605 s per 1e9 parameters (its gradient hand-off to the host buffers scales with the bytes: in-sample
-    # within 4%, one model left out -9%..+5%, -27% for Qwen2.5-0.5B, whose tensors are the most per parameter).
+    # Qwen2-1.5B), with each pass taking at least the host's time to issue its ops: ZeRO-3 2.04 ms per tensor
+    # (in-sample within 14%, the spread of repeated runs; the two-GPU ZeRO-3 rows of session 5 showed 1.95 ms);
+    # ZeRO-1/2 0.43 ms per tensor plus 0.0666 s per 1e9 parameters (its gradient hand-off to the host buffers
+    # scales with the bytes: in-sample within 4%). Before the host floor: 2.13 ms, 0.62 ms and 0.0605 s.
     # FSDP2 (two rows on 2 GPUs, +0.153 s at 2 micro-batches, +0.094 s at 1): 0.31 ms per tensor.
-    deepspeed_tensor_overhead_s: float = 2.13e-3
-    deepspeed_z12_tensor_overhead_s: float = 0.6225e-3
-    deepspeed_z12_param_overhead_s: float = 0.0605e-9
+    deepspeed_tensor_overhead_s: float = 2.04e-3
+    deepspeed_z12_tensor_overhead_s: float = 0.4296e-3
+    deepspeed_z12_param_overhead_s: float = 0.0666e-9
     fsdp2_tensor_overhead_s: float = 0.31e-3
     # FSDP2 with CPUOffloadPolicy accumulates gradients on the host: from the second micro-batch on, each unit's
     # reduce-scattered fp32 gradient shard is copied to the host synchronously (``non_blocking`` only when not
